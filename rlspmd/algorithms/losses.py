@@ -1,0 +1,368 @@
+"""Policy and value losses: pure functions from log-probabilities and advantages to a scalar loss and metrics.
+
+Every policy loss has one signature, so the trainer selects it by name from `POLICY_LOSSES`:
+
+    fn(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT, *, agg, clip_low=0.2, clip_high=0.2,
+       clip_ratio_c=3.0, **options) -> (loss, metrics)
+
+* `logprobs_BT` (B, T): log pi_theta of the sampled tokens, carrying gradient.
+* `old_logprobs_BT` (B, T): log pi_old of the same tokens (the policy that generated them, or the actor before this
+  update); `advantages_BT` (B, T). Both are treated as constants (detached).
+* `mask_BT` (B, T): 1.0 for response tokens that count, 0.0 for padding and tool / observation tokens.
+* `agg`: `AggArgs`, the aggregation mode and the global-batch denominators (see `aggregation.py`).
+* `options`: loss-specific keywords (`tau_pos`, `tau_neg` for SAPO). Every loss accepts the options of the
+  others and ignores them, so one option set can be passed to whichever loss the config names; an unknown
+  keyword is a TypeError.
+
+The ratio is exp(clamp(logp - old, -20, 20)) everywhere (the clamp keeps exp finite for wildly off-policy
+tokens). Metrics are detached 0-dim tensors, plain masked means over THIS micro-batch (reduce them across ranks
+for logging): `clip_frac` (fraction of valid tokens whose gradient a clip removed or truncated), `approx_kl`
+(mean of old - new over valid tokens: the k1 estimate of KL(pi_old || pi_theta) on samples from pi_old) and
+`ratio_mean` (mean token ratio pi_theta / pi_old), plus loss-specific ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from rlspmd.algorithms.aggregation import AggArgs
+
+_LOG_RATIO_LIMIT = 20.0
+POLICY_LOSS_OPTIONS = frozenset({"tau_pos", "tau_neg"})
+"""Loss-specific keyword options some policy loss understands; the others accept and ignore them."""
+
+
+def _check_options(loss_name: str, options: dict[str, Any]) -> None:
+    unknown = set(options) - POLICY_LOSS_OPTIONS
+    if unknown:
+        raise TypeError(f"{loss_name} got unknown option(s) {sorted(unknown)}; "
+                        f"known policy-loss options: {sorted(POLICY_LOSS_OPTIONS)}")
+
+
+def _check_clip(loss_name: str, clip_low: float, clip_high: float) -> None:
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"{loss_name}: clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+
+
+def _check_shapes(mask_BT: Tensor, **tensors_BT: Tensor) -> None:
+    shape = tuple(mask_BT.shape)
+    for name, x in tensors_BT.items():
+        if tuple(x.shape) != shape or len(shape) != 2:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}; expected the 2-D shape of mask_BT {shape}")
+
+
+def _prepare(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor,
+             mask_BT: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Check shapes, make old log-probs and advantages constants, and zero all three at masked positions.
+
+    Zeroing with `torch.where` (whose backward gives the unselected branch exactly 0) keeps a non-finite value at
+    a padding position, e.g. a -inf log-prob, from reaching the loss or the gradient as NaN.
+    """
+    _check_shapes(mask_BT, logprobs_BT=logprobs_BT, old_logprobs_BT=old_logprobs_BT, advantages_BT=advantages_BT)
+    valid_BT = mask_BT > 0
+    logprobs_BT = torch.where(valid_BT, logprobs_BT, 0.0)
+    old_logprobs_BT = torch.where(valid_BT, old_logprobs_BT.detach(), 0.0)
+    advantages_BT = torch.where(valid_BT, advantages_BT.detach(), 0.0)
+    return logprobs_BT, old_logprobs_BT, advantages_BT, valid_BT
+
+
+def _masked_mean(x_BT: Tensor, valid_BT: Tensor) -> Tensor:
+    valid_BT = valid_BT.to(x_BT.dtype)
+    return ((x_BT * valid_BT).sum() / valid_BT.sum().clamp(min=1)).detach()
+
+
+def _log_ratio(logprobs_BT: Tensor, old_logprobs_BT: Tensor) -> Tensor:
+    return (logprobs_BT - old_logprobs_BT).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+
+
+def _common_metrics(logprobs_BT: Tensor, old_logprobs_BT: Tensor, ratio_BT: Tensor,
+                    valid_BT: Tensor) -> dict[str, Tensor]:
+    return {
+        "approx_kl": _masked_mean((old_logprobs_BT - logprobs_BT).detach(), valid_BT),
+        "ratio_mean": _masked_mean(ratio_BT.detach(), valid_BT),
+    }
+
+
+def ppo_clip(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
+             agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0,
+             **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with asymmetric clip range and dual clip.
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv 1707.06347:
+        loss_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+    An asymmetric range (clip_high > clip_low) is DAPO's "clip-higher" (Yu et al. 2025, arXiv 2503.14476).
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning",
+    arXiv 1912.09729): for A < 0 the loss is further capped at -A * clip_ratio_c, so a token whose ratio exploded
+    cannot dominate the batch; `clip_ratio_c=None` disables it (it must be > 1 otherwise).
+
+    Gradient w.r.t. logp_t (before aggregation): -A r when unclipped; 0 when clipped (A > 0 and r > 1 + clip_high,
+    or A < 0 and r < 1 - clip_low) and when dual-clipped (A < 0 and r > clip_ratio_c).
+
+    Returns:
+        `(loss, metrics)`: loss aggregated with `agg`; metrics `clip_frac`, `dual_clip_frac`, `approx_kl`,
+        `ratio_mean` (see the module docstring).
+    """
+    _check_options("ppo_clip", options)
+    _check_clip("ppo_clip", clip_low, clip_high)
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"ppo_clip: clip_ratio_c must be > 1 (or None to disable dual clip), got {clip_ratio_c}")
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+
+    ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT).exp()
+    unclipped_BT = -adv_BT * ratio_BT
+    clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    metrics = {"clip_frac": _masked_mean((clipped_BT > unclipped_BT).float(), valid_BT)}
+
+    if clip_ratio_c is None:
+        metrics["dual_clip_frac"] = torch.zeros((), device=loss_BT.device)
+    else:
+        cap_BT = -adv_BT * clip_ratio_c
+        negative_BT = adv_BT < 0
+        metrics["dual_clip_frac"] = _masked_mean((negative_BT & (loss_BT > cap_BT)).float(), valid_BT)
+        loss_BT = torch.where(negative_BT, torch.minimum(loss_BT, cap_BT), loss_BT)
+
+    metrics |= _common_metrics(logprobs_BT, old_logprobs_BT, ratio_BT, valid_BT)
+    return agg(loss_BT, mask_BT), metrics
+
+
+def gspo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
+         agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0,
+         **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: a sequence-level importance ratio, clipped per sequence.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071. The sequence ratio is the geometric
+    mean of the token ratios, s_i = exp(mean over valid tokens of (logp - old)), clamped in log space to
+    [-20, 20]. This is the paper's GSPO-token form: s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)], equal to s_i in
+    value with d s_{i,t} / d logp_t = s_i, and
+        loss_t = max(-A_t s_{i,t}, -A_t clip(s_{i,t}, 1 - clip_low, 1 + clip_high)).
+    With a sequence-level advantage and `seq-mean-token-mean` aggregation (the paper's) this is exactly GSPO's
+    gradient. Clipping acts on whole sequences; the paper's range is tiny (clip_low=3e-4, clip_high=4e-4): the
+    caller sets it. `clip_ratio_c` is not used (GSPO has no dual clip).
+
+    Returns:
+        `(loss, metrics)`: metrics `clip_frac` (fraction of valid tokens in clipped sequences), `seq_ratio_mean`,
+        `approx_kl`, `ratio_mean`.
+    """
+    _check_options("gspo", options)
+    _check_clip("gspo", clip_low, clip_high)
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+    m_BT = valid_BT.to(logprobs_BT.dtype)
+
+    n_B = m_BT.sum(dim=-1).clamp(min=1)
+    log_seq_ratio_B = (((logprobs_BT.detach() - old_logprobs_BT) * m_BT).sum(dim=-1) / n_B)
+    log_seq_ratio_B = log_seq_ratio_B.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    seq_ratio_BT = (log_seq_ratio_B.unsqueeze(-1) + logprobs_BT - logprobs_BT.detach()).exp()
+    unclipped_BT = -adv_BT * seq_ratio_BT
+    clipped_BT = -adv_BT * seq_ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+
+    token_ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT).exp()
+    metrics = {
+        "clip_frac": _masked_mean((clipped_BT > unclipped_BT).float(), valid_BT),
+        "seq_ratio_mean": _masked_mean(seq_ratio_BT.detach(), valid_BT),
+    }
+    metrics |= _common_metrics(logprobs_BT, old_logprobs_BT, token_ratio_BT, valid_BT)
+    return agg(loss_BT, mask_BT), metrics
+
+
+def cispo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
+          agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0,
+          **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio; no token is ever dropped.
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv 2506.13585:
+        loss_t = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * logp_t,
+    so d loss_t / d logp_t = -clip(r_t) A_t. Unlike PPO, a clipped token still contributes its (truncated)
+    gradient. The paper bounds only the top of the ratio (its lower bound is left off): pass clip_low >= 1 to do
+    the same. `clip_ratio_c` is not used. The loss VALUE includes logp and so is not comparable across losses.
+
+    Returns:
+        `(loss, metrics)`: metrics `clip_frac` (fraction of valid tokens whose weight was truncated),
+        `approx_kl`, `ratio_mean`.
+    """
+    _check_options("cispo", options)
+    _check_clip("cispo", clip_low, clip_high)
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+
+    ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT).exp()
+    weight_BT = ratio_BT.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = -weight_BT * adv_BT * logprobs_BT
+
+    truncated_BT = (ratio_BT < 1.0 - clip_low) | (ratio_BT > 1.0 + clip_high)
+    metrics = {"clip_frac": _masked_mean(truncated_BT.float(), valid_BT)}
+    metrics |= _common_metrics(logprobs_BT, old_logprobs_BT, ratio_BT, valid_BT)
+    return agg(loss_BT, mask_BT), metrics
+
+
+def sapo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
+         agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0,
+         tau_pos: float = 1.0, tau_neg: float = 1.05, **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO: a smooth, temperature-controlled gate on the ratio instead of a hard clip.
+
+    Gao et al. 2025 (Qwen), "Soft Adaptive Policy Optimization", arXiv 2511.20347:
+        f(r) = sigmoid(tau (r - 1)) * 4 / tau,   loss_t = -f(r_t) A_t,
+    with tau = tau_pos where A_t > 0 and tau_neg otherwise (the paper's defaults 1.0 and 1.05: negative
+    advantages, which push up many unsampled tokens, are damped faster). d loss_t / d logp_t
+    = -A_t r_t * 4 sigmoid(x)(1 - sigmoid(x)), x = tau (r_t - 1): exactly the unclipped policy gradient at r = 1,
+    smoothly decaying as the ratio moves away on either side. `clip_low`, `clip_high`, `clip_ratio_c` are not
+    used. Temperatures must be > 0.
+
+    Returns:
+        `(loss, metrics)`: metrics `clip_frac` (always 0: nothing is hard-clipped), `soft_gate_weight` (mean of
+        4 sigmoid(x)(1 - sigmoid(x)), the factor on the vanilla gradient), `approx_kl`, `ratio_mean`.
+    """
+    _check_options("sapo", options)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo: tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+
+    ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT).exp()
+    tau_BT = torch.where(adv_BT > 0, tau_pos, tau_neg).to(ratio_BT.dtype)
+    gate_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0))
+    loss_BT = -(gate_BT * 4.0 / tau_BT) * adv_BT
+
+    gate_BT = gate_BT.detach()
+    metrics = {
+        "clip_frac": torch.zeros((), device=loss_BT.device),
+        "soft_gate_weight": _masked_mean(4.0 * gate_BT * (1.0 - gate_BT), valid_BT),
+    }
+    metrics |= _common_metrics(logprobs_BT, old_logprobs_BT, ratio_BT, valid_BT)
+    return agg(loss_BT, mask_BT), metrics
+
+
+def gpg_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
+             agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0,
+             **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG's loss: plain policy gradient, loss_t = -A_t logp_t; no ratio, no clip.
+
+    Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
+    arXiv 2504.02546 (the paper aggregates with `token-mean`). Pair with the `gpg` advantage estimator. On-policy
+    by construction: `old_logprobs_BT` only feeds the metrics; the clip arguments are not used.
+
+    Returns:
+        `(loss, metrics)`: metrics `clip_frac` (always 0), `approx_kl`, `ratio_mean`.
+    """
+    _check_options("gpg_loss", options)
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+
+    loss_BT = -adv_BT * logprobs_BT
+    ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT).exp()
+    metrics = {"clip_frac": torch.zeros((), device=loss_BT.device)}
+    metrics |= _common_metrics(logprobs_BT, old_logprobs_BT, ratio_BT, valid_BT)
+    return agg(loss_BT, mask_BT), metrics
+
+
+def gmpo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
+         agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0,
+         **options: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO: maximise the geometric mean of the clipped token ratios, one objective per sequence.
+
+    Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673:
+        J_i = sgn(A_i) * (prod_t |min(r_t A_i, clip(r_t, e^-clip_low, e^clip_high) A_i)|)^(1/|o_i|),
+    computed in log space: with l_t = logp_t - old_t and c_t = clip(l_t, -clip_low, clip_high), each token keeps
+    min(l_t, c_t) when A_i > 0 and max(l_t, c_t) when A_i < 0 (PPO's pessimistic choice), and
+        loss_i = -A_i * exp(mean over valid tokens of the kept log-ratios).
+    `clip_low` / `clip_high` are therefore LOG-space bounds here; the paper uses 0.4 for both, i.e. ratios in
+    (e^-0.4, e^0.4), wider than PPO's because the geometric mean is far less sensitive to single outliers.
+    A token whose ratio was clipped gets no gradient. `clip_ratio_c` is not used.
+
+    GMPO is defined for a sequence-level advantage: A_i is taken as the mean of `advantages_BT` over the row's
+    valid tokens (exact for outcome estimators). The sequence loss is placed on each valid token of its row, so
+    `seq-mean-token-mean` aggregation (the paper's 1/G sum over sequences) gives exactly the GMPO objective, and
+    `token-mean` gives the length-weighted version.
+
+    Returns:
+        `(loss, metrics)`: metrics `clip_frac` (fraction of valid tokens clipped), `seq_ratio_mean`,
+        `approx_kl`, `ratio_mean`.
+    """
+    _check_options("gmpo", options)
+    _check_clip("gmpo", clip_low, clip_high)
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+    m_BT = valid_BT.to(logprobs_BT.dtype)
+
+    n_B = m_BT.sum(dim=-1).clamp(min=1)
+    seq_adv_B = (adv_BT * m_BT).sum(dim=-1) / n_B
+    sign_B1 = torch.sign(seq_adv_B).unsqueeze(-1)
+    log_ratio_BT = _log_ratio(logprobs_BT, old_logprobs_BT)
+    clipped_log_ratio_BT = log_ratio_BT.clamp(-clip_low, clip_high)
+    kept_BT = sign_B1 * torch.minimum(sign_B1 * log_ratio_BT, sign_B1 * clipped_log_ratio_BT)
+    seq_ratio_B = ((kept_BT * m_BT).sum(dim=-1) / n_B).exp()
+    loss_BT = (-seq_adv_B * seq_ratio_B).unsqueeze(-1).expand_as(logprobs_BT)
+
+    log_ratio_BT = log_ratio_BT.detach()
+    clipped_BT = ((sign_B1 > 0) & (log_ratio_BT > clip_high)) | ((sign_B1 < 0) & (log_ratio_BT < -clip_low))
+    metrics = {
+        "clip_frac": _masked_mean(clipped_BT.float(), valid_BT),
+        "seq_ratio_mean": _masked_mean(seq_ratio_B.detach().unsqueeze(-1).expand_as(m_BT), valid_BT),
+    }
+    metrics |= _common_metrics(logprobs_BT, old_logprobs_BT, log_ratio_BT.exp(), valid_BT)
+    return agg(loss_BT, mask_BT), metrics
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "ppo_clip": ppo_clip,
+    "gspo": gspo,
+    "cispo": cispo,
+    "sapo": sapo,
+    "gpg": gpg_loss,
+    "gmpo": gmpo,
+}
+"""Config name -> policy loss; all share the signature in the module docstring."""
+
+
+def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor, *,
+               clip_range: float | None, agg: AggArgs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped critic loss: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2).
+
+    The value clipping of the PPO reference implementation (OpenAI baselines; Schulman et al. 2017, arXiv
+    1707.06347): the new value may not move more than `clip_range` from the rollout's value to lower the loss.
+    `clip_range=None` disables it (plain 0.5 (v - R)^2).
+
+    Args:
+        values_BT: (B, T) current critic values, carrying gradient.
+        old_values_BT: (B, T) critic values at rollout time (constant).
+        returns_BT: (B, T) targets, e.g. `gae(...)[1]` (constant).
+        mask_BT: (B, T) response mask.
+        clip_range: c above, > 0, or None.
+        agg: aggregation settings.
+
+    Returns:
+        `(loss, metrics)`: metrics `vf_clip_frac` (fraction of valid tokens where the clipped term was the larger,
+        i.e. the gradient was cut).
+    """
+    if clip_range is not None and clip_range <= 0:
+        raise ValueError(f"value_loss: clip_range must be > 0 or None, got {clip_range}")
+    _check_shapes(mask_BT, values_BT=values_BT, old_values_BT=old_values_BT, returns_BT=returns_BT)
+    old_values_BT, returns_BT = old_values_BT.detach(), returns_BT.detach()
+    valid_BT = mask_BT > 0
+
+    unclipped_BT = (values_BT - returns_BT).square()
+    if clip_range is None:
+        loss_BT = 0.5 * unclipped_BT
+        clip_frac = torch.zeros((), device=values_BT.device)
+    else:
+        clipped_values_BT = old_values_BT + (values_BT - old_values_BT).clamp(-clip_range, clip_range)
+        clipped_BT = (clipped_values_BT - returns_BT).square()
+        loss_BT = 0.5 * torch.maximum(unclipped_BT, clipped_BT)
+        clip_frac = _masked_mean((clipped_BT > unclipped_BT).float(), valid_BT)
+    return agg(loss_BT, mask_BT), {"vf_clip_frac": clip_frac}
+
+
+def entropy_bonus(entropy_BT: Tensor, mask_BT: Tensor, *, agg: AggArgs) -> Tensor:
+    """Aggregated per-token policy entropy, to be SUBTRACTED from the loss: `loss - coef * entropy_bonus(...)`.
+
+    Args:
+        entropy_BT: (B, T) entropy of the policy's next-token distribution at each response position (carries
+            gradient when the bonus is trained on).
+        mask_BT: (B, T) response mask.
+        agg: aggregation settings (use the policy loss's, so both are normalised alike).
+
+    Returns:
+        0-dim tensor `agg(entropy_BT, mask_BT)`.
+    """
+    _check_shapes(mask_BT, entropy_BT=entropy_BT)
+    return agg(entropy_BT, mask_BT)

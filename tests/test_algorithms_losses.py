@@ -1,0 +1,261 @@
+"""Policy and value losses: values and gradients w.r.t. logprobs against hand-computed numbers."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlspmd.algorithms import (
+    POLICY_LOSSES,
+    AggArgs,
+    cispo,
+    entropy_bonus,
+    gmpo,
+    gpg_loss,
+    gspo,
+    local_denominators,
+    ppo_clip,
+    sapo,
+    value_loss,
+)
+
+F64 = torch.float64
+
+
+def t(x):
+    return torch.tensor(x, dtype=F64)
+
+
+def logprobs_for(log_ratios, old):
+    """Leaf logprobs with logp - old = log_ratios exactly (old is given)."""
+    return (t(old) + t(log_ratios)).requires_grad_()
+
+
+def run(loss_fn, log_ratios, advantages, mask, *, mode="token-mean", old=None, **kw):
+    old = old if old is not None else [[-1.0] * len(log_ratios[0])] * len(log_ratios)
+    logp = logprobs_for(log_ratios, old)
+    mask = t(mask)
+    agg = AggArgs.from_mask(mask, mode=mode)
+    loss, metrics = loss_fn(logp, t(old), t(advantages), mask, agg=agg, **kw)
+    loss.backward()
+    return loss.detach(), logp.grad, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PPO clip: one token per regime. clip_low 0.2 -> lower bound 0.8; clip_high 0.28 -> upper 1.28; clip_ratio_c 3.
+#   t0 A=+1 r=1.1  unclipped          loss -1.1   grad -A r = -1.1
+#   t1 A=+1 r=1.5  clipped high       loss -1.28  grad 0
+#   t2 A=-1 r=0.5  clipped low        loss  0.8   grad 0
+#   t3 A=-1 r=4    dual clipped       loss  3     grad 0      (max(4, 1.28) = 4, capped at -A c = 3)
+#   t4 A=-1 r=2    unclipped (A<0)    loss  2     grad -A r = 2
+#   t5 masked
+# token-mean over 5 valid tokens: loss = (-1.1 - 1.28 + 0.8 + 3 + 2) / 5 = 3.42 / 5 = 0.684
+
+PPO_RATIOS = [[1.1, 1.5, 0.5, 4.0, 2.0, 1.0]]
+PPO_LOG_RATIOS = [[math.log(r) for r in PPO_RATIOS[0]]]
+PPO_ADV = [[1.0, 1.0, -1.0, -1.0, -1.0, 5.0]]
+PPO_MASK = [[1, 1, 1, 1, 1, 0]]
+
+
+def test_ppo_clip_each_regime():
+    loss, grad, metrics = run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28,
+                              clip_ratio_c=3.0)
+    assert_close(loss, t(0.684))
+    assert_close(grad, t([[-1.1 / 5, 0, 0, 0, 2.0 / 5, 0]]))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 5)  # t1, t2
+    assert metrics["dual_clip_frac"].item() == pytest.approx(1 / 5)  # t3
+    assert metrics["ratio_mean"].item() == pytest.approx(9.1 / 5)  # (1.1 + 1.5 + 0.5 + 4 + 2) / 5
+    # approx_kl = mean(old - new) = -(ln 1.1 + ln 1.5 + ln 0.5 + ln 4 + ln 2) / 5 = -ln(6.6) / 5
+    assert metrics["approx_kl"].item() == pytest.approx(-math.log(6.6) / 5)
+    assert all(not m.requires_grad for m in metrics.values())
+
+
+def test_ppo_clip_without_dual_clip():
+    # t3 is no longer capped: loss 4, grad -A r = 4. loss = (-1.1 - 1.28 + 0.8 + 4 + 2) / 5 = 4.42 / 5
+    loss, grad, metrics = run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28,
+                              clip_ratio_c=None)
+    assert_close(loss, t(4.42 / 5))
+    assert_close(grad, t([[-1.1 / 5, 0, 0, 4.0 / 5, 2.0 / 5, 0]]))
+    assert metrics["dual_clip_frac"].item() == 0.0
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_ratio_c=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GSPO, seq-mean-token-mean over 3 sequences, clip range [0.8, 1.2].
+#   row 0: 2 valid tokens, log ratios (0.2, 0.0): s = e^0.1 = 1.1051709, A = 2, unclipped.
+#          loss_t = -2 s; grad per token = -A s / (n G) = -2 * 1.1051709 / (2 * 3) = -0.3683903
+#   row 1: valid tokens at 0, 2, 3 (1 is a hole with a huge log ratio that must be ignored), log ratio 0.3 each:
+#          s = e^0.3 = 1.3498588 > 1.2 with A = 1 -> clipped: loss_t = -1.2, grad 0.
+#   row 2: 4 tokens, log ratios (0, 0, 0, -0.4): s = e^-0.1 = 0.9048374, A = -1, unclipped (>= 0.8):
+#          loss_t = 0.9048374; grad per token = -A s / (n G) = 0.9048374 / 12 = 0.0754031
+#   loss = (-2 * 1.1051709 - 1.2 + 0.9048374) / 3
+
+
+def test_gspo_values_and_gradient():
+    log_ratios = [[0.2, 0.0, 0.0, 0.0], [0.3, 9.0, 0.3, 0.3], [0.0, 0.0, 0.0, -0.4]]
+    adv = [[2.0] * 4, [1.0] * 4, [-1.0] * 4]
+    mask = [[1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]]
+    loss, grad, metrics = run(gspo, log_ratios, adv, mask, mode="seq-mean-token-mean", clip_low=0.2,
+                              clip_high=0.2)
+    s0, s2 = math.exp(0.1), math.exp(-0.1)
+    assert_close(loss, t((-2 * s0 - 1.2 + s2) / 3))
+    g0, g2 = -2 * s0 / 6, s2 / 12
+    assert_close(grad, t([[g0, g0, 0, 0], [0, 0, 0, 0], [g2, g2, g2, g2]]))
+    assert metrics["clip_frac"].item() == pytest.approx(3 / 9)  # the 3 valid tokens of row 1
+    # Per-token seq ratios averaged over the 9 valid tokens: (2 s0 + 3 e^0.3 + 4 s2) / 9.
+    assert metrics["seq_ratio_mean"].item() == pytest.approx((2 * s0 + 3 * math.exp(0.3) + 4 * s2) / 9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CISPO, token-mean over 3 tokens, weight clip [0.8, 1.28]; the gradient is -sg(clip(r)) A, never zeroed.
+#   t0 A=+1 r=1.1 -> w 1.1  grad -1.1/3
+#   t1 A=+1 r=1.5 -> w 1.28 grad -1.28/3 (PPO would give 0 here)
+#   t2 A=-1 r=0.5 -> w 0.8  grad +0.8/3
+
+
+def test_cispo_values_and_gradient():
+    log_ratios = [[math.log(1.1), math.log(1.5), math.log(0.5)]]
+    loss, grad, metrics = run(cispo, log_ratios, [[1.0, 1.0, -1.0]], [[1, 1, 1]], clip_low=0.2, clip_high=0.28)
+    assert_close(grad, t([[-1.1 / 3, -1.28 / 3, 0.8 / 3]]))
+    # loss = -sum(w A logp) / 3 with logp = log r - 1 (old = -1)
+    logp = [math.log(1.1) - 1, math.log(1.5) - 1, math.log(0.5) - 1]
+    assert_close(loss, t(-(1.1 * logp[0] + 1.28 * logp[1] - 0.8 * logp[2]) / 3))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPG loss: -A logp, token-mean over 2 tokens: grads -A / 2 = [-1, 0.5].
+
+
+def test_gpg_loss_values_and_gradient():
+    loss, grad, metrics = run(gpg_loss, [[0.3, -0.2]], [[2.0, -1.0]], [[1, 1]], old=[[-1.0, -2.0]])
+    # logp = [-0.7, -2.2]; loss = -(2 * -0.7 + (-1) * -2.2) / 2 = -(-1.4 + 2.2) / 2 = -0.4
+    assert_close(loss, t(-0.4))
+    assert_close(grad, t([[-1.0, 0.5]]))
+    assert metrics["clip_frac"].item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SAPO: loss_t = -sigmoid(tau (r - 1)) * 4 / tau * A, tau = 1 for A > 0, 1.05 for A < 0; token-mean over 3.
+#   t0 A=+1 r=1: gate 0.5 -> loss -2;          grad -A r 4 * 0.5 * 0.5 = -1
+#   t1 A=-1 r=1: gate 0.5 -> loss 2/1.05;       grad +1
+#   t2 A=+1 r=e^0.5: x = e^0.5 - 1, loss -4 sigmoid(x); grad -r 4 sigmoid(x) (1 - sigmoid(x))
+
+
+def test_sapo_values_and_gradient():
+    loss, grad, metrics = run(sapo, [[0.0, 0.0, 0.5]], [[1.0, -1.0, 1.0]], [[1, 1, 1]], tau_pos=1.0, tau_neg=1.05)
+    r = math.exp(0.5)
+    sig = 1 / (1 + math.exp(-(r - 1)))
+    assert_close(loss, t((-2 + 2 / 1.05 - 4 * sig) / 3))
+    assert_close(grad, t([[-1 / 3, 1 / 3, -r * 4 * sig * (1 - sig) / 3]]))
+    assert metrics["soft_gate_weight"].item() == pytest.approx((1 + 1 + 4 * sig * (1 - sig)) / 3)
+    with pytest.raises(ValueError, match="tau"):
+        run(sapo, [[0.0]], [[1.0]], [[1]], tau_pos=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GMPO, seq-mean-token-mean over 2 sequences, log-space clip (-0.4, 0.4).
+#   row 0: A=+1, log ratios (0.1, 0.5, -0.6): keep min(l, clip(l)) = (0.1, 0.4 [clipped], -0.6)
+#          mean (0.1 + 0.4 - 0.6) / 3 = -1/30; gm = e^(-1/30); loss_0 = -gm
+#          grad at t0, t2 = -A gm / (n G) = -gm / 6; t1 (clipped) 0
+#   row 1: A=-1, log ratios (-0.5, 0.2, masked): keep max(l, clip(l)) = (-0.4 [clipped], 0.2)
+#          mean -0.1; gm = e^-0.1; loss_1 = +gm; grad at t1 = gm / (2 * 2); t0 0
+#   loss = (-e^(-1/30) + e^-0.1) / 2
+
+
+def test_gmpo_values_and_gradient():
+    log_ratios = [[0.1, 0.5, -0.6], [-0.5, 0.2, 3.0]]
+    loss, grad, metrics = run(gmpo, log_ratios, [[1.0] * 3, [-1.0] * 3], [[1, 1, 1], [1, 1, 0]],
+                              mode="seq-mean-token-mean", clip_low=0.4, clip_high=0.4)
+    gm0, gm1 = math.exp(-1 / 30), math.exp(-0.1)
+    assert_close(loss, t((-gm0 + gm1) / 2))
+    assert_close(grad, t([[-gm0 / 6, 0, -gm0 / 6], [0, gm1 / 4, 0]]))
+    assert metrics["clip_frac"].item() == pytest.approx(2 / 5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared behaviour of all policy losses
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_policy_losses_share_signature_and_micro_batch(name):
+    fn = POLICY_LOSSES[name]
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 5
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    logp = old + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
+    adv = torch.randn(B, 1, generator=g, dtype=F64).expand(B, T).contiguous()
+    mask = (torch.rand(B, T, generator=g) > 0.3).to(F64)
+    options = {"clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05}
+
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        full_logp = logp.clone().requires_grad_()
+        full, metrics = fn(full_logp, old, adv, mask, agg=AggArgs.from_mask(mask, mode=mode), **options)
+        full.backward()
+        assert {"clip_frac", "approx_kl", "ratio_mean"} <= set(metrics)
+
+        # Micro-batches with global denominators: same loss and same gradient.
+        tokens, seqs = local_denominators(mask)
+        agg = AggArgs(mode=mode, global_tokens=tokens, global_seqs=seqs)
+        split_logp = logp.clone().requires_grad_()
+        total = sum(fn(split_logp[mb], old[mb], adv[mb], mask[mb], agg=agg, **options)[0]
+                    for mb in (slice(0, 2), slice(2, 3), slice(3, 6)))
+        total.backward()
+        assert_close(total, full, rtol=1e-12, atol=1e-12)
+        assert_close(split_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-12)
+        assert torch.all(full_logp.grad[mask == 0] == 0)
+
+        # Garbage at masked positions (a -inf padding log-prob, NaN old log-prob / advantage) changes nothing.
+        dirty_logp = torch.where(mask > 0, logp, -math.inf).requires_grad_()
+        dirty_old = torch.where(mask > 0, old, math.nan)
+        dirty_adv = torch.where(mask > 0, adv, math.nan)
+        dirty, _ = fn(dirty_logp, dirty_old, dirty_adv, mask, agg=agg, **options)
+        dirty.backward()
+        assert_close(dirty, full, rtol=1e-12, atol=1e-12)
+        assert_close(dirty_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-12)
+
+    with pytest.raises(TypeError, match="unknown option"):
+        fn(logp, old, adv, mask, agg=AggArgs.from_mask(mask, mode="token-mean"), tau_typo=1.0)
+
+
+def test_policy_loss_on_policy_gradient_is_vanilla_pg():
+    # At logp == old every ratio-based loss (unclipped there) has gradient -A / N per token, like REINFORCE.
+    logp_values = [[-1.0, -2.0, -0.5]]
+    for name in ("ppo_clip", "cispo", "sapo", "gpg"):
+        _, grad, _ = run(POLICY_LOSSES[name], [[0.0, 0.0, 0.0]], [[1.0, -2.0, 0.5]], [[1, 1, 1]],
+                         old=logp_values)
+        assert_close(grad, t([[-1.0 / 3, 2.0 / 3, -0.5 / 3]]), msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Value loss and entropy
+#   t0 v=1.0 old=0.8 R=1.5: |v-old| 0.2 < 0.5, both terms (v-R)^2 = 0.25 -> loss 0.125, grad v-R = -0.5
+#   t1 v=2.0 old=1.0 R=0.0: clipped v 1.5; (v-R)^2 = 4 > 2.25 -> unclipped wins: loss 2, grad v-R = 2
+#   t2 v=1.5 old=0.0 R=2.0: clipped v 0.5; (0.5-2)^2 = 2.25 > 0.25 -> clipped wins: loss 1.125, grad 0
+#   token-mean: loss (0.125 + 2 + 1.125) / 3 = 3.25 / 3; grads [-0.5/3, 2/3, 0]
+
+
+def test_value_loss_clipping():
+    values = t([[1.0, 2.0, 1.5]]).requires_grad_()
+    mask = t([[1, 1, 1]])
+    loss, metrics = value_loss(values, t([[0.8, 1.0, 0.0]]), t([[1.5, 0.0, 2.0]]), mask, clip_range=0.5,
+                               agg=AggArgs.from_mask(mask, mode="token-mean"))
+    loss.backward()
+    assert_close(loss.detach(), t(3.25 / 3))
+    assert_close(values.grad, t([[-0.5 / 3, 2 / 3, 0.0]]))
+    assert metrics["vf_clip_frac"].item() == pytest.approx(1 / 3)
+
+    # Unclipped: 0.5 * (0.25 + 4 + 0.25) / 3
+    loss, metrics = value_loss(values.detach(), t([[0.8, 1.0, 0.0]]), t([[1.5, 0.0, 2.0]]), mask,
+                               clip_range=None, agg=AggArgs.from_mask(mask, mode="token-mean"))
+    assert_close(loss, t(0.75))
+
+
+def test_entropy_bonus_uses_agg():
+    mask = t([[1, 1, 0], [1, 0, 0]])
+    # seq-mean-token-mean: ((0.5 + 1.5) / 2 + 3) / 2 = 2
+    out = entropy_bonus(t([[0.5, 1.5, 9.0], [3.0, 9.0, 9.0]]), mask,
+                        agg=AggArgs.from_mask(mask, mode="seq-mean-token-mean"))
+    assert_close(out, t(2.0))
