@@ -1,0 +1,242 @@
+"""Build a tiny, randomly initialised Hugging Face causal LM directory, offline and deterministically.
+
+Tests, the quickstart and the benchmarks need a real HF model directory (config, safetensors, tokenizer
+with a chat template) that loads with ``AutoModelForCausalLM``/``AutoTokenizer`` and never touches the
+Hub. This script makes one from nothing:
+
+* Tokenizer: a byte-level BPE trained with `tokenizers` on a fixed synthetic corpus (arithmetic
+  problems and solutions in the dataset format of ``scripts/data/arithmetic.py``, small word problems,
+  filler English). Every digit is its own pre-token, so numbers are spelled out digit by digit.
+  Special tokens follow Qwen2 (ChatML): ``<|endoftext|>`` pads, ``<|im_end|>`` ends a turn; no BOS
+  token is added. The corpus does not depend on ``--seed``, so every model built with the same
+  vocabulary arguments shares one tokenizer.
+* Pre-tokenization is Qwen2's (NFC, its split regex, byte-level without regex) rather than a
+  ``Digits`` + ``ByteLevel`` sequence: for ``model_type == "qwen2"`` transformers 5's ``AutoTokenizer``
+  loads ``Qwen2Tokenizer``, which discards the normalizer and pre-tokenizer in ``tokenizer.json`` and
+  installs Qwen2's. Training with that same pipeline keeps ``tokenizer.json`` and ``AutoTokenizer``
+  in exact agreement for both architectures. Its regex isolates every numeric character, so digits
+  still tokenize one per token.
+* Model: a Qwen2 or Llama config with random weights drawn under ``torch.manual_seed(seed)``.
+
+Same arguments give byte-identical ``tokenizer.json`` and ``model.safetensors``.
+
+    python scripts/models/build_tiny.py --out models/tiny
+    python scripts/models/build_tiny.py --out models/b256 --hidden-size 256 --intermediate-size 688 --vocab-size 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+# BPE target when --vocab-size is not given; the model's vocab is then the trained size rounded up to 64.
+DEFAULT_TOKENIZER_VOCAB = 1024
+# Every byte plus the special tokens must fit: a smaller vocabulary cannot encode arbitrary text.
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+
+# Qwen2's pre-tokenization regex (see the module docstring for why it must be exactly this): contractions,
+# words with one leading non-letter, single digits, punctuation runs, newlines, whitespace.
+SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# ChatML without a default system prompt: a system turn appears only when the caller passes one.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_NAMES = "Tom Anna James Maria Li Sara Omar Kate Ben Nina John Emma Raj Mia Paul Zoe".split()
+_ITEMS = "apple book coin pencil cookie marble ticket flower card stamp egg shell box cup toy bottle".split()
+_WORDS = (
+    "the a an of to and in is it that for on with as at by from this be are was were has have had not "
+    "but or if then so because when while each every some many more less most first last next after "
+    "before step answer final total number sum difference result value think let us find how much what "
+    "which who does do did can will would should make take give buy sell pay cost price money dollars "
+    "cents hours minutes days weeks year time people children friends school store market house garden "
+    "train car road water tree bird dog cat small large new old good best long short left right again "
+    "only also very all both half twice three four five six seven eight nine ten hundred thousand"
+).split()
+
+
+def _load_arithmetic() -> ModuleType:
+    """The dataset script, so the corpus uses exactly the expression and solution format the task uses."""
+    path = Path(__file__).resolve().parents[1] / "data" / "arithmetic.py"
+    spec = importlib.util.spec_from_file_location("rlspmd_scripts_data_arithmetic", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic_corpus(num_lines: int = 6000) -> list[str]:
+    """Deterministic training text for the tokenizer (fixed seed on purpose, see the module docstring)."""
+    arithmetic = _load_arithmetic()
+    rng = random.Random("rlspmd/tiny-tokenizer-corpus/v1")
+    lines = [
+        "You are a helpful assistant.",
+        "Let's think step by step and output the final answer after \"####\".",
+        'Output the final answer after "####".',
+        "user assistant system",
+    ]
+    for i in range(num_lines):
+        kind = i % 3
+        if kind == 0:
+            expression = arithmetic.make_problem(rng, min_terms=1, max_terms=4, max_value=999, ops="+-*")
+            lines += [f"Calculate {expression}.", arithmetic.solve(expression)[0]]
+        elif kind == 1:
+            name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+            a, b = rng.randint(2, 99), rng.randint(1, 50)
+            lines += [
+                f"{name} has {a} {item}s and buys {b} more. How many {item}s does {name} have now?",
+                f"{name} has {a} + {b} = {a + b} {item}s. #### {a + b}",
+            ]
+        else:
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(5, 14))]
+            lines.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ","]))
+    return lines
+
+
+def train_tokenizer(vocab_size: int) -> Any:
+    """Byte-level BPE with Qwen2 pre-tokenization (one digit per pre-token); returns a `tokenizers.Tokenizer`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,  # ids 0, 1, 2 in this order
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(synthetic_corpus(), trainer=trainer)
+    return tokenizer
+
+
+def build(
+    out: str | Path = "models/tiny",
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 352,
+    vocab_size: int | None = None,
+    max_position: int = 512,
+    tie_embeddings: bool = True,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write the tokenizer and model to ``out`` and return it. ``vocab_size=None`` sizes the model from
+    the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes)."""
+    import torch
+    import transformers
+
+    if arch not in ("qwen2", "llama"):
+        raise ValueError(f"--arch must be qwen2 or llama, got {arch!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if hidden_size % num_heads:
+        raise ValueError(f"--hidden-size {hidden_size} is not divisible by --num-heads {num_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"--num-heads {num_heads} is not divisible by --num-kv-heads {num_kv_heads}")
+    if vocab_size is not None and vocab_size < MIN_VOCAB:
+        raise ValueError(f"--vocab-size must be >= {MIN_VOCAB} (256 bytes + special tokens), got {vocab_size}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    backend = train_tokenizer(vocab_size or DEFAULT_TOKENIZER_VOCAB)
+    trained = backend.get_vocab_size()
+    model_vocab = vocab_size if vocab_size is not None else -(-trained // 64) * 64
+    assert trained <= model_vocab, (trained, model_vocab)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        padding_side="left",  # rollouts left-pad prompts so generation continues from the right edge
+        model_max_length=max_position,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.save_pretrained(out)
+
+    ids = {tok: backend.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    special = dict(bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT])
+    config_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+    config = config_cls(
+        vocab_size=model_vocab,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position,
+        tie_word_embeddings=tie_embeddings,
+        **special,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Initialise in float32 and cast, so a bf16 model holds the rounded float32 weights of the same seed.
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    transformers.GenerationConfig(**special).save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("models/tiny"))
+    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=352)
+    p.add_argument("--vocab-size", type=int, default=None, help="model vocab (default: tokenizer size, rounded to 64)")
+    p.add_argument("--max-position", type=int, default=512)
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    start = time.perf_counter()
+    out = build(
+        args.out,
+        arch=args.arch,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        intermediate_size=args.intermediate_size,
+        vocab_size=args.vocab_size,
+        max_position=args.max_position,
+        tie_embeddings=args.tie_embeddings,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    config = json.loads((out / "config.json").read_text())
+    print(
+        f"built {config['model_type']} (vocab {config['vocab_size']}, hidden {config['hidden_size']}, "
+        f"{config['num_hidden_layers']} layers) at {out} in {time.perf_counter() - start:.1f}s"
+    )
+
+
+if __name__ == "__main__":
+    main()
