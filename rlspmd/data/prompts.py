@@ -1,0 +1,162 @@
+"""Prompt datasets in verl's schema, the chat template, and a seeded resumable sampler.
+
+A row: ``data_source`` (str), ``prompt`` (list of ``{role, content}`` messages), ``ability``,
+``reward_model: {style, ground_truth}``, ``extra_info`` (dict). Parquet files prepared for verl load
+unchanged. Files are read through ``datasets``; prompts are rendered with the model's chat template
+(``add_generation_prompt=True``) and tokenized once, up front, on the rank that loads them (rank 0: it
+decides the step's prompts and scatters them).
+
+Prompts longer than ``max_prompt_length`` tokens are dropped (counted and logged) or rejected with the
+file and row named.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlspmd.protocol import Batch
+
+log = logging.getLogger(__name__)
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+
+
+def read_rows(files: list[str], *, prompt_key: str, field_name: str):
+    """Load parquet/jsonl files with ``datasets``; check existence, emptiness and the required columns."""
+    import datasets
+
+    if not files:
+        raise ValueError(f"{field_name} is empty: give at least one parquet or jsonl file")
+    tables = []
+    for f in files:
+        path = Path(f).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{field_name}: data file {path} does not exist")
+        suffix = path.suffix.lower()
+        kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(suffix)
+        if kind is None:
+            raise ValueError(f"{field_name}: {path} is neither .parquet nor .jsonl")
+        try:
+            ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        except Exception as e:  # noqa: BLE001 - name the file for any reader failure
+            raise ValueError(f"{field_name}: cannot read {path}: {type(e).__name__}: {e}") from None
+        if len(ds) == 0:
+            raise ValueError(f"{field_name}: {path} has no rows")
+        missing = [c for c in (*REQUIRED_COLUMNS, prompt_key) if c not in ds.column_names]
+        if missing:
+            raise ValueError(f"{field_name}: {path} lacks required column(s) {missing} (has {ds.column_names})")
+        tables.append((str(path), ds))
+    return tables
+
+
+class PromptDataset:
+    def __init__(
+        self,
+        files: list[str],
+        tokenizer,
+        *,
+        prompt_key: str,
+        max_prompt_length: int,
+        overlong: str = "drop",
+        field_name: str = "data.train_files",
+    ):
+        self.tokenizer = tokenizer
+        self.prompt_ids: list[list[int]] = []
+        self.rows: list[dict] = []
+        self.n_dropped = 0
+        for path, ds in read_rows(files, prompt_key=prompt_key, field_name=field_name):
+            texts = []
+            for i, row in enumerate(ds):
+                messages = row[prompt_key]
+                if isinstance(messages, str):  # plain-text prompt: treat as one user turn
+                    messages = [{"role": "user", "content": messages}]
+                if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+                    raise ValueError(f"{field_name}: {path} row {i}: `{prompt_key}` must be a list of chat messages")
+                gt = (row["reward_model"] or {}).get("ground_truth")
+                if gt is None:
+                    raise ValueError(f"{field_name}: {path} row {i}: reward_model.ground_truth is missing")
+                texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+                info = dict(row.get("extra_info") or {})
+                info.setdefault("index", i)
+                self.rows.append(
+                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1], "where": (path, i)}
+                )
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            self.prompt_ids.extend(ids)
+        keep = []
+        for j, ids in enumerate(self.prompt_ids):
+            if len(ids) <= max_prompt_length:
+                keep.append(j)
+            elif overlong == "error":
+                path, i = self.rows[j]["where"]
+                raise ValueError(
+                    f"{field_name}: {path} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
+                )
+        self.n_dropped = len(self.prompt_ids) - len(keep)
+        if self.n_dropped:
+            log.warning("%s: dropped %d of %d prompts longer than %d tokens", field_name, self.n_dropped, len(self.prompt_ids), max_prompt_length)
+        if not keep:
+            raise ValueError(f"{field_name}: every prompt is longer than data.max_prompt_length={max_prompt_length}")
+        self.prompt_ids = [self.prompt_ids[j] for j in keep]
+        self.rows = [self.rows[j] for j in keep]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def batch(self, indices: list[int]) -> Batch:
+        """Left-padded prompts with per-sample objects; ``uid_B`` is the position in this batch (the group id)."""
+        ids = [self.prompt_ids[i] for i in indices]
+        P = max(len(x) for x in ids)
+        pad = self.tokenizer.pad_token_id
+        prompts = torch.full((len(ids), P), pad, dtype=torch.long)
+        mask = torch.zeros(len(ids), P, dtype=torch.long)
+        for r, x in enumerate(ids):
+            prompts[r, P - len(x) :] = torch.tensor(x)
+            mask[r, P - len(x) :] = 1
+        rows = [self.rows[i] for i in indices]
+        return Batch(
+            {"prompts_BP": prompts, "prompt_mask_BP": mask, "uid_B": torch.arange(len(ids))},
+            {
+                "data_source": [r["data_source"] for r in rows],
+                "ground_truth": [r["ground_truth"] for r in rows],
+                "extra_info": [r["extra_info"] for r in rows],
+                "prompt_text": [r["prompt_text"] for r in rows],
+            },
+        )
+
+
+class EpochSampler:
+    """Global batches of dataset indices: a seeded permutation per epoch, incomplete tail batch dropped.
+
+    Deterministic in (seed, epoch) and resumable from ``state_dict`` (epoch, position).
+    """
+
+    def __init__(self, size: int, batch_size: int, *, seed: int, shuffle: bool = True):
+        if batch_size > size:
+            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({size} prompts)")
+        self.size, self.batch_size, self.seed, self.shuffle = size, batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _order(self) -> np.ndarray:
+        if self._perm is None or self._perm[0] != self.epoch:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size) if self.shuffle else np.arange(self.size)
+            self._perm = (self.epoch, order)
+        return self._perm[1]
+
+    def next_batch(self) -> list[int]:
+        if self.position + self.batch_size > self.size:
+            self.epoch, self.position = self.epoch + 1, 0
+        idx = self._order()[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return idx.tolist()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": self.size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

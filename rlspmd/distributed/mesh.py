@@ -1,0 +1,136 @@
+"""The one object that owns topology: which ranks host which role, and each role's named mesh dims.
+
+Nobody else calls ``DeviceMesh``/``init_device_mesh``. Roles are ``actor``, ``rollout``, ``ref``,
+``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
+placement gives roles their own rank ranges (``actor: 0-5, rollout: 6-7``). Each role mesh is 2-D with
+dims ``(dp, tp)``; training roles use ``tp = 1`` (FSDP over ``dp``), the rollout may use ``tp > 1`` for
+engines that shard weights (vLLM), with consecutive ranks forming a TP group.
+
+Roles with the same rank set and dims share one ``DeviceMesh`` (and its process groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.config import MeshConfig
+
+ROLES = ("actor", "rollout", "ref", "critic", "reward")
+DP = "dp"
+TP = "tp"
+
+
+def parse_ranks(spec: str, world_size: int, *, field_name: str) -> list[int]:
+    """``all`` | ``a-b`` (inclusive) | ``a,b,c`` | a mix (``0-3,6``) -> sorted global ranks."""
+    spec = spec.strip()
+    if spec == "all":
+        return list(range(world_size))
+    ranks: list[int] = []
+    try:
+        for part in spec.split(","):
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-"))
+                ranks.extend(range(lo, hi + 1))
+            else:
+                ranks.append(int(part))
+    except ValueError:
+        raise ValueError(f"{field_name}={spec!r}: expected 'all', 'a-b' or 'a,b,c'") from None
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{field_name}={spec!r}: empty or repeated ranks")
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"{field_name}={spec!r}: ranks {bad} outside the world of {world_size} ranks")
+    return sorted(ranks)
+
+
+@dataclass
+class ParallelDims:
+    """Validated placement: role -> global ranks and tensor-parallel degree."""
+
+    world_size: int
+    role_ranks: dict[str, list[int]]
+    role_tp: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for role in ROLES:
+            if role not in self.role_ranks:
+                raise ValueError(f"no placement for role {role!r}")
+            tp = self.role_tp.setdefault(role, 1)
+            n = len(self.role_ranks[role])
+            if tp < 1 or n % tp:
+                raise ValueError(
+                    f"mesh: {role} tensor-parallel degree {tp} does not divide its {n} ranks "
+                    f"(world size {self.world_size})"
+                )
+
+    @classmethod
+    def from_config(cls, cfg: MeshConfig, world_size: int) -> "ParallelDims":
+        ranks = {role: parse_ranks(getattr(cfg, f"{role}_ranks"), world_size, field_name=f"mesh.{role}_ranks") for role in ROLES}
+        return cls(world_size=world_size, role_ranks=ranks, role_tp={"rollout": cfg.rollout_tp})
+
+    def dp_size(self, role: str) -> int:
+        return len(self.role_ranks[role]) // self.role_tp[role]
+
+    def colocated(self, a: str, b: str) -> bool:
+        return self.role_ranks[a] == self.role_ranks[b]
+
+    @property
+    def is_colocated(self) -> bool:
+        return all(self.role_ranks[r] == self.role_ranks["actor"] for r in ROLES)
+
+    def layout(self) -> str:
+        lines = [f"world size {self.world_size}, placement {'colocated' if self.is_colocated else 'split'}"]
+        for role in ROLES:
+            ranks = self.role_ranks[role]
+            lines.append(
+                f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}"
+            )
+        return "\n".join(lines)
+
+
+def _fmt(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks))
+
+
+class RoleMeshes:
+    """Builds one ``DeviceMesh`` per distinct (ranks, tp) and hands out role meshes by name.
+
+    Construction is collective: every rank creates every mesh (process-group creation needs all ranks),
+    and ``get`` returns None on ranks that do not host the role.
+    """
+
+    def __init__(self, dims: ParallelDims, device_type: str, rank: int):
+        self.dims = dims
+        self.rank = rank
+        built: dict[tuple, DeviceMesh] = {}
+        self._meshes: dict[str, DeviceMesh] = {}
+        for role in ROLES:
+            ranks, tp = dims.role_ranks[role], dims.role_tp[role]
+            key = (tuple(ranks), tp)
+            if key not in built:
+                layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // tp, tp)
+                built[key] = DeviceMesh(device_type, layout, mesh_dim_names=(DP, TP))
+            self._meshes[role] = built[key]
+
+    def hosts(self, role: str) -> bool:
+        return self.rank in self.dims.role_ranks[role]
+
+    def get(self, role: str, dim: str | None = None) -> DeviceMesh | None:
+        """The role's 2-D mesh, or one named dim of it; None when this rank does not host the role."""
+        if role not in self._meshes:
+            raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        if dim not in (None, DP, TP):
+            raise ValueError(f"unknown mesh dim {dim!r}; dims are ({DP!r}, {TP!r})")
+        if not self.hosts(role):
+            return None
+        mesh = self._meshes[role]
+        return mesh if dim is None else mesh[dim]
+
+    def dp_rank(self, role: str) -> int | None:
+        mesh = self.get(role, DP)
+        return None if mesh is None else mesh.get_local_rank()

@@ -1,0 +1,149 @@
+"""Process-group start-up, per-rank seeding and whole-job failure.
+
+Every rank runs the same program. Under ``torchrun`` the rank/world come from the environment; a plain
+``python -m rlspmd.train`` starts a world of one so the same code path can be stepped through in pdb.
+
+Failure model: an exception on any rank is printed once (by the first rank that fails on this node) and
+the process exits with status 1 without unwinding through collectives. torchrun's agent sees the
+non-zero exit and terminates the other ranks within about a second. Launchers without an agent
+(plain srun) rely on the collective timeout instead: a rank blocked on a dead peer fails after
+``dist.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from functools import wraps
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlspmd.config import DistConfig
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(cfg: DistConfig) -> Runtime:
+    """Initialise ``torch.distributed`` (NCCL on CUDA, Gloo on CPU) and pick this rank's device."""
+    if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ValueError("dist.backend=nccl needs CUDA; use gloo or auto on this machine")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        # A dead peer must surface as an error, not a hang (NCCL watchdog aborts on timeout).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=cfg.timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch identically on every rank (model init and data order must agree).
+
+    Randomness that must differ between ranks (sampling) uses its own generators seeded from
+    ``(seed, rank)``; see ``rollout_generator``.
+    """
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool) -> None:
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+
+
+def _failure_marker() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
+    return os.path.join(tempfile.gettempdir(), f"rlspmd-failed-{run_id}-{os.getppid()}")
+
+
+def report_failure(exc: BaseException) -> None:
+    """Print the traceback once per node: the first failing rank prints it, later ones print one line."""
+    rank = os.environ.get("RANK", "0")
+    first = True
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        try:
+            os.close(os.open(_failure_marker(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            first = False
+        except OSError:
+            pass
+    if first:
+        text = "".join(traceback.format_exception(exc))
+        sys.stderr.write(f"[rlspmd] rank {rank} failed:\n{text}")
+        sys.stderr.write(f"[rlspmd] ending the job on every rank.\n")
+    else:
+        sys.stderr.write(f"[rlspmd] rank {rank} also failed: {type(exc).__name__}: {exc}\n")
+    sys.stderr.flush()
+
+
+def spmd_main(fn):
+    """Wrap an entry point so that an exception on this rank ends the job (exit 1) instead of a hang."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SystemExit as e:  # argparse/tyro --help and usage errors
+            if e.code not in (0, None) and dist.is_initialized() and dist.get_world_size() > 1:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(int(e.code) if isinstance(e.code, int) else 1)
+            raise
+        except BaseException as e:  # noqa: BLE001 - any failure must end the whole job
+            report_failure(e)
+            sys.stdout.flush()
+            # os._exit: skip atexit/destructors that could block in a collective with dead peers.
+            os._exit(1)
+
+    return wrapper
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    marker = _failure_marker()
+    if os.path.exists(marker):
+        try:
+            os.remove(marker)
+        except OSError:
+            pass

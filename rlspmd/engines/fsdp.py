@@ -1,0 +1,164 @@
+"""The FSDP2 training engine: the one parallelize path shared by actor, reference, critic and reward model.
+
+``parallelize`` applies, in this order: activation checkpointing (``apply_ac``), then FSDP2 per decoder
+layer and at the root (``apply_fsdp``). Roles build their module (policy, value model, ...) and hand it
+here; nothing else wraps models.
+
+Gradients are *summed* over DP ranks (gradient divide factor 1): losses are already normalised by the
+global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
+ranks or micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from rlspmd.config import FSDPConfig, OptimConfig
+from rlspmd.models.loader import DTYPES, decoder_layers
+
+
+def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
+    """Activation checkpointing per decoder layer (non-reentrant, so it composes with FSDP2)."""
+    hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device) -> None:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
+    param_dtype = cfg.param_dtype
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for layer in decoder_layers(hf_model):
+        fully_shard(layer, **kwargs)
+    fully_shard(module, **kwargs)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # Sum, not average: the loss is already normalised by the global batch. A plain SUM reduction
+            # (rather than NCCL's PREMUL_SUM) also works on Gloo.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    def fn(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if cfg.schedule == "cosine":
+            decay = 0.5 * (1 + math.cos(math.pi * progress))
+        else:
+            decay = 1.0 - progress
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return fn
+
+
+class FSDPEngine:
+    """An FSDP2-sharded module with (optionally) its optimiser and LR schedule.
+
+    ``module`` is the role's root (e.g. ``CausalLMPolicy``); ``hf_model`` is the HF model inside it, whose
+    decoder layers are the sharding units. Frozen roles (reference) pass ``optim=None``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        hf_model: nn.Module,
+        *,
+        mesh: DeviceMesh,
+        device: torch.device,
+        fsdp: FSDPConfig,
+        optim: OptimConfig | None = None,
+        total_optim_steps: int = 1,
+        gradient_checkpointing: bool = False,
+    ):
+        self.mesh = mesh
+        self.device = device
+        self.optim_cfg = optim
+        self.reshard_after_forward = fsdp.reshard_after_forward
+        if gradient_checkpointing:
+            apply_ac(module, hf_model)
+        apply_fsdp(module, hf_model, mesh=mesh, cfg=fsdp, device=device)
+        self.module = module
+        self.hf_model = hf_model
+        if optim is None:
+            module.eval()
+            module.requires_grad_(False)
+            self.optimizer = self.scheduler = None
+        else:
+            module.train()
+            self.optimizer = torch.optim.AdamW(
+                [p for p in module.parameters() if p.requires_grad],
+                lr=optim.lr,
+                betas=optim.betas,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optim_steps))
+
+    def fsdp_modules(self) -> Iterator[FSDPModule]:
+        return (m for m in self.module.modules() if isinstance(m, FSDPModule))
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> dict[str, float]:
+        """Accumulate gradients over ``micro_batches`` (``loss_fn(module, mb).backward()`` each), clip, step.
+
+        ``loss_fn`` must return the micro-batch's share of the globally-normalised loss. A non-finite
+        gradient norm skips the update (counted in ``skipped``).
+        """
+        assert self.optimizer is not None, "optimizer_step on a frozen engine"
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            loss_fn(self.module, mb).backward()
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        return {"grad_norm": grad_norm, "skipped": float(skipped)}
+
+    @contextmanager
+    def unsharded(self):
+        """All parameters gathered in place for the duration (colocated rollout reads them, no copy).
+
+        Module forwards inside the block do not re-gather or free parameters.
+        """
+        mods = list(self.fsdp_modules())
+        for m in mods:
+            m.set_reshard_after_forward(False)
+            m.unshard()
+        try:
+            yield self.module
+        finally:
+            for m in mods:
+                m.reshard()
+                # FSDP2 keeps the root unsharded after forward (it is gathered again for backward at once).
+                m.set_reshard_after_forward(self.reshard_after_forward and m is not self.module)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU state dict of the root module on rank 0 of the mesh; empty elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -1,0 +1,164 @@
+"""Incremental decoding for the native rollout engine.
+
+``LlamaFamilyDecoder`` runs a Llama/Qwen2/Qwen3/Mistral-style model functionally: it reads the weights
+from the Hugging Face module tree at every call (so, colocated with an FSDP2 actor whose parameters are
+gathered in place, it uses the actor's current weights with no copy) and keeps its own preallocated KV
+cache. It reuses the model's rotary module, so every RoPE variant transformers implements is supported.
+Numerics follow transformers' own implementation (RMSNorm in float32, SDPA attention), which is what
+makes greedy outputs equal ``generate``'s.
+
+``HFDecoder`` is the fallback for other architectures: the model's own forward with a ``DynamicCache``.
+
+Both expose ``start(prompt_ids_BP, prompt_mask_BP, max_new_tokens) -> logits_BV``, ``step(tokens_B) ->
+logits_BV`` and ``keep(rows)`` (drop finished rows from the batch, compacting the cache).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LLAMA_FAMILY = {"llama", "qwen2", "qwen3", "mistral"}
+
+
+def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
+    if getattr(hf_model.config, "model_type", None) in LLAMA_FAMILY:
+        return LlamaFamilyDecoder(hf_model)
+    return HFDecoder(hf_model)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+    return F.linear(x, proj.weight, proj.bias)
+
+
+def prompt_positions(prompt_mask_BP: torch.Tensor) -> torch.Tensor:
+    """Left-padded prompts: position of each real token counts from 0; pads get position 0."""
+    return (prompt_mask_BP.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class LlamaFamilyDecoder:
+    def __init__(self, hf_model: nn.Module):
+        cfg = hf_model.config
+        self.model = hf_model
+        base = hf_model.get_decoder()
+        self.base = base
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        self.n_layers = len(base.layers)
+
+    def _params_dtype(self) -> torch.dtype:
+        return self.base.embed_tokens.weight.dtype
+
+    def start(self, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        B, P = prompt_ids_BP.shape
+        dev = prompt_ids_BP.device
+        L = P + max_new_tokens
+        self.k = torch.empty(self.n_layers, B, self.n_kv, L, self.head_dim, dtype=self._params_dtype(), device=dev)
+        self.v = torch.empty_like(self.k)
+        self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        self.valid[:, :P] = prompt_mask_BP.bool()
+        self.next_pos = prompt_mask_BP.long().sum(-1)  # position id of the next token per row
+        self.length = 0  # cache slots filled (the prefill fills P)
+        # Causal mask; a pad query also sees itself so no row is fully masked (SDPA would give NaN).
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+        mask = (causal & self.valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+        return self._forward(prompt_ids_BP, prompt_positions(prompt_mask_BP), mask[:, None])
+
+    def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
+        pos = self.next_pos[:, None]
+        self.valid[:, self.length] = True
+        mask = self.valid[:, None, None, : self.length + 1]
+        self.next_pos = self.next_pos + 1
+        return self._forward(tokens_B[:, None], pos, mask)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+        self.valid = self.valid[rows]
+        self.next_pos = self.next_pos[rows]
+
+    def _forward(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        base, B, S = self.base, ids_BS.shape[0], ids_BS.shape[1]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        start, end = self.length, self.length + S
+        h = F.embedding(ids_BS, base.embed_tokens.weight)
+        cos, sin = base.rotary_emb(h, pos_BS)
+        cos, sin = cos[:, None], sin[:, None]
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
+            q = _linear(x, attn.q_proj).view(B, S, H, D)
+            k = _linear(x, attn.k_proj).view(B, S, KV, D)
+            v = _linear(x, attn.v_proj).view(B, S, KV, D)
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+                q = _rms_norm(q, attn.q_norm.weight, self.eps)
+                k = _rms_norm(k, attn.k_norm.weight, self.eps)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k[i, :, :, start:end] = k
+            self.v[i, :, :, start:end] = v
+            a = F.scaled_dot_product_attention(
+                q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask, enable_gqa=KV != H
+            )
+            h = h + _linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
+            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
+            mlp = layer.mlp
+            h = h + _linear(F.silu(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+        self.length = end
+        h = _rms_norm(h[:, -1], base.norm.weight, self.eps)
+        return _linear(h, self.model.get_output_embeddings()).float()
+
+
+class HFDecoder:
+    """Any causal LM, through its own forward and a DynamicCache (slower; no fused fast path)."""
+
+    def __init__(self, hf_model: nn.Module):
+        self.model = hf_model
+
+    def start(self, prompt_ids_BP, prompt_mask_BP, max_new_tokens):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.mask = prompt_mask_BP.long()
+        self.next_pos = self.mask.sum(-1)
+        out = self.model(
+            input_ids=prompt_ids_BP,
+            attention_mask=self.mask,
+            position_ids=prompt_positions(prompt_mask_BP),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1].float()
+
+    def step(self, tokens_B):
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+        out = self.model(
+            input_ids=tokens_B[:, None],
+            attention_mask=self.mask,
+            position_ids=self.next_pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1].float()
+
+    def keep(self, rows):
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.next_pos = self.next_pos[rows]

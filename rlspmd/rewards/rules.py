@@ -1,0 +1,61 @@
+"""Rule rewards, chosen by a sample's ``data_source``.
+
+Each function has the signature ``fn(response, ground_truth, extra_info) -> float``. Answers follow the
+GSM8K convention: the final answer follows the last ``####`` in the response.
+"""
+
+from __future__ import annotations
+
+import re
+
+_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+
+
+def extract_final_answer(response: str) -> str | None:
+    """The number after the last ``####`` (commas removed), or None."""
+    matches = _FINAL.findall(response)
+    return matches[-1].replace(",", "") if matches else None
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b.replace(",", ""))) < 1e-6
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+def gsm8k(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """1.0 when the number after the last ``####`` equals the ground truth, else 0.0."""
+    answer = extract_final_answer(response)
+    return float(answer is not None and _same_number(answer, ground_truth))
+
+
+def arithmetic(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """The synthetic arithmetic task (``scripts/data/arithmetic.py``): exact integer after ``####``."""
+    return gsm8k(response, ground_truth, extra_info)
+
+
+def _reasoning_gym(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    from rlspmd.rewards.reasoning_gym import score
+
+    return score(response, ground_truth, extra_info or {})
+
+
+RULES = {
+    "openai/gsm8k": gsm8k,
+    "gsm8k": gsm8k,
+    "arithmetic": arithmetic,
+}
+PREFIX_RULES = {"reasoning_gym/": _reasoning_gym}
+
+
+def rule_for(data_source: str):
+    if data_source in RULES:
+        return RULES[data_source]
+    for prefix, fn in PREFIX_RULES.items():
+        if data_source.startswith(prefix):
+            return fn
+    known = sorted(RULES) + [p + "*" for p in PREFIX_RULES]
+    raise ValueError(
+        f"no rule reward for data_source {data_source!r} (known: {known}); set reward.function to a custom function"
+    )

@@ -1,0 +1,171 @@
+"""The policy (actor) and the frozen reference: small classes over the shared FSDP2 engine.
+
+``Policy.update`` runs PPO epochs × mini-batches × micro-batches. Loss normalisation is global: before
+each mini-batch the valid-token and sequence counts are summed over the DP mesh, every micro-batch loss
+is divided by those global counts, and gradients are summed over ranks (``engines/fsdp.py``). The
+gradient therefore does not depend on how the mini-batch is split over ranks or micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty, local_denominators
+from rlspmd.config import ActorConfig, RefConfig
+from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
+from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.models.loader import load_causal_lm
+from rlspmd.models.policy import CausalLMPolicy
+from rlspmd.protocol import Batch
+
+
+@torch.no_grad()
+def compute_logprobs(module, batch: Batch, *, micro_batch_size: int, temperature: float, with_entropy: bool = False):
+    """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch."""
+    R = batch["responses_BR"].shape[1]
+    lps, ents = [], []
+    for mb in batch.split(micro_batch_size):
+        lp, ent = module(
+            mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"],
+            response_len=R, temperature=temperature, with_entropy=with_entropy,
+        )
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), torch.cat(ents)
+
+
+def build_policy_module(model_path: str, *, dtype: str, attn_implementation: str, field_name: str) -> CausalLMPolicy:
+    return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation, field_name=field_name))
+
+
+class Policy:
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        *,
+        mesh: DeviceMesh,
+        device: torch.device,
+        samples_per_prompt: int,
+        train_batch_size: int,
+        temperature: float,
+        max_response_length: int,
+        total_steps: int,
+    ):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.temperature = temperature
+        self.max_response_length = max_response_length
+        dp = mesh.size()
+        rows = cfg.mini_batch_size * samples_per_prompt
+        if rows % dp:
+            raise ValueError(
+                f"actor.mini_batch_size={cfg.mini_batch_size} x rollout.n={samples_per_prompt} = {rows} samples "
+                f"do not split over {dp} DP ranks"
+            )
+        self.local_mini_batch = rows // dp
+        if train_batch_size % cfg.mini_batch_size:
+            raise ValueError(
+                f"data.train_batch_size={train_batch_size} is not a multiple of actor.mini_batch_size={cfg.mini_batch_size}"
+            )
+        optim_steps = total_steps * cfg.ppo_epochs * (train_batch_size // cfg.mini_batch_size)
+        if cfg.policy_loss not in POLICY_LOSSES:
+            raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
+        self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
+        module = build_policy_module(
+            cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="actor.model.path"
+        )
+        self.engine = FSDPEngine(
+            module,
+            module.hf,
+            mesh=mesh,
+            device=device,
+            fsdp=cfg.fsdp,
+            optim=cfg.optim,
+            total_optim_steps=optim_steps,
+            gradient_checkpointing=cfg.model.gradient_checkpointing,
+        )
+
+    def log_prob(self, batch: Batch) -> Batch:
+        """Adds ``old_logprobs_BR``: the behaviour policy's log-probs, recomputed by the trainer's numerics."""
+        lp, _ = compute_logprobs(
+            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature
+        )
+        return batch.set(old_logprobs_BR=lp)
+
+    def update(self, batch: Batch) -> MetricBuffer:
+        cfg, metrics = self.cfg, MetricBuffer()
+        dp = self.mesh.size()
+        for _epoch in range(cfg.ppo_epochs):
+            for mini in batch.split(self.local_mini_batch):
+                counts = all_reduce_sum(torch.stack(local_denominators(mini["response_mask_BR"])), mesh=self.mesh)
+                agg = AggArgs(
+                    mode=cfg.loss_agg_mode,
+                    global_tokens=int(counts[0]),
+                    global_seqs=int(counts[1]),
+                    norm_length=self.max_response_length,
+                )
+                stats = self.engine.optimizer_step(
+                    mini.split(cfg.micro_batch_size), lambda module, mb: self._loss(module, mb, agg, metrics)
+                )
+                metrics.mean("actor/grad_norm", stats["grad_norm"] / dp, 1 / dp)
+                metrics.sum("actor/skipped_updates", stats["skipped"] / dp)
+                metrics.mean("actor/pg_loss", 0.0, 1 / dp)  # one global loss per optimiser step
+        metrics.max("actor/lr", self.engine.lr)
+        return metrics
+
+    def _loss(self, module, mb: Batch, agg: AggArgs, metrics: MetricBuffer) -> torch.Tensor:
+        cfg = self.cfg
+        R = mb["responses_BR"].shape[1]
+        logp, entropy = module(
+            mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, temperature=self.temperature
+        )
+        mask = mb["response_mask_BR"].float()
+        pg_loss, pg_stats = self.loss_fn(
+            logp,
+            mb["old_logprobs_BR"],
+            mb["advantages_BR"],
+            mask,
+            agg=agg,
+            clip_low=cfg.clip_ratio_low,
+            clip_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+        )
+        loss = pg_loss
+        n_tok = mask.sum()
+        if cfg.use_kl_loss:
+            kl = kl_penalty(logp, mb["ref_logprobs_BR"], kind=cfg.kl_loss_type)
+            loss = loss + cfg.kl_loss_coef * agg(kl, mask)
+            metrics.mean("actor/kl_loss", (kl.detach() * mask).sum(), n_tok)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mask, agg=agg)
+        metrics.mean("actor/entropy", (entropy.detach() * mask).sum(), n_tok)
+        metrics.mean("actor/pg_loss", pg_loss.detach(), 0.0)
+        for k, v in pg_stats.items():
+            metrics.mean(f"actor/{k}", float(v) * n_tok, n_tok)
+        return loss
+
+
+class Reference:
+    """Frozen copy of the initial policy; adds ``ref_logprobs_BR``."""
+
+    def __init__(self, cfg: RefConfig, *, model_path: str, dtype: str, attn_implementation: str, mesh: DeviceMesh, device: torch.device, fsdp, temperature: float):
+        self.cfg = cfg
+        self.temperature = temperature
+        module = build_policy_module(
+            cfg.model_path or model_path, dtype=dtype, attn_implementation=attn_implementation, field_name="ref.model_path"
+        )
+        self.engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=None)
+
+    def log_prob(self, batch: Batch) -> Batch:
+        lp, _ = compute_logprobs(
+            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature
+        )
+        return batch.set(ref_logprobs_BR=lp)
+
+
+class NoReference:
+    """Stands in when no KL term needs the reference: does nothing."""
+
+    def log_prob(self, batch: Batch) -> Batch:
+        return batch

@@ -1,0 +1,51 @@
+"""What every rollout engine shares: the interface and the layout of a generated batch.
+
+An engine takes a Batch of left-padded prompts (``prompts_BP``, ``prompt_mask_BP`` plus per-sample
+objects) and returns ``n`` samples per prompt, consecutive, with the training layout of
+``rlspmd.protocol`` (``input_ids_BL = prompts_BP ++ responses_BR``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from rlspmd.protocol import Batch
+from rlspmd.rollout.sampling import SamplingParams
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Batch, params: SamplingParams, *, generator: torch.Generator) -> Batch: ...
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+def assemble_rollout(
+    batch: Batch, responses_BR: torch.Tensor, lengths_B: torch.Tensor, logprobs_BR: torch.Tensor, *, pad_id: int
+) -> Batch:
+    """Add the response tensors and the concatenated training layout to ``batch`` (the repeated prompts).
+
+    ``responses_BR`` may be wider than needed; it is trimmed to the longest response. Tokens past each
+    row's length are set to ``pad_id`` and masked out.
+    """
+    R = max(int(lengths_B.max()), 1) if len(lengths_B) else 1
+    responses_BR = responses_BR[:, :R]
+    logprobs_BR = logprobs_BR[:, :R]
+    mask_BR = (torch.arange(R, device=responses_BR.device)[None] < lengths_B[:, None].to(responses_BR.device)).long()
+    responses_BR = responses_BR.masked_fill(mask_BR == 0, pad_id)
+    attention_mask_BL = torch.cat([batch["prompt_mask_BP"].long(), mask_BR], dim=1)
+    position_ids_BL = (attention_mask_BL.cumsum(-1) - 1).clamp(min=0)
+    return batch.set(
+        responses_BR=responses_BR,
+        response_mask_BR=mask_BR,
+        rollout_logprobs_BR=logprobs_BR * mask_BR,
+        input_ids_BL=torch.cat([batch["prompts_BP"], responses_BR], dim=1),
+        attention_mask_BL=attention_mask_BL,
+        position_ids_BL=position_ids_BL,
+    )

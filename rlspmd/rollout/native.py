@@ -1,0 +1,142 @@
+"""The native rollout engine: torch-only batched sampling with a preallocated KV cache.
+
+Weights come from a ``WeightSource``. Colocated with an FSDP2 actor (``ColocatedWeights``) the engine
+gathers the actor's parameters in place for the duration of ``generate`` and reads them directly — no
+copy of the model, and always the current weights, so "weight sync" is free. ``OwnWeights`` holds a
+separate model (split placement, or a rollout dtype different from training) that ``update_weights``
+loads from a weight stream.
+
+Finished rows stop costing compute: once a quarter of the active rows have produced EOS they are dropped
+from the batch and the KV cache is compacted (compacting at every EOS would copy the cache too often).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from rlspmd.models.decoder import make_decoder
+from rlspmd.protocol import Batch
+from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.sampling import SamplingParams, sample_next
+
+
+class ColocatedWeights:
+    """The actor's FSDP2 module, gathered in place while generating."""
+
+    def __init__(self, fsdp_engine, hf_attr: str = "hf"):
+        self.engine = fsdp_engine
+        self.hf_attr = hf_attr
+
+    @contextmanager
+    def model(self) -> Iterator[nn.Module]:
+        with self.engine.unsharded() as root:
+            yield getattr(root, self.hf_attr)
+
+
+class OwnWeights:
+    """A private copy of the model, refreshed by ``load``."""
+
+    def __init__(self, hf_model: nn.Module):
+        self.hf_model = hf_model.eval().requires_grad_(False)
+
+    def model(self):
+        return nullcontext(self.hf_model)
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params = dict(self.hf_model.named_parameters())
+        n_bytes = 0
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"weight {name!r} does not exist in the rollout model")
+            params[name].copy_(tensor)
+            n_bytes += tensor.numel() * tensor.element_size()
+        return n_bytes
+
+
+@torch.inference_mode()
+def generate_tokens(
+    decoder,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor,
+    params: SamplingParams,
+    *,
+    eos_ids: torch.Tensor,
+    pad_id: int,
+    generator: torch.Generator | None,
+    compact_fraction: float = 0.25,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode up to ``params.max_new_tokens`` per row -> (tokens_BR, lengths_B, logprobs_BR).
+
+    ``lengths_B`` counts generated tokens including the EOS token; tokens past it are ``pad_id``.
+    """
+    B, T = prompt_ids_BP.shape[0], params.max_new_tokens
+    dev = prompt_ids_BP.device
+    tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
+    logprobs = torch.zeros(B, T, dtype=torch.float32, device=dev)
+    lengths = torch.full((B,), T, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)  # original row of each decoder row
+    done = torch.zeros(B, dtype=torch.bool, device=dev)  # per decoder row
+    logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T)
+    for t in range(T):
+        tok, lp = sample_next(logits, params, generator)
+        live = ~done
+        tokens[rows[live], t] = tok[live]
+        logprobs[rows[live], t] = lp[live]
+        newly = live & torch.isin(tok, eos_ids)
+        if newly.any():
+            lengths[rows[newly]] = t + 1
+            done |= newly
+            if bool(done.all()):
+                break
+            if done.float().mean() >= compact_fraction:
+                keep = (~done).nonzero().squeeze(-1)
+                decoder.keep(keep)
+                rows, tok, done = rows[keep], tok[keep], done[keep]
+        if t + 1 < T:
+            logits = decoder.step(tok)
+    return tokens, lengths, logprobs
+
+
+class NativeEngine:
+    def __init__(self, weights, *, eos_ids: list[int], pad_id: int, max_batch_size: int, device: torch.device):
+        self.weights = weights
+        self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
+        self.pad_id = pad_id
+        self.max_batch_size = max_batch_size
+        self.device = device
+
+    def generate(self, prompts: Batch, params: SamplingParams, *, generator: torch.Generator | None) -> Batch:
+        batch = prompts.repeat(params.n) if params.n > 1 else prompts
+        outs = []
+        with self.weights.model() as hf_model:
+            decoder = make_decoder(hf_model)
+            for part in batch.split(self.max_batch_size):
+                outs.append(
+                    generate_tokens(
+                        decoder,
+                        part["prompts_BP"],
+                        part["prompt_mask_BP"],
+                        params,
+                        eos_ids=self.eos_ids,
+                        pad_id=self.pad_id,
+                        generator=generator,
+                    )
+                )
+        tokens, lengths, logprobs = (torch.cat(x) for x in zip(*outs))
+        return assemble_rollout(batch, tokens, lengths, logprobs, pad_id=self.pad_id)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if isinstance(self.weights, ColocatedWeights):
+            raise RuntimeError("the colocated native engine reads the actor's weights in place; nothing to update")
+        return self.weights.load(weights)
+
+    def sleep(self) -> None:
+        """Nothing to release: the KV cache lives only inside ``generate``."""
+
+    def wake(self) -> None:
+        pass

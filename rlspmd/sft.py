@@ -1,0 +1,132 @@
+"""Supervised fine-tuning: the warm start before RL (a randomly initialised model cannot learn from reward alone).
+
+    torchrun --nproc-per-node 2 -m rlspmd.sft --config configs/sft_quickstart.py
+
+Same runtime, mesh and FSDP2 engine as the RL trainer. The loss is the token-mean negative log-likelihood
+of the response (prompt tokens are context only), normalised over the global batch. At the end the model
+is written as a Hugging Face directory (safetensors + tokenizer) that RL configs point at.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlspmd.config import MeshConfig, SFTConfig
+from rlspmd.data.prompts import EpochSampler, read_rows
+from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
+from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
+from rlspmd.distributed.runtime import init_distributed, seed_everything, shutdown, spmd_main
+from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.models.loader import load_tokenizer
+from rlspmd.protocol import Batch
+from rlspmd.roles.policy import build_policy_module
+from rlspmd.trainer.checkpoint import save_hf_model
+from rlspmd.trainer.logger import MetricLogger
+
+
+class SFTDataset:
+    """(chat prompt, response) pairs tokenized as ``template(prompt) + response + eos``."""
+
+    def __init__(self, files: list[str], tokenizer, *, prompt_key: str, response_key: str, max_length: int):
+        self.tokenizer = tokenizer
+        self.examples: list[tuple[list[int], list[int]]] = []
+        self.n_dropped = 0
+        for path, ds in read_rows(files, prompt_key=prompt_key, field_name="data.train_files"):
+            if response_key not in ds.column_names:
+                raise ValueError(f"data.train_files: {path} lacks the response column {response_key!r}")
+            prompts = [tokenizer.apply_chat_template(r[prompt_key], tokenize=False, add_generation_prompt=True) for r in ds]
+            responses = [r[response_key] + tokenizer.eos_token for r in ds]
+            p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+            r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+            for p, r in zip(p_ids, r_ids):
+                if len(p) + len(r) > max_length:
+                    self.n_dropped += 1
+                else:
+                    self.examples.append((p, r))
+        if not self.examples:
+            raise ValueError(f"data.train_files: no example fits data.max_length={max_length}")
+
+    def batch(self, indices: list[int]) -> Batch:
+        ex = [self.examples[i] for i in indices]
+        P, R = max(len(p) for p, _ in ex), max(len(r) for _, r in ex)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(ex), P + R), pad, dtype=torch.long)
+        mask = torch.zeros(len(ex), P + R, dtype=torch.long)
+        for i, (p, r) in enumerate(ex):
+            ids[i, P - len(p) : P + len(r)] = torch.tensor(p + r)
+            mask[i, P - len(p) : P + len(r)] = 1
+        return Batch(
+            {
+                "input_ids_BL": ids,
+                "attention_mask_BL": mask,
+                "position_ids_BL": (mask.cumsum(-1) - 1).clamp(min=0),
+                "responses_BR": ids[:, P:],
+                "response_mask_BR": mask[:, P:],
+            }
+        )
+
+
+def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
+    R = mb["responses_BR"].shape[1]
+    logp, _ = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, with_entropy=False)
+    return -(logp * mb["response_mask_BR"]).sum() / global_tokens
+
+
+@spmd_main
+def main(argv: list[str] | None = None) -> None:
+    from rlspmd.train import parse_args
+
+    cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
+    rt = init_distributed(cfg.dist)
+    seed_everything(cfg.seed)
+    dims = ParallelDims.from_config(MeshConfig(), rt.world_size)  # SFT: one role on every rank
+    mesh = RoleMeshes(dims, rt.device.type, rt.rank).get("actor", DP)
+    if rt.is_main:
+        print(f"backend {rt.backend}, device {rt.device.type}\n{dims.layout()}", flush=True)
+    if dry_run:
+        return shutdown()
+    dp = mesh.size()
+    if cfg.data.batch_size % dp:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over {dp} DP ranks")
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, field_name="model.tokenizer_path")
+    data = sampler = None
+    if rt.is_main:
+        d = cfg.data
+        data = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key, max_length=d.max_length)
+        sampler = EpochSampler(len(data.examples), d.batch_size, seed=cfg.seed, shuffle=d.shuffle)
+        print(f"SFT examples: {len(data.examples)} (dropped {data.n_dropped} over data.max_length)", flush=True)
+    module = build_policy_module(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="model.path")
+    engine = FSDPEngine(
+        module, module.hf, mesh=mesh, device=rt.device, fsdp=cfg.fsdp, optim=cfg.optim,
+        total_optim_steps=cfg.total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
+    )
+    logger = MetricLogger(cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, enabled=rt.is_main)
+    losses = []
+    for step in range(1, cfg.total_steps + 1):
+        batch = scatter_batch(data.batch(sampler.next_batch()) if rt.is_main else None, mesh=mesh, device=rt.device)
+        tokens = float(all_reduce_sum(batch["response_mask_BR"].sum(), mesh=mesh))
+        mb_losses = []
+
+        def loss_fn(module, mb):
+            loss = nll_loss(module, mb, tokens)
+            mb_losses.append(loss.detach())
+            return loss
+
+        stats = engine.optimizer_step(batch.split(cfg.micro_batch_size), loss_fn)
+        losses.append(float(all_reduce_sum(torch.stack(mb_losses).sum(), mesh=mesh)))
+        if step % cfg.log_every == 0 or step == cfg.total_steps:
+            logger.log(step, {"sft/loss": sum(losses) / len(losses), "sft/grad_norm": stats["grad_norm"], "sft/lr": engine.lr})
+            losses = []
+        elif rt.is_main and logger.bar is not None:
+            logger.bar.update(1)
+    out = Path(cfg.output_dir) / "hf"
+    save_hf_model(engine, tokenizer, cfg.model.path, out, is_main=rt.is_main)
+    logger.write(f"saved the fine-tuned model to {out}")
+    logger.close()
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The RL loop. ``RLTrainer.step`` is the data flow of one step, one line per stage:
+
+    prompts (rank 0 samples them, scatter to the DP ranks)
+      -> rollout.generate      n samples per prompt, on this rank
+      -> reward.score          rule functions / user function, same rank
+      -> ref.log_prob          frozen reference (no-op without a KL term)
+      -> actor.log_prob        old log-probs of the behaviour policy
+      -> critic.values         PPO only (no-op otherwise)
+      -> advantages            pure functions in rlspmd.algorithms
+      -> critic.update, actor.update
+      -> rollout.sync_weights  actor -> rollout
+      -> metrics               reduced over ranks, logged by rank 0
+
+A prompt's samples are generated, scored and trained on one DP rank, so group statistics are local and
+only scalars cross ranks. Rank 0 decides (which prompts, when to validate) and broadcasts.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from rlspmd.config import Config
+from rlspmd.data.prompts import EpochSampler, PromptDataset
+from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
+from rlspmd.distributed.mesh import DP, RoleMeshes
+from rlspmd.distributed.runtime import Runtime
+from rlspmd.models.loader import eos_token_ids, load_tokenizer
+from rlspmd.protocol import Batch
+from rlspmd.rewards import RewardManager
+from rlspmd.roles.critic import NoCritic
+from rlspmd.roles.policy import NoReference, Policy, Reference
+from rlspmd.roles.rollout import Rollout
+from rlspmd.trainer.advantage import AdvantageStage
+from rlspmd.trainer.logger import MetricLogger
+
+
+class StageTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class RLTrainer:
+    def __init__(self, cfg: Config, rt: Runtime, meshes: RoleMeshes):
+        if not meshes.dims.is_colocated:
+            raise ValueError("split placement (mesh.*_ranks) is not supported by the RL trainer yet; use colocated placement")
+        self.cfg, self.rt = cfg, rt
+        self.dp_mesh = meshes.get("actor", DP)
+        dp = self.dp_mesh.size()
+        if cfg.data.train_batch_size % dp:
+            raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} does not split over {dp} DP ranks")
+        model_path = cfg.actor.model.path
+        self.tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or model_path, field_name="actor.model.tokenizer_path")
+        self.train_data = self.val_data = self.sampler = None
+        if rt.is_main:  # rank 0 reads the data and decides each step's prompts
+            d = cfg.data
+            kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts)
+            self.train_data = PromptDataset(d.train_files, self.tokenizer, field_name="data.train_files", **kw)
+            self.val_data = PromptDataset(d.val_files, self.tokenizer, field_name="data.val_files", **kw)
+            self.sampler = EpochSampler(len(self.train_data), d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
+        self.data_stats = broadcast_object(
+            {"train_prompts": len(self.train_data), "train_dropped": self.train_data.n_dropped} if rt.is_main else None
+        )
+
+        temperature = cfg.rollout.temperature
+        self.actor = Policy(
+            cfg.actor,
+            mesh=self.dp_mesh,
+            device=rt.device,
+            samples_per_prompt=cfg.rollout.n,
+            train_batch_size=cfg.data.train_batch_size,
+            temperature=temperature,
+            max_response_length=cfg.rollout.max_response_length,
+            total_steps=cfg.trainer.total_steps,
+        )
+        self.ref = (
+            Reference(
+                cfg.ref, model_path=model_path, dtype=cfg.actor.model.dtype, attn_implementation=cfg.actor.model.attn_implementation,
+                mesh=self.dp_mesh, device=rt.device, fsdp=cfg.actor.fsdp, temperature=temperature,
+            )
+            if cfg.actor.use_kl_loss
+            else NoReference()
+        )
+        self.critic = NoCritic()
+        self.rollout = Rollout(
+            cfg.rollout, policy=self.actor, eos_ids=eos_token_ids(model_path, self.tokenizer), pad_id=self.tokenizer.pad_token_id,
+            device=rt.device, seed=cfg.trainer.seed, dp_rank=self.dp_mesh.get_local_rank(),
+        )
+        self.reward = RewardManager(cfg.reward, self.tokenizer)
+        self.advantage = AdvantageStage(cfg.algorithm)
+        self.step_count = 0
+        self.logger = MetricLogger(cfg.trainer.loggers, cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps, enabled=rt.is_main)
+
+    def next_prompts(self) -> Batch:
+        batch = self.train_data.batch(self.sampler.next_batch()) if self.rt.is_main else None
+        return scatter_batch(batch, mesh=self.dp_mesh, device=self.rt.device)
+
+    def step(self, step: int) -> dict[str, float]:
+        t = StageTimer()
+        with t("step"):
+            prompts = self.next_prompts()
+            with t("gen"):
+                batch = self.rollout.generate(prompts, step=step)
+            with t("reward"):
+                batch = self.reward.score(batch)
+            with t("ref"):
+                batch = self.ref.log_prob(batch)
+            with t("old_log_prob"):
+                batch = self.actor.log_prob(batch)
+            with t("values"):
+                batch = self.critic.values(batch)
+            with t("adv"):
+                batch = self.advantage(batch)
+            with t("update_critic"):
+                critic_metrics = self.critic.update(batch)
+            with t("update_actor"):
+                actor_metrics = self.actor.update(batch)
+            with t("weight_sync"):
+                sync_metrics = self.rollout.sync_weights(self.actor)
+        return self.step_metrics(batch, [actor_metrics, critic_metrics], sync_metrics, t)
+
+    def step_metrics(self, batch: Batch, buffers: list[MetricBuffer], extra: dict[str, float], t: StageTimer) -> dict[str, float]:
+        m = MetricBuffer()
+        for b in buffers:
+            m.merge(b)
+        scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
+        n = len(batch)
+        m.mean("reward/mean", scores.sum(), n)
+        m.mean("reward/sq", scores.pow(2).sum(), n)
+        m.mean("acc/mean", (scores >= 1.0).float().sum(), n)
+        lengths = mask.sum(-1)
+        m.mean("response_length/mean", lengths.sum(), n)
+        m.max("response_length/max", lengths.max())
+        m.mean("response_length/clip_ratio", self.rollout.truncated(batch).float().sum(), n)
+        gap = ((batch["rollout_logprobs_BR"] - batch["old_logprobs_BR"]).abs() * mask).sum()
+        m.mean("rollout/logprob_gap", gap, mask.sum())
+        m.sum("tokens/response", mask.sum())
+        m.sum("tokens/total", batch["attention_mask_BL"].sum())
+        for k, v in t.seconds.items():
+            m.max(f"timing/{k}", v)
+        out = m.reduce(mesh=self.dp_mesh)
+        out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
+        out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
+        out["throughput/gen_tokens_per_s"] = out["tokens/response"] / max(out["timing/gen"], 1e-9)
+        out.update(extra)
+        return out
+
+    @torch.no_grad()
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy generation on the validation set; accuracy overall and per data_source."""
+        dp = self.dp_mesh.size()
+        cfg = self.cfg.data
+        n_val = broadcast_object(len(self.val_data) if self.rt.is_main else None)
+        if cfg.max_val_samples is not None:
+            n_val = min(n_val, cfg.max_val_samples)
+        results = []
+        for start in range(0, n_val, cfg.val_batch_size):
+            idx = list(range(start, min(start + cfg.val_batch_size, n_val)))
+            batch, n_pad = (self.val_data.batch(idx).pad_to_divisor(dp) if self.rt.is_main else (None, 0))
+            local = scatter_batch(batch, mesh=self.dp_mesh, device=self.rt.device)
+            out = self.reward.score(self.rollout.generate_validation(local, step=step))
+            slim = Batch({"scores_B": out["scores_B"].cpu()}, {"data_source": out["data_source"]})
+            gathered = gather_batch(slim, mesh=self.dp_mesh)
+            if gathered is not None:
+                results.append(gathered.slice(0, len(gathered) - n_pad))
+        if not self.rt.is_main:
+            return {}
+        allv = Batch.concat(results)
+        scores = allv["scores_B"]
+        metrics = {"val/acc": float((scores >= 1.0).float().mean()), "val/reward": float(scores.mean())}
+        sources = allv["data_source"]
+        for src in sorted(set(sources)):
+            sel = torch.tensor([s == src for s in sources])
+            metrics[f"val/acc/{src}"] = float((scores[sel] >= 1.0).float().mean())
+        return metrics
+
+    def fit(self) -> dict[str, float]:
+        cfg = self.cfg.trainer
+        stats = self.data_stats
+        self.logger.write(
+            f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)"
+        )
+        last: dict[str, float] = {}
+        if cfg.val_before_train:
+            last = self.validate(0)
+            self.logger.log(0, last, advance=False)
+        for step in range(self.step_count + 1, cfg.total_steps + 1):
+            metrics = self.step(step)
+            self.step_count = step
+            if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
+                metrics.update(self.validate(step))
+            self.logger.log(step, metrics)
+            last = metrics
+        self.logger.close()
+        return last

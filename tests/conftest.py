@@ -1,0 +1,78 @@
+"""Shared fixtures: the tiny model and the arithmetic data, built once per session (offline, deterministic),
+and a torchrun launcher for the multi-process tests (Gloo on CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST = Path(__file__).resolve().parent / "dist"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than ~30 s")
+    config.addinivalue_line("markers", "dist: launches several processes with torchrun (Gloo)")
+    config.addinivalue_line("markers", "gpu: needs CUDA; skipped where absent")
+    config.addinivalue_line("markers", "vllm: needs vLLM and CUDA; skipped where absent")
+
+
+def load_script(relpath: str):
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location("rlspmd_script_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The quickstart's tiny Qwen2 (random init, trained BPE tokenizer, ChatML template)."""
+    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("arith")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/data/arithmetic.py"), "--out-dir", str(out),
+         "--num-train", "512", "--num-test", "64", "--num-sft", "512"],
+        check=True, capture_output=True,
+    )
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(target: list[str], nproc: int, *, timeout: float = 300, env: dict | None = None, check: bool = True):
+    """Run ``torchrun --nproc-per-node nproc <target...>``; returns the CompletedProcess (stdout+stderr text)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun {' '.join(target)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def dist_script(name: str) -> str:
+    return str(DIST / name)
