@@ -21,7 +21,7 @@ import tyro
 
 from rlspmd.config import Config, load_config_file
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, seed_everything, set_deterministic, shutdown, spmd_main
+from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown, spmd_main
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
@@ -53,6 +53,7 @@ def flatten(cfg, prefix: str = "") -> dict[str, object]:
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
     rt = init_distributed(cfg.dist)
+    quiet_libraries()
     seed_everything(cfg.trainer.seed)
     set_deterministic(cfg.trainer.deterministic)
     dims = ParallelDims.from_config(cfg.mesh, rt.world_size)

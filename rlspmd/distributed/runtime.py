@@ -74,6 +74,21 @@ def init_distributed(cfg: DistConfig) -> Runtime:
     return Runtime(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
 
 
+def quiet_libraries() -> None:
+    """Silence per-file progress bars of datasets/transformers; rlspmd logs its own progress."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover - both are core dependencies
+        pass
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch identically on every rank (model init and data order must agree).
 

@@ -188,16 +188,60 @@ class RLTrainer:
         self.logger.write(
             f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)"
         )
-        last: dict[str, float] = {}
+        summary = RunSummary()
         if cfg.val_before_train:
-            last = self.validate(0)
-            self.logger.log(0, last, advance=False)
+            val = self.validate(0)
+            summary.add(0, val)
+            self.logger.log(0, val, advance=False)
         for step in range(self.step_count + 1, cfg.total_steps + 1):
             metrics = self.step(step)
             self.step_count = step
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
                 metrics.update(self.validate(step))
+            summary.add(step, metrics)
             self.logger.log(step, metrics)
-            last = metrics
+        if self.rt.is_main:
+            self.logger.write(summary.text())
+            summary.write(self.cfg.trainer.output_dir)
         self.logger.close()
-        return last
+        return summary.last
+
+
+class RunSummary:
+    """What a run did, for the end of the log and ``summary.json``: validation first -> last, step-time breakdown."""
+
+    def __init__(self):
+        self.t0 = time.time()
+        self.val: list[tuple[int, float]] = []
+        self.timings: list[dict[str, float]] = []
+        self.last: dict[str, float] = {}
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        if "val/acc" in metrics:
+            self.val.append((step, metrics["val/acc"]))
+        t = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
+        if t:
+            self.timings.append(t)
+        self.last = metrics
+
+    def as_dict(self) -> dict:
+        steady = self.timings[1:] or self.timings  # the first step pays one-off warm-up costs
+        mean = {k: sum(t.get(k, 0.0) for t in steady) / len(steady) for k in (steady[0] if steady else {})}
+        return {"wall_s": time.time() - self.t0, "steps": len(self.timings), "val_acc": self.val, "mean_step_s": mean}
+
+    def text(self) -> str:
+        d = self.as_dict()
+        lines = [f"done: {d['steps']} steps in {d['wall_s']:.0f} s"]
+        if len(self.val) >= 2:
+            (s0, a0), (s1, a1) = self.val[0], self.val[-1]
+            lines.append(f"validation accuracy: {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points")
+        if d["mean_step_s"]:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in d["mean_step_s"].items() if k != "step" and v >= 0.005)
+            lines.append(f"seconds per step (mean after the first): {d['mean_step_s'].get('step', 0):.2f} = {parts}")
+        return "\n".join(lines)
+
+    def write(self, output_dir: str) -> None:
+        import json
+        from pathlib import Path
+
+        (Path(output_dir) / "summary.json").write_text(json.dumps(self.as_dict(), indent=2))
