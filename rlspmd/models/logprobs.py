@@ -29,23 +29,25 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, tempera
 
 
 class _ChunkedLogprob(torch.autograd.Function):
+    # Each chunk's (chunk, V) float32 logits are the only large temporaries, and every pass over them is written
+    # in place where possible: on CPU the elementwise passes over V cost about as much as the matmuls.
     @staticmethod
     def forward(ctx, hidden_in, weight, bias, targets_in, temperature, chunk_size, with_entropy):
         # Outputs are allocated in the targets' shape (not views of flat buffers: FSDP2 hooks module outputs).
         lp_out = hidden_in.new_empty(targets_in.shape, dtype=torch.float32)
-        ent_out = hidden_in.new_empty(targets_in.shape, dtype=torch.float32)
+        ent_out = hidden_in.new_zeros(targets_in.shape, dtype=torch.float32)
         hidden, targets = hidden_in.reshape(-1, hidden_in.shape[-1]), targets_in.reshape(-1)
         lp, ent = lp_out.view(-1), ent_out.view(-1)
-        n = hidden.shape[0]
-        for s in range(0, n, chunk_size):
-            z = _chunk_logits(hidden[s : s + chunk_size], weight, bias, temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            lp[s : s + chunk_size] = z.gather(-1, targets[s : s + chunk_size, None]).squeeze(-1) - lse
-            if with_entropy:
-                ent[s : s + chunk_size] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-            else:
-                ent[s : s + chunk_size] = 0.0
-        ctx.save_for_backward(hidden_in, weight, bias, targets_in, ent_out)
+        lse = torch.empty_like(lp)
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = s + chunk_size
+            z = _chunk_logits(hidden[s:e], weight, bias, temperature)
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse[s:e, None])
+            lp[s:e] = logp.gather(-1, targets[s:e, None]).squeeze(-1)
+            if with_entropy:  # H = -sum(p log p): bounded terms, no cancellation between lse and E[z]
+                ent[s:e] = -torch.linalg.vecdot(logp.exp(), logp)
+        ctx.save_for_backward(hidden_in, weight, bias, targets_in, ent_out, lse)
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.has_bias = bias is not None
         ctx.hidden_shape = hidden_in.shape
@@ -53,29 +55,33 @@ class _ChunkedLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, targets, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, ent, lse = ctx.saved_tensors
         hidden, targets, ent = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), ent.reshape(-1)
-        g_lp, g_ent = g_lp.reshape(-1), g_ent.reshape(-1)
         tau, chunk = ctx.temperature, ctx.chunk_size
+        # d/d(raw logits) = (d/dz) / tau and d/dz is linear in (g_lp, g_ent): fold 1/tau into them once.
+        g_lp = g_lp.reshape(-1).float() / tau
+        g_ent = g_ent.reshape(-1).float() / tau if ctx.with_entropy else None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_hidden = torch.empty_like(hidden) if need_h else None
         g_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         g_bias = torch.zeros_like(bias, dtype=torch.float32) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
-            z = _chunk_logits(h, weight, bias, tau)
-            p = torch.softmax(z, dim=-1)
-            # d(loss)/dz = g_lp * (onehot - p) + g_ent * (-p * (log p + H))
-            gz = -p * g_lp[s : s + chunk, None]
-            gz.scatter_add_(-1, targets[s : s + chunk, None], g_lp[s : s + chunk, None])
+            e = s + chunk
+            h = hidden[s:e]
+            logp = _chunk_logits(h, weight, bias, tau).sub_(lse[s:e, None])
+            p = logp.exp()
+            # d/dz = g_lp * (onehot - p) - g_ent * p * (log p + H)  =  p * c + g_lp * onehot,
+            # with c = -(g_lp + g_ent * (log p + H)) built in place in the log p buffer.
             if ctx.with_entropy:
-                logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-                gz -= p * (logp + ent[s : s + chunk, None]) * g_ent[s : s + chunk, None]
-            gz = gz / tau
+                c = logp.add_(ent[s:e, None]).mul_(-g_ent[s:e, None]).sub_(g_lp[s:e, None])
+                gz = p.mul_(c)
+            else:
+                gz = p.mul_(-g_lp[s:e, None])
+            gz.scatter_add_(-1, targets[s:e, None], g_lp[s:e, None])
             if need_h:
-                g_hidden[s : s + chunk] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+                g_hidden[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
-                g_weight += gz.t() @ h.float()
+                g_weight.addmm_(gz.t(), h.float())
             if g_bias is not None:
                 g_bias += gz.sum(0)
         g_weight = g_weight.to(weight.dtype) if need_w else None
@@ -86,7 +92,7 @@ class _ChunkedLogprob(torch.autograd.Function):
 
 def _chunk_logits(h, weight, bias, temperature):
     z = torch.nn.functional.linear(h, weight, bias).float()
-    return z / temperature if temperature != 1.0 else z
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def chunked_logprobs(
