@@ -4,6 +4,10 @@
 positions into per-token log-probs and entropy with the chunked kernel (no full logits). Wrapping the HF
 model (instead of calling its ``forward``) keeps the embedding, final norm and LM head inside the root
 FSDP unit, so one root forward gathers them exactly once.
+
+With ``packing`` (the default, ``model.packing``) the micro-batch's valid tokens run as one packed sequence
+(``rlspmd.models.packing``) and the LM head sees only the valid response positions; the outputs are scattered
+back to the padded ``(B, R)`` layout with zeros at padding. Without it the padded batch runs as is.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 from torch import nn
 
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
+from rlspmd.models.packing import pack, packed_hidden_states, shifted_target_positions
 
 
 def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -23,10 +28,11 @@ def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor
 class CausalLMPolicy(nn.Module):
     """Wraps an HF ``*ForCausalLM``; ``forward`` returns ``(logprobs_BR, entropy_BR)`` of the response tokens."""
 
-    def __init__(self, hf_model: nn.Module, *, logprob_chunk: int = DEFAULT_CHUNK):
+    def __init__(self, hf_model: nn.Module, *, logprob_chunk: int = DEFAULT_CHUNK, packing: bool = False):
         super().__init__()
         self.hf = hf_model
         self.logprob_chunk = logprob_chunk
+        self.packing = packing
 
     @property
     def config(self):
@@ -48,15 +54,15 @@ class CausalLMPolicy(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL)
         head = self.hf.get_output_embeddings()
-        targets = input_ids_BL[:, -response_len:]
-        return chunked_logprobs(
-            response_hidden(hidden, response_len),
-            head.weight,
-            targets,
-            bias=head.bias,
-            temperature=temperature,
-            chunk_size=self.logprob_chunk,
-            with_entropy=with_entropy,
-        )
+        kw = dict(bias=head.bias, temperature=temperature, chunk_size=self.logprob_chunk, with_entropy=with_entropy)
+        if not self.packing:
+            hidden = self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL)
+            return chunked_logprobs(response_hidden(hidden, response_len), head.weight, input_ids_BL[:, -response_len:], **kw)
+        packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL)
+        hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
+        targets = shifted_target_positions(packed, attention_mask_BL, response_len)
+        lp_N, ent_N = chunked_logprobs(hidden_TH[targets - 1], head.weight, packed.input_ids_1T[0, targets], **kw)
+        valid_BR = attention_mask_BL[:, -response_len:].bool()
+        zeros = lp_N.new_zeros(valid_BR.shape)
+        return zeros.masked_scatter(valid_BR, lp_N), zeros.masked_scatter(valid_BR, ent_N)
