@@ -29,7 +29,12 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     """Transformers attention implementation for training forwards (``sdpa``, ``eager``, ``flash_attention_2``)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass (activation checkpointing)."""
+    """Recompute each decoder layer's activations in the backward pass (activation checkpointing): less activation
+    memory for about one more forward of compute. Gradients are unchanged."""
+    packing: bool = True
+    """Remove padding: run each micro-batch's valid tokens as one packed sequence with per-sample boundaries
+    (flash-attn varlen on CUDA when installed, per-sample SDPA otherwise). Same results as the padded forward, less
+    compute. Needs ``attn_implementation`` ``sdpa`` or ``flash_attention_2``."""
 
 
 @dataclass
@@ -80,6 +85,12 @@ class ActorConfig:
     """Sequences per forward/backward on one rank (gradient accumulation unit)."""
     logprob_micro_batch_size: int = 16
     """Sequences per no-grad log-prob forward on one rank."""
+    max_tokens_per_micro_batch: int | None = None
+    """Dynamic batching for the update: micro-batches hold at most this many valid tokens (prompt + response) per
+    rank instead of ``micro_batch_size`` sequences (a longer sequence gets one of its own). All DP ranks run the same
+    number of micro-batches. Mini-batches and loss normalisation are unchanged, so is the gradient. None: off."""
+    logprob_max_tokens_per_micro_batch: int | None = None
+    """Dynamic batching for the old-log-prob forward (no grad, so it can be larger than the update's). None: off."""
     policy_loss: str = "ppo_clip"
     """Policy loss (see ``rlspmd.algorithms.POLICY_LOSSES``)."""
     clip_ratio_low: float = 0.2
@@ -106,6 +117,11 @@ class RefConfig:
     """Reference model directory; defaults to ``actor.model.path``."""
     logprob_micro_batch_size: int = 16
     """Sequences per reference forward on one rank."""
+    logprob_max_tokens_per_micro_batch: int | None = None
+    """Dynamic batching for the reference forward: at most this many valid tokens per micro-batch. None: off."""
+    offload: bool = False
+    """Keep the frozen reference's sharded parameters in host memory between uses: moved to the GPU before its
+    forward and back after (frees its share of GPU memory for rollout and training). Does nothing on CPU (warns)."""
 
 
 @dataclass
@@ -210,6 +226,9 @@ class TrainerConfig:
     """Base seed: data order, sampling RNG (offset per rank), model init of new heads."""
     deterministic: bool = False
     """Use deterministic algorithms (slower) so repeated runs are bit-identical."""
+    balance_batch: bool = True
+    """Before the updates, move samples between DP ranks (within each mini-batch) so every rank trains on about the
+    same number of tokens. Same samples per optimiser step, so the same gradient; logs ``balance/token_imbalance_*``."""
 
 
 @dataclass

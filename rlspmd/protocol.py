@@ -113,6 +113,42 @@ class Batch:
             {k: [x for b in batches for x in b.objects[k]] for k in batches[0].objects},
         )
 
+    @staticmethod
+    def concat_padded(batches: Iterable["Batch"]) -> "Batch":
+        """Concatenate Batches whose padded widths differ (e.g. rows gathered from several ranks).
+
+        ``_BP`` tensors are left-padded to the widest, ``_BR`` right-padded, and ``_BL`` split at each batch's prompt
+        width (``L - R``) and padded both ways, keeping ``input_ids_BL = prompts_BP ++ responses_BR``. Padding is 0
+        (masks say what is padding). Other tensors must agree beyond the batch dim.
+        """
+        batches = [b for b in batches if len(b) or b.keys()]
+        if not batches:
+            return Batch()
+        keys = set(batches[0].tensors)
+        if any(set(b.tensors) != keys for b in batches):
+            raise ValueError("cannot concat Batches with different fields")
+
+        def width(b: "Batch", suffix: str) -> int | None:
+            return next((v.shape[1] for k, v in b.tensors.items() if k.endswith(suffix)), None)
+
+        P = max((width(b, "_BP") or 0) for b in batches)
+        R = max((width(b, "_BR") or 0) for b in batches)
+        PL = {k: max(b.tensors[k].shape[1] - (width(b, "_BR") or 0) for b in batches) for k in keys if k.endswith("_BL")}
+        padded = []
+        for b in batches:
+            r_b = width(b, "_BR") or 0
+            t = {}
+            for k, v in b.tensors.items():
+                if k.endswith("_BP"):
+                    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (P - v.shape[1], 0))
+                elif k.endswith("_BR"):
+                    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, R - v.shape[1]))
+                elif k.endswith("_BL"):
+                    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (PL[k] - (v.shape[1] - r_b), R - r_b))
+                t[k] = v
+            padded.append(Batch(t, b.objects))
+        return Batch.concat(padded)
+
     def repeat(self, n: int) -> "Batch":
         """Each row repeated ``n`` times consecutively (row0, row0, ..., row1, row1, ...)."""
         return self.select(torch.arange(len(self)).repeat_interleave(n))

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         data = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key, max_length=d.max_length)
         sampler = EpochSampler(len(data.examples), d.batch_size, seed=cfg.seed, shuffle=d.shuffle)
         print(f"SFT examples: {len(data.examples)} (dropped {data.n_dropped} over data.max_length)", flush=True)
-    module = build_policy_module(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="model.path")
+    module = build_policy_module(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="model.path",
+                                 packing=cfg.model.packing)
     engine = FSDPEngine(
         module, module.hf, mesh=mesh, device=rt.device, fsdp=cfg.fsdp, optim=cfg.optim,
         total_optim_steps=cfg.total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,

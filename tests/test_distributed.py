@@ -33,6 +33,12 @@ def test_fsdp2_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
             torch.testing.assert_close(run["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")
 
 
+def test_throughput_options_keep_gradients_2_ranks(tiny_model):
+    """Packing, token-budget micro-batches, DP balancing, activation checkpointing and CPU offload: same gradient of
+    every optimiser step and same losses as padded fixed micro-batches; same old/ref log-probs (see the script)."""
+    assert "THROUGHPUT OK" in torchrun([dist_script("throughput_check.py"), str(tiny_model)], 2).stdout
+
+
 def test_exception_on_one_rank_ends_the_job_quickly():
     t0 = time.monotonic()
     proc = torchrun([dist_script("failure_check.py")], 2, check=False, timeout=120)

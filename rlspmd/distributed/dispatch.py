@@ -141,3 +141,99 @@ class MetricBuffer:
         for i, k in enumerate(ext_keys):
             out[k] = ext[i].item() if i < n_max else -ext[i].item()
         return out
+
+
+def all_reduce_max(x: torch.Tensor, *, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Elementwise max of ``x`` over the mesh (a new tensor; ``x`` is untouched)."""
+    y = x.detach().clone()
+    if mesh is not None and mesh.size() > 1:
+        y = y.to(mesh.device_type)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return y.to(x.device)
+
+
+def all_to_all_objects(objs: list[Any], *, mesh: DeviceMesh) -> list[Any]:
+    """Send ``objs[r]`` to the mesh's rank ``r``; returns what every rank sent to this one, in rank order.
+
+    Pickled into one byte buffer per destination and exchanged with one ``all_to_all_single`` (after one for the
+    sizes), so each payload crosses the network once, to its destination only.
+    """
+    import pickle
+
+    group, _ = _group_and_src(mesh)
+    n = mesh.size()
+    assert len(objs) == n, f"all_to_all_objects needs one object per rank ({n}), got {len(objs)}"
+    if n == 1:
+        return list(objs)
+    dev = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=dev)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(dev)
+    recv_sizes_l = recv_sizes.tolist()
+    recv = torch.empty(sum(recv_sizes_l), dtype=torch.uint8, device=dev)
+    dist.all_to_all_single(recv, send, recv_sizes_l, send_sizes.tolist(), group=group)
+    data = recv.cpu().numpy().tobytes()
+    out, offset = [], 0
+    for size in recv_sizes_l:
+        out.append(pickle.loads(data[offset : offset + size]))
+        offset += size
+    return out
+
+
+def all_to_all_batch(batch: Batch, dest_B: list[int], *, mesh: DeviceMesh) -> Batch:
+    """Rows of ``batch`` move to the DP rank ``dest_B[i]`` of the mesh; returns the rows this rank receives.
+
+    Received rows come in source-rank order (a source's rows keep their order). Ranks may hold different padded
+    widths, so the result is re-padded by ``Batch.concat_padded``.
+    """
+    n = mesh.size()
+    assert len(dest_B) == len(batch), (len(dest_B), len(batch))
+    device = next(iter(batch.tensors.values())).device if batch.tensors else torch.device("cpu")
+    parts = [batch.select([i for i, d in enumerate(dest_B) if d == r]).to("cpu") for r in range(n)]
+    return Batch.concat_padded(all_to_all_objects(parts, mesh=mesh)).to(device)
+
+
+def balance_batch(batch: Batch, *, mesh: DeviceMesh, chunk_rows: int) -> tuple[Batch, dict[str, float]]:
+    """Move rows between the DP ranks so that each holds about the same number of tokens (``attention_mask_BL``).
+
+    Balancing happens inside each mini-batch, so every optimiser step still sees the same samples: rank r's rows
+    ``[j * chunk_rows, (j + 1) * chunk_rows)`` are its share of global mini-batch ``j``; the union of those shares is
+    partitioned into equal-count, token-balanced parts (``karmarkar_karp``), and each rank's new rows
+    ``[j * chunk_rows, ...)`` are one part. Each part goes to the rank that already holds most of its rows, so little
+    moves. Call after group statistics (advantages) are computed: a prompt's samples may end up on different ranks.
+
+    Returns the new local batch and ``balance/token_imbalance_{before,after}`` (max / mean tokens over ranks).
+    """
+    from rlspmd.data.balance import imbalance, karmarkar_karp
+
+    n, me = mesh.size(), mesh.get_local_rank()
+    if n == 1:
+        return batch, {"balance/token_imbalance_before": 1.0, "balance/token_imbalance_after": 1.0}
+    tokens = all_gather_objects(batch["attention_mask_BL"].sum(-1).tolist(), mesh=mesh)
+    sizes = {len(t) for t in tokens}
+    if len(sizes) > 1:
+        raise ValueError(f"balance_batch: DP ranks hold different numbers of samples {[len(t) for t in tokens]}")
+    rows = sizes.pop()
+    dest = [[0] * rows for _ in range(n)]  # dest[rank][row] = new rank of that row, known on every rank
+    for start in range(0, rows, chunk_rows):
+        items = [(r, i) for r in range(n) for i in range(start, min(start + chunk_rows, rows))]
+        parts = karmarkar_karp([tokens[r][i] for r, i in items], n, equal_size=True)
+        taken: set[int] = set()
+        for part in sorted(parts, key=lambda p: -max(sum(items[x][0] == r for x in p) for r in range(n))):
+            owner = max((r for r in range(n) if r not in taken), key=lambda r: sum(items[x][0] == r for x in part))
+            taken.add(owner)
+            for x in part:
+                r, i = items[x]
+                dest[r][i] = owner
+    received = all_to_all_batch(batch, dest[me], mesh=mesh)
+    # Received rows come in source-rank order; put them back in mini-batch order (stable, so deterministic).
+    chunk_of = [i // chunk_rows for r in range(n) for i in range(rows) if dest[r][i] == me]
+    received = received.select(sorted(range(len(chunk_of)), key=lambda x: chunk_of[x]))
+    before = [float(sum(t)) for t in tokens]
+    after = [0.0] * n
+    for r in range(n):
+        for i in range(rows):
+            after[dest[r][i]] += tokens[r][i]
+    return received, {"balance/token_imbalance_before": imbalance(before), "balance/token_imbalance_after": imbalance(after)}

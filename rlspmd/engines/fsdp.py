@@ -157,6 +157,17 @@ class FSDPEngine:
                 # FSDP2 keeps the root unsharded after forward (it is gathered again for backward at once).
                 m.set_reshard_after_forward(self.reshard_after_forward and m is not self.module)
 
+    def offload_params(self) -> None:
+        """Move the sharded parameters to host memory (a frozen role between uses); ``load_params`` brings them back.
+
+        FSDP2 supports ``Module.to`` on a sharded module (it re-registers the moved shards). Frozen roles have no
+        gradients or optimizer state to move.
+        """
+        self.module.to("cpu")
+
+    def load_params(self) -> None:
+        self.module.to(self.device, non_blocking=True)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU state dict of the root module on rank 0 of the mesh; empty elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

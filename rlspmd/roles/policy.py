@@ -8,6 +8,8 @@ gradient therefore does not depend on how the mini-batch is split over ranks or 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -15,28 +17,41 @@ from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty,
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
 from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.engines.micro_batches import split_micro_batches
 from rlspmd.models.loader import load_causal_lm
+from rlspmd.models.packing import training_attn_implementation
 from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.protocol import Batch
 
 
 @torch.no_grad()
-def compute_logprobs(module, batch: Batch, *, micro_batch_size: int, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch."""
+def compute_logprobs(
+    module, batch: Batch, *, micro_batch_size: int, temperature: float, with_entropy: bool = False,
+    max_tokens: int | None = None, mesh: DeviceMesh | None = None,
+):
+    """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch.
+
+    ``max_tokens`` forms micro-batches by token budget instead (``split_micro_batches``; collective over ``mesh``).
+    """
     R = batch["responses_BR"].shape[1]
-    lps, ents = [], []
-    for mb in batch.split(micro_batch_size):
+    lp_BR = torch.zeros(batch["responses_BR"].shape, dtype=torch.float32, device=batch["responses_BR"].device)
+    ent_BR = torch.zeros_like(lp_BR)
+    for rows, mb in split_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh):
         lp, ent = module(
             mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"],
             response_len=R, temperature=temperature, with_entropy=with_entropy,
         )
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps), torch.cat(ents)
+        if rows:  # zero-weight fillers (no rows) only keep the ranks' FSDP collectives in step
+            idx = torch.tensor(rows, device=lp_BR.device)
+            lp_BR[idx], ent_BR[idx] = lp.float(), ent.float()
+    return lp_BR, ent_BR
 
 
-def build_policy_module(model_path: str, *, dtype: str, attn_implementation: str, field_name: str) -> CausalLMPolicy:
-    return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation, field_name=field_name))
+def build_policy_module(
+    model_path: str, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False
+) -> CausalLMPolicy:
+    attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name), packing=packing)
 
 
 class Policy:
@@ -73,7 +88,8 @@ class Policy:
             raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
         self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
         module = build_policy_module(
-            cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="actor.model.path"
+            cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+            field_name="actor.model.path", packing=cfg.model.packing,
         )
         self.engine = FSDPEngine(
             module,
@@ -89,7 +105,8 @@ class Policy:
     def log_prob(self, batch: Batch) -> Batch:
         """Adds ``old_logprobs_BR``: the behaviour policy's log-probs, recomputed by the trainer's numerics."""
         lp, _ = compute_logprobs(
-            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature
+            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature,
+            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.mesh,
         )
         return batch.set(old_logprobs_BR=lp)
 
@@ -105,8 +122,11 @@ class Policy:
                     global_seqs=int(counts[1]),
                     norm_length=self.max_response_length,
                 )
+                micro = split_micro_batches(
+                    mini, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch, mesh=self.mesh
+                )
                 stats = self.engine.optimizer_step(
-                    mini.split(cfg.micro_batch_size), lambda module, mb: self._loss(module, mb, agg, metrics)
+                    [mb for _, mb in micro], lambda module, mb: self._loss(module, mb, agg, metrics)
                 )
                 metrics.mean("actor/grad_norm", stats["grad_norm"] / dp, 1 / dp)
                 metrics.sum("actor/skipped_updates", stats["skipped"] / dp)
@@ -149,18 +169,32 @@ class Policy:
 class Reference:
     """Frozen copy of the initial policy; adds ``ref_logprobs_BR``."""
 
-    def __init__(self, cfg: RefConfig, *, model_path: str, dtype: str, attn_implementation: str, mesh: DeviceMesh, device: torch.device, fsdp, temperature: float):
+    def __init__(self, cfg: RefConfig, *, model_path: str, dtype: str, attn_implementation: str, mesh: DeviceMesh, device: torch.device, fsdp, temperature: float, packing: bool = False):
         self.cfg = cfg
         self.temperature = temperature
+        self.mesh = mesh
         module = build_policy_module(
-            cfg.model_path or model_path, dtype=dtype, attn_implementation=attn_implementation, field_name="ref.model_path"
+            cfg.model_path or model_path, dtype=dtype, attn_implementation=attn_implementation, field_name="ref.model_path",
+            packing=packing,
         )
         self.engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=None)
+        self.offload = cfg.offload
+        if cfg.offload and (device.type != "cuda" or fsdp.cpu_offload):
+            warnings.warn("ref.offload does nothing here: the reference's parameters already live in host memory "
+                          f"(device {device.type}, fsdp.cpu_offload={fsdp.cpu_offload})", stacklevel=2)
+            self.offload = False
+        if self.offload:
+            self.engine.offload_params()
 
     def log_prob(self, batch: Batch) -> Batch:
+        if self.offload:
+            self.engine.load_params()
         lp, _ = compute_logprobs(
-            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature
+            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature,
+            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.mesh,
         )
+        if self.offload:
+            self.engine.offload_params()
         return batch.set(ref_logprobs_BR=lp)
 
 

@@ -7,6 +7,7 @@
       -> actor.log_prob        old log-probs of the behaviour policy
       -> critic.values         PPO only (no-op otherwise)
       -> advantages            pure functions in rlspmd.algorithms
+      -> balance               move samples between DP ranks to even out tokens (within each mini-batch)
       -> critic.update, actor.update
       -> rollout.sync_weights  actor -> rollout
       -> metrics               reduced over ranks, logged by rank 0
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 from rlspmd.config import Config
 from rlspmd.data.prompts import EpochSampler, PromptDataset
-from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
+from rlspmd.distributed.dispatch import MetricBuffer, balance_batch, broadcast_object, gather_batch, scatter_batch
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
@@ -85,6 +87,7 @@ class RLTrainer:
             Reference(
                 cfg.ref, model_path=model_path, dtype=cfg.actor.model.dtype, attn_implementation=cfg.actor.model.attn_implementation,
                 mesh=self.dp_mesh, device=rt.device, fsdp=cfg.actor.fsdp, temperature=temperature,
+                packing=cfg.actor.model.packing,
             )
             if cfg.actor.use_kl_loss
             else NoReference()
@@ -96,6 +99,10 @@ class RLTrainer:
         )
         self.reward = RewardManager(cfg.reward, self.tokenizer)
         self.advantage = AdvantageStage(cfg.algorithm)
+        self.balance = (
+            partial(balance_batch, mesh=self.dp_mesh, chunk_rows=self.actor.local_mini_batch)
+            if cfg.trainer.balance_batch else lambda batch: (batch, {})
+        )
         self.step_count = 0
         self.logger = MetricLogger(cfg.trainer.loggers, cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps, enabled=rt.is_main)
 
@@ -119,13 +126,15 @@ class RLTrainer:
                 batch = self.critic.values(batch)
             with t("adv"):
                 batch = self.advantage(batch)
+            with t("balance"):
+                batch, balance_metrics = self.balance(batch)
             with t("update_critic"):
                 critic_metrics = self.critic.update(batch)
             with t("update_actor"):
                 actor_metrics = self.actor.update(batch)
             with t("weight_sync"):
                 sync_metrics = self.rollout.sync_weights(self.actor)
-        return self.step_metrics(batch, [actor_metrics, critic_metrics], sync_metrics, t)
+        return self.step_metrics(batch, [actor_metrics, critic_metrics], {**sync_metrics, **balance_metrics}, t)
 
     def step_metrics(self, batch: Batch, buffers: list[MetricBuffer], extra: dict[str, float], t: StageTimer) -> dict[str, float]:
         m = MetricBuffer()
