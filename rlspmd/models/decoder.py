@@ -29,15 +29,23 @@ def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel; same arithmetic in float32
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x, D/2) * sin_signed``: same products
+    and sum as transformers' formula, two fewer kernels."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
@@ -82,9 +90,11 @@ class LlamaFamilyDecoder:
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
         pos = self.next_pos[:, None]
         self.valid[:, self.length] = True
-        mask = self.valid[:, None, None, : self.length + 1]
+        # Additive mask shared by every layer: (B, 1, 1, cached) with -inf at prompt padding.
+        mask = torch.zeros(self.valid.shape[0], self.length + 1, dtype=self.k.dtype, device=self.k.device)
+        mask.masked_fill_(~self.valid[:, : self.length + 1], float("-inf"))
         self.next_pos = self.next_pos + 1
-        return self._forward(tokens_B[:, None], pos, mask)
+        return self._forward(tokens_B[:, None], pos, mask[:, None, None])
 
     def keep(self, rows: torch.Tensor) -> None:
         self.k = self.k[:, rows]
@@ -98,7 +108,7 @@ class LlamaFamilyDecoder:
         start, end = self.length, self.length + S
         h = F.embedding(ids_BS, base.embed_tokens.weight)
         cos, sin = base.rotary_emb(h, pos_BS)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos[:, None], _signed_sin(sin[:, None])
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
@@ -109,13 +119,15 @@ class LlamaFamilyDecoder:
                 q = _rms_norm(q, attn.q_norm.weight, self.eps)
                 k = _rms_norm(k, attn.k_norm.weight, self.eps)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             self.k[i, :, :, start:end] = k
             self.v[i, :, :, start:end] = v
-            a = F.scaled_dot_product_attention(
-                q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask, enable_gqa=KV != H
-            )
+            if S == 1:
+                a = _decode_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], mask)
+            else:
+                a = F.scaled_dot_product_attention(
+                    q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask, enable_gqa=KV != H
+                )
             h = h + _linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
             mlp = layer.mlp
@@ -123,6 +135,19 @@ class LlamaFamilyDecoder:
         self.length = end
         h = _rms_norm(h[:, -1], base.norm.weight, self.eps)
         return _linear(h, self.model.get_output_embeddings()).float()
+
+
+def _decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_B11L) -> torch.Tensor:
+    """One query token per row against the cache, grouped-query heads batched per KV head (no K/V repeat).
+
+    Two batched matmuls and a softmax; on CPU this beats SDPA's flash kernel, whose blocking is built for long
+    query sequences. ``mask_B11L`` is additive (0 or -inf).
+    """
+    B, H, _, D = q_BH1D.shape
+    KV = k_BKLD.shape[1]
+    q = q_BH1D.reshape(B, KV, H // KV, D) * D**-0.5
+    scores = torch.matmul(q, k_BKLD.transpose(-1, -2)) + mask_B11L
+    return torch.matmul(scores.softmax(-1), v_BKLD).reshape(B, H, 1, D)
 
 
 class HFDecoder:

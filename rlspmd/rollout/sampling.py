@@ -1,8 +1,12 @@
 """Token sampling for the native engine.
 
-Sampling uses the inverse CDF with one uniform draw per row (``searchsorted`` on the cumulative
-probabilities) rather than ``torch.multinomial``, whose exponential-race implementation draws V random
-numbers per row and dominated decode time on CPU. The distribution is the same.
+Sampling uses the inverse CDF with one uniform draw per row rather than ``torch.multinomial``, whose
+exponential-race implementation draws V random numbers per row and dominated decode time on CPU. The
+distribution is the same. The CDF is two-level: unnormalised probabilities are summed in blocks of
+``BLOCK`` tokens, one ``searchsorted`` over the block sums picks a block and a second one inside that block
+picks the token. That replaces a sequential cumulative sum over the whole vocabulary (and the separate
+log-softmax and exp passes) with one exp pass and one blocked reduction; the sampled token's log-prob is
+``z_tok - max - log Σ exp(z - max)``, from the same sums.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -37,16 +42,37 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
         logp = torch.log_softmax(logits_BV, -1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
     z = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
-    logp = torch.log_softmax(z, -1)
     if params.top_k > 0 or params.top_p < 1.0:
-        z = _filter(z, params.top_k, params.top_p)
-        probs = torch.softmax(z, -1)
-    else:
-        probs = logp.exp()
-    cdf = probs.cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        logp = torch.log_softmax(z, -1)
+        tok = inverse_cdf_sample(_filter(z, params.top_k, params.top_p), generator)[0]
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    tok, lse = inverse_cdf_sample(z, generator)
+    return tok, z.gather(-1, tok[:, None]).squeeze(-1) - lse
+
+
+BLOCK = 128
+
+
+def inverse_cdf_sample(z_BV: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from ``softmax(z)`` (``-inf`` entries never drawn) and ``logsumexp(z)`` per row."""
+    B, V = z_BV.shape
+    m = z_BV.amax(-1, keepdim=True)
+    e = (z_BV - m).exp_()
+    pad = (-V) % BLOCK
+    blocks = F.pad(e, (0, pad)).view(B, -1, BLOCK) if pad else e.view(B, -1, BLOCK)
+    block_cdf = blocks.sum(-1).cumsum(-1)  # (B, V / BLOCK)
+    total = block_cdf[:, -1:]
+    u = torch.rand(B, 1, generator=generator, device=z_BV.device, dtype=z_BV.dtype) * total
+    b = torch.searchsorted(block_cdf, u, right=True).clamp_(max=block_cdf.shape[1] - 1)  # (B, 1)
+    below = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(u))
+    inner_cdf = blocks.gather(1, b[..., None].expand(B, 1, BLOCK)).squeeze(1).cumsum(-1)  # (B, BLOCK)
+    j = torch.searchsorted(inner_cdf, u - below, right=True).clamp_(max=BLOCK - 1)
+    tok = (b * BLOCK + j).squeeze(-1).clamp_(max=V - 1)
+    # Rounding can land u - below past the block's last positive entry; step back to a token with mass.
+    drawn_zero = e.gather(-1, tok[:, None]).squeeze(-1) <= 0
+    if bool(drawn_zero.any()):
+        tok = torch.where(drawn_zero, e.argmax(-1), tok)
+    return tok, (m + total.log()).squeeze(-1)
 
 
 def _filter(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
