@@ -109,6 +109,26 @@ class RefConfig:
 
 
 @dataclass
+class VllmConfig:
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU's memory vLLM may take (weights + KV cache + activations), checked against free memory
+    when the engine is built: colocated with training, leave room for the actor."""
+    kv_cache_memory_bytes: int | None = None
+    """Pin the KV cache size per GPU in bytes instead of deriving it from ``gpu_memory_utilization``."""
+    max_model_len: int | None = None
+    """Longest prompt + response; None = ``data.max_prompt_length + rollout.max_response_length``."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM schedules at once."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower decode, faster start, less memory)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes (the n samples of a prompt). Reset after every weight load."""
+    sleep_level: Literal[1, 2] = 2
+    """Colocated only: 2 discards weights and KV cache between generations (weights re-streamed before the next
+    one); 1 keeps a CPU copy of the weights (host memory = model size / TP per rank)."""
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["native", "vllm"] = "native"
     """Generation engine. ``native`` is torch-only (CPU and GPU); ``vllm`` needs the vllm extra and CUDA."""
@@ -126,6 +146,12 @@ class RolloutConfig:
     """Most sequences the native engine decodes at once on one rank."""
     val_temperature: float = 0.0
     """Sampling temperature for validation (0 = greedy)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the rollout engine's weights. ``auto``: the actor's FSDP compute dtype (``actor.fsdp.param_dtype``).
+    The weight stream casts shards to it before gathering. The colocated native engine reads the actor's gathered
+    weights in place when it equals the compute dtype, and keeps its own copy otherwise."""
+    vllm: VllmConfig = field(default_factory=lambda: VllmConfig())
+    """Settings of the ``vllm`` engine (ignored by ``native``)."""
 
 
 @dataclass
@@ -173,15 +199,17 @@ class RewardConfig:
 @dataclass
 class MeshConfig:
     actor_ranks: str = "all"
-    """Global ranks hosting the actor: ``all``, ``0-3`` or ``0,1,2``. Colocated (all roles on ``all``) is the default."""
+    """Global ranks hosting the actor: ``all``, ``0-3`` or ``0,1,2``. Colocated (everything on ``all``) is the default.
+    Must include rank 0 (it reads the data and logs)."""
     rollout_ranks: str = "all"
-    """Global ranks hosting the rollout engine."""
-    ref_ranks: str = "all"
-    """Global ranks hosting the reference model."""
-    critic_ranks: str = "all"
-    """Global ranks hosting the critic."""
-    reward_ranks: str = "all"
-    """Global ranks hosting the reward model."""
+    """Global ranks hosting the rollout engine: the actor's ranks (colocated, the hybrid engine) or ranks disjoint
+    from them (split placement: prompts, samples and weights move between the two meshes with collectives)."""
+    ref_ranks: str = "actor"
+    """Global ranks hosting the reference model; ``actor`` = the actor's ranks (the only placement the RL trainer runs)."""
+    critic_ranks: str = "actor"
+    """Global ranks hosting the critic; ``actor`` = the actor's ranks."""
+    reward_ranks: str = "actor"
+    """Global ranks hosting the reward model; ``actor`` = the actor's ranks."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout engine (consecutive ranks form a TP group)."""
 

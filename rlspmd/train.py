@@ -52,6 +52,10 @@ def flatten(cfg, prefix: str = "") -> dict[str, object]:
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
+    if cfg.rollout.engine == "vllm":  # vLLM's environment must be set before the first NCCL communicator
+        from third_party.vllm_adapter import prepare_environment
+
+        prepare_environment()
     rt = init_distributed(cfg.dist)
     quiet_libraries()
     seed_everything(cfg.trainer.seed)
@@ -68,9 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-    from rlspmd.trainer.rl import RLTrainer  # heavy imports after the cheap checks
+    from rlspmd.trainer.rl import build_program  # heavy imports after the cheap checks
 
-    RLTrainer(cfg, rt, meshes).fit()
+    build_program(cfg, rt, meshes).fit()
     shutdown()
 
 

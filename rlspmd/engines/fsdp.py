@@ -29,12 +29,16 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
+    """The dtype of unsharded parameters in forwards (``param_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU)."""
+    if cfg.param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.param_dtype]
+
+
 def apply_fsdp(module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
-    param_dtype = cfg.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")

@@ -19,11 +19,20 @@ from rlspmd.rollout.sampling import SamplingParams
 class RolloutEngine(Protocol):
     def generate(self, prompts: Batch, params: SamplingParams, *, generator: torch.Generator) -> Batch: ...
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a full ``(HF name, tensor)`` stream (``rollout/weight_sync.py``); returns the bytes loaded."""
 
-    def sleep(self) -> None: ...
+    def sleep(self) -> None:
+        """Release memory until the next ``wake`` (may drop the weights: see ``holds_weights``)."""
 
     def wake(self) -> None: ...
+
+    @property
+    def holds_weights(self) -> bool:
+        """Whether generate can run after ``wake`` without a weight load first."""
+
+    def take_times(self) -> dict[str, float]:
+        """Seconds spent in wake and sleep since the last call (``wake_s``, ``sleep_s``)."""
 
 
 def assemble_rollout(

@@ -13,6 +13,10 @@
 
 A prompt's samples are generated, scored and trained on one DP rank, so group statistics are local and
 only scalars cross ranks. Rank 0 decides (which prompts, when to validate) and broadcasts.
+
+Placement (``build_program``): colocated, every rank runs this trainer. Split (the rollout on ranks of its own),
+the actor's ranks run this trainer, whose collectives use the actor's meshes, never the whole world, and the
+rollout-only ranks run ``RolloutWorker.fit``, which serves the trainer's rollout calls (``roles/rollout.py``).
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ import torch
 from rlspmd.config import Config
 from rlspmd.data.prompts import EpochSampler, PromptDataset
 from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
-from rlspmd.distributed.mesh import DP, RoleMeshes
+from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import Runtime
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.roles.critic import NoCritic
 from rlspmd.roles.policy import NoReference, Policy, Reference
-from rlspmd.roles.rollout import Rollout
+from rlspmd.engines.fsdp import compute_dtype
+from rlspmd.roles.rollout import build_rollout
 from rlspmd.trainer.advantage import AdvantageStage
 from rlspmd.trainer.logger import MetricLogger
 
@@ -48,10 +53,47 @@ class StageTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
+def check_placement(dims: ParallelDims, *, engine: str) -> None:
+    """The placements the RL trainer runs: reference, critic and reward model on the actor's ranks (which include
+    rank 0); the rollout on the same ranks (colocated) or on ranks of its own (split); no idle ranks."""
+    actor = dims.role_ranks["actor"]
+    for role in FOLLOWERS:
+        if dims.role_ranks[role] != actor:
+            raise ValueError(f"mesh.{role}_ranks: the RL trainer runs the {role} on the actor's ranks {actor}; set it to 'actor'")
+    if 0 not in actor:
+        raise ValueError(f"mesh.actor_ranks must include rank 0 (it reads the data and logs); got {actor}")
+    rollout = dims.role_ranks["rollout"]
+    split = dims.disjoint("actor", "rollout")
+    if rollout != actor and not split:
+        raise ValueError(
+            f"mesh.rollout_ranks={rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)"
+        )
+    idle = sorted(set(range(dims.world_size)) - set(actor) - set(rollout))
+    if idle:
+        raise ValueError(f"ranks {idle} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
+    if split and engine == "vllm":
+        raise ValueError(
+            "rollout.engine=vllm runs colocated only: vLLM's external_launcher mode builds its process groups over the "
+            "whole torch world, so every rank must host an engine. Use rollout.engine=native for split placement"
+        )
+
+
+def build_program(cfg: Config, rt: Runtime, meshes: RoleMeshes):
+    """What this rank runs: the trainer (actor ranks), or, in split placement, the rollout worker."""
+    check_placement(meshes.dims, engine=cfg.rollout.engine)
+    if meshes.hosts("actor"):
+        return RLTrainer(cfg, rt, meshes)
+    model = cfg.actor.model
+    tokenizer = load_tokenizer(model.tokenizer_path or model.path, field_name="actor.model.tokenizer_path")
+    return build_rollout(
+        cfg.rollout, meshes=meshes, policy=None, model_path=model.path, compute_dtype=compute_dtype(cfg.actor.fsdp, rt.device),
+        eos_ids=eos_token_ids(model.path, tokenizer), pad_id=tokenizer.pad_token_id, device=rt.device, seed=cfg.trainer.seed,
+        max_prompt_length=cfg.data.max_prompt_length,
+    )
+
+
 class RLTrainer:
     def __init__(self, cfg: Config, rt: Runtime, meshes: RoleMeshes):
-        if not meshes.dims.is_colocated:
-            raise ValueError("split placement (mesh.*_ranks) is not supported by the RL trainer yet; use colocated placement")
         self.cfg, self.rt = cfg, rt
         self.dp_mesh = meshes.get("actor", DP)
         dp = self.dp_mesh.size()
@@ -67,7 +109,8 @@ class RLTrainer:
             self.val_data = PromptDataset(d.val_files, self.tokenizer, field_name="data.val_files", **kw)
             self.sampler = EpochSampler(len(self.train_data), d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
         self.data_stats = broadcast_object(
-            {"train_prompts": len(self.train_data), "train_dropped": self.train_data.n_dropped} if rt.is_main else None
+            {"train_prompts": len(self.train_data), "train_dropped": self.train_data.n_dropped} if rt.is_main else None,
+            mesh=self.dp_mesh,
         )
 
         temperature = cfg.rollout.temperature
@@ -90,9 +133,10 @@ class RLTrainer:
             else NoReference()
         )
         self.critic = NoCritic()
-        self.rollout = Rollout(
-            cfg.rollout, policy=self.actor, eos_ids=eos_token_ids(model_path, self.tokenizer), pad_id=self.tokenizer.pad_token_id,
-            device=rt.device, seed=cfg.trainer.seed, dp_rank=self.dp_mesh.get_local_rank(),
+        self.rollout = build_rollout(
+            cfg.rollout, meshes=meshes, policy=self.actor, model_path=model_path, compute_dtype=compute_dtype(cfg.actor.fsdp, rt.device),
+            eos_ids=eos_token_ids(model_path, self.tokenizer), pad_id=self.tokenizer.pad_token_id, device=rt.device,
+            seed=cfg.trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
         )
         self.reward = RewardManager(cfg.reward, self.tokenizer)
         self.advantage = AdvantageStage(cfg.algorithm)
@@ -158,7 +202,7 @@ class RLTrainer:
         """Greedy generation on the validation set; accuracy overall and per data_source."""
         dp = self.dp_mesh.size()
         cfg = self.cfg.data
-        n_val = broadcast_object(len(self.val_data) if self.rt.is_main else None)
+        n_val = broadcast_object(len(self.val_data) if self.rt.is_main else None, mesh=self.dp_mesh)
         if cfg.max_val_samples is not None:
             n_val = min(n_val, cfg.max_val_samples)
         results = []
@@ -203,6 +247,7 @@ class RLTrainer:
         if self.rt.is_main:
             self.logger.write(summary.text())
             summary.write(self.cfg.trainer.output_dir)
+        self.rollout.close()
         self.logger.close()
         return summary.last
 
