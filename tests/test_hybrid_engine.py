@@ -75,3 +75,24 @@ def test_placement_rules():
             check_placement(dims, engine="native")
     with pytest.raises(ValueError, match="vllm runs colocated only"):
         check_placement(_dims(4, actor="0-1", rollout="2-3"), engine="vllm")
+
+
+@pytest.mark.dist
+def test_colocated_native_with_its_own_bf16_copy_is_fed_by_the_stream(tiny_model, arithmetic_data, tmp_path):
+    """A rollout dtype other than the actor's compute dtype: the native engine keeps its own copy, loaded from the
+    weight stream (cast to bf16 on the shards) at every sync; training and generation still run."""
+    import json
+
+    out = tmp_path / "bf16"
+    torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
+              "--data.train-files", str(arithmetic_data / "train.parquet"), "--data.val-files", str(arithmetic_data / "test.parquet"),
+              "--data.train-batch-size", "4", "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--rollout.n", "2",
+              "--rollout.max-response-length", "8", "--rollout.dtype", "bfloat16", "--trainer.total-steps", "2",
+              "--trainer.no-val-before-train", "--trainer.val-every", "0", "--trainer.loggers", "jsonl",
+              "--trainer.output-dir", str(out)], 2)
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    for row in rows:
+        assert row["weight_sync/loaded_bytes"] == 2 * n_params  # bf16, tied embedding once
+        assert 0 < row["weight_sync/gathered_bytes"] <= row["weight_sync/loaded_bytes"]  # 2 ranks: half comes from the peer
+        assert 0 < row["rollout/logprob_gap"] < 0.1  # bf16 rollout vs fp32 trainer: small but not zero

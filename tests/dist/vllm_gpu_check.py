@@ -37,8 +37,8 @@ def main():
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(rollout_tp=tp), rt.world_size), "cuda", rt.rank)
     tok = load_tokenizer(model_dir, field_name="model")
-    actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=1, micro_batch_size=4)
-    policy = Policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, samples_per_prompt=1, train_batch_size=1,
+    actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=rt.world_size, micro_batch_size=4)
+    policy = Policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, samples_per_prompt=1, train_batch_size=rt.world_size,
                     temperature=1.0, max_response_length=32, total_steps=1)
     torch.cuda.synchronize()
     used_before = VllmBackend.memory_in_use()
