@@ -150,7 +150,7 @@ class RolloutConfig:
     """Dtype of the rollout engine's weights. ``auto``: the actor's FSDP compute dtype (``actor.fsdp.param_dtype``).
     The weight stream casts shards to it before gathering. The colocated native engine reads the actor's gathered
     weights in place when it equals the compute dtype, and keeps its own copy otherwise."""
-    vllm: VllmConfig = field(default_factory=lambda: VllmConfig())
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the ``vllm`` engine (ignored by ``native``)."""
 
 

@@ -250,6 +250,7 @@ class WeightBridge:
     def __init__(self, mesh, *, src: int, device: torch.device):
         self.mesh, self.src, self.device = mesh, src, device
         self.manifest: WeightManifest | None = None
+        self.received_bytes = 0
 
     def _share_manifest(self, manifest: WeightManifest | None) -> WeightManifest:
         if self.manifest is None:
