@@ -152,7 +152,9 @@ class Rollout:
         stream = self.weights.stream()
         loaded = 0 if stream is None else self.engine.update_weights(stream)
         self.synced = True
-        self._sync_stats = {"weight_sync/s": time.perf_counter() - t0, "weight_sync/loaded_bytes": float(loaded)}
+        # seconds add up over the syncs of a step (a level-2 sleep before validation costs one more); bytes are per sync
+        seconds = self._sync_stats.get("weight_sync/s", 0.0) + time.perf_counter() - t0
+        self._sync_stats = {"weight_sync/s": seconds, "weight_sync/loaded_bytes": float(loaded)}
         if stream is not None:
             self._sync_stats.update(self.weights.stats())
 
