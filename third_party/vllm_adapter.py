@@ -145,8 +145,9 @@ class VllmBackend:
                 yield name, tensor
 
         def load(worker):
-            worker = getattr(worker, "worker", worker)
-            model = worker.model_runner.model
+            worker = getattr(worker, "worker", worker)  # the WorkerWrapperBase's worker
+            runner = worker.model_runner
+            model = runner.get_model() if hasattr(runner, "get_model") else runner.model  # unwraps CUDA-graph wrappers
             loaded = model.load_weights(stream())
             expected = {n for n, _ in model.named_parameters()}
             return None if loaded is None else sorted(expected - set(loaded))
