@@ -93,6 +93,14 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert not differ, f"{len(differ)} checkpoint entries differ, e.g. {differ[:5]}"
 
 
+def run_torchrun(target: list[str], nproc: int, *, timeout: float = 120, preexec_fn=None) -> subprocess.CompletedProcess:
+    """Like ``conftest.torchrun`` without the check, and with a ``preexec_fn`` (e.g. resource limits)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+
+
 def popen_torchrun(target: list[str], nproc: int, *, env: dict | None = None, log: Path) -> subprocess.Popen:
     """Start torchrun in its own session (so a test can kill the whole job), output to ``log``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

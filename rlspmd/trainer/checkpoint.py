@@ -125,11 +125,18 @@ class RNGState(Stateful):
 
 
 def _first_failure(e: BaseException) -> str:
-    if isinstance(e, CheckpointException) and e.failures:
-        rank, wrapped = sorted(e.failures.items())[0]
-        inner = wrapped[0] if isinstance(wrapped, tuple) else getattr(wrapped, "exc", wrapped)
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
-    return f"{type(e).__name__}: {e}"
+    """The most telling failure behind a save error: an OSError (disk full, permissions) on any rank if there
+    is one (DCP wraps per-rank failures; a torch.save error often hides the OSError in its context)."""
+    failures = sorted(e.failures.items()) if isinstance(e, CheckpointException) and e.failures else [(None, (e, None))]
+    candidates = []
+    for rank, (exc, _trace) in failures:
+        chain = exc
+        while chain is not None:
+            candidates.append((rank, chain))
+            chain = chain.__cause__ or chain.__context__
+    rank, exc = next(((r, x) for r, x in candidates if isinstance(x, OSError)), candidates[0])
+    where = f"rank {rank}: " if rank is not None else ""
+    return f"{where}{type(exc).__name__}: {exc}"
 
 
 class Checkpointer:
@@ -201,7 +208,8 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=str(tmp))
             write_files(tmp)
             on_main(lambda: self._commit(tmp, final, {**meta, "step": step, "world_size": self.world_size}))
-        except Exception as e:  # noqa: BLE001 - every rank gets here (DCP and on_main raise everywhere)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank gets here (DCP and on_main raise
+            # everywhere); DCP's CheckpointException is a BaseException
             reason = _first_failure(e)
             on_main(lambda: shutil.rmtree(tmp, ignore_errors=True))
             kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
