@@ -178,7 +178,32 @@ class Checkpointer:
         if spec == "auto":
             found = complete_checkpoints(self.root)
             return found[-1] if found else None
-        return resolve_checkpoint(spec, field_name="checkpoint.resume")
+        path = resolve_checkpoint(spec, field_name="checkpoint.resume")
+        self._supersede_after(int(STEP_RE.match(path.name).group(1)))
+        return path
+
+    def _supersede_after(self, step: int) -> None:
+        """Resuming from an older checkpoint (rewinding a run): newer checkpoints in ``dir`` belong to the abandoned
+        future. Rename them out of the way (kept, but never resumed from or pruned) so ``auto`` and ``keep_last``
+        only see this run's line of checkpoints."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        newer = [p for p in complete_checkpoints(self.root) if int(STEP_RE.match(p.name).group(1)) > step]
+        for p in newer:
+            p.rename(p.with_name(f"{p.name}.superseded-{stamp}"))
+            print(f"checkpoint.resume: resuming from step {step}; moved the newer {p.name} aside to {p.name}.superseded-{stamp}", flush=True)
+        if newer:
+            self._write_latest()
+
+    def _write_latest(self) -> None:
+        """Point ``latest`` at the newest complete checkpoint (atomically), or remove it when there is none."""
+        found = complete_checkpoints(self.root)
+        if not found:
+            (self.root / "latest").unlink(missing_ok=True)
+            return
+        pointer = self.root / "latest.tmp"
+        pointer.write_text(found[-1].name + "\n")
+        os.replace(pointer, self.root / "latest")
+        _fsync_dir(self.root)
 
     def _check_writable(self) -> None:
         try:
@@ -237,10 +262,7 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
-        pointer = self.root / "latest.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, self.root / "latest")
-        _fsync_dir(self.root)
+        self._write_latest()
 
     def _prune(self, keep: Path) -> None:
         for stale in self.root.glob("step_*.tmp"):
