@@ -39,8 +39,11 @@ rlspmd_torchrun_signal_args() {
 
 rlspmd_launch() {
     if [[ -n ${RLSPMD_SLURM_DRY_RUN:-} ]]; then
-        printf '%q ' "$@"
-        echo
+        local word line=""
+        for word in "$@"; do  # shell-quote only the words that need it
+            if [[ $word =~ ^[A-Za-z0-9_./:=,@+%-]+$ ]]; then line+="$word "; else line+="$(printf '%q' "$word") "; fi
+        done
+        echo "${line% }"
         return 0
     fi
     local preempted=0 step_pid rc
