@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_script, torchrun
+from conftest import dist_script, load_script, torchrun
 from rl_run import metrics, rl_args, run_torchrun, write_reward
 
 pytestmark = pytest.mark.dist
@@ -126,6 +126,16 @@ def test_bad_dataset(args, tmp_path, case):
 def test_overlong_prompt_names_the_row(args, arithmetic_data):
     fails([*args(), "--data.overlong-prompts", "error", "--data.max-prompt-length", "8"],
           f"data.train_files: {arithmetic_data / 'train.parquet'} row 0: prompt has", "> data.max_prompt_length=8")
+
+
+def test_peer_failure_is_not_mistaken_for_a_stop_request():
+    """SIGTERM normally means "checkpoint and stop at the next step"; not when torchrun sends it because a rank
+    failed: then the survivors must exit at once (torchrun would otherwise wait 30 s before SIGKILL)."""
+    t0 = time.monotonic()
+    proc = run_torchrun([dist_script("stop_on_peer_failure_check.py")], 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "boom on rank 1" in out and "UNREACHABLE" not in out, out[-3000:]
+    assert time.monotonic() - t0 < 20, "the surviving rank waited instead of exiting"
 
 
 # -- rewards ----------------------------------------------------------------------------------------------

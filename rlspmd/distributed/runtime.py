@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from functools import wraps
@@ -157,7 +158,7 @@ class StopRequest:
                     self._record(signum)
 
     def _record(self, signum: int) -> None:
-        if signum == signal.SIGTERM and os.path.exists(_failure_marker()):
+        if signum == signal.SIGTERM and _peer_failed():
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
@@ -177,9 +178,20 @@ class StopRequest:
         return bool(flag.item())
 
 
+_STARTED = time.time()
+
+
 def _failure_marker() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
     return os.path.join(tempfile.gettempdir(), f"rlspmd-failed-{run_id}-{os.getppid()}")
+
+
+def _peer_failed() -> bool:
+    """A rank of this job on this node has failed (its marker is newer than this process: not a stale one)."""
+    try:
+        return os.path.getmtime(_failure_marker()) >= _STARTED - 1.0
+    except OSError:
+        return False
 
 
 def report_failure(exc: BaseException) -> None:
