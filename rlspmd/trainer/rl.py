@@ -250,7 +250,8 @@ class RLTrainer:
             )
         if skipped:
             self.skipped_updates_total += sum(skipped.values())
-            self.logger.write(f"step {step}: skipped {skipped} update(s) with a non-finite loss or gradient norm (trainer.nan_policy=skip)")
+            counts = ", ".join(f"{k}={v:g}" for k, v in skipped.items())
+            self.logger.write(f"step {step}: skipped updates with a non-finite loss or gradient norm ({counts}; trainer.nan_policy=skip)")
         metrics["trainer/skipped_updates_total"] = self.skipped_updates_total
 
     # -- checkpoints ------------------------------------------------------------------------------------
