@@ -35,6 +35,7 @@ def reference_run(tiny_model, arithmetic_data, reward_fn, tmp_path_factory) -> P
     return out
 
 
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical(reference_run, tiny_model, arithmetic_data, reward_fn, tmp_path):
     """2N steps == N steps, stop, resume for N more: same weights, optimiser, scheduler, sampler, RNG, metrics."""
     args = rl_args(tiny_model, arithmetic_data, tmp_path, reward=reward_fn)
@@ -52,6 +53,7 @@ def test_stop_and_resume_is_bit_identical(reference_run, tiny_model, arithmetic_
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_resumes_from_previous_complete_checkpoint(reference_run, tiny_model, arithmetic_data, reward_fn, tmp_path):
     args = rl_args(tiny_model, arithmetic_data, tmp_path, reward=reward_fn)
     env = {"PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ["PYTHONPATH"]]), "RLSPMD_TEST_SLOW_SAVE": "step_00000004.tmp:60"}
@@ -78,6 +80,7 @@ def test_sigkill_mid_save_resumes_from_previous_complete_checkpoint(reference_ru
     assert_same_state(checkpoint_tensors(reference_run / "checkpoints" / "step_00000004"), checkpoint_tensors(ckpts / "step_00000004"))
 
 
+@pytest.mark.slow
 def test_stop_signals_save_and_exit(tiny_model, arithmetic_data, reward_fn, tmp_path):
     """SIGUSR1 on one rank stops every rank after a checkpoint; SIGTERM to torchrun (SLURM preemption) too."""
     for sig, target in [(signal.SIGUSR1, "rank1"), (signal.SIGTERM, "agent")]:
@@ -98,6 +101,7 @@ def test_stop_signals_save_and_exit(tiny_model, arithmetic_data, reward_fn, tmp_
             assert rc == 0, log[-3000:]  # a clean stop; torchrun itself exits non-zero when it was signalled
 
 
+@pytest.mark.slow
 def test_resume_on_a_different_number_of_ranks(reference_run, tiny_model, arithmetic_data, reward_fn, tmp_path):
     """A 2-rank checkpoint restores bit-exactly onto 1 rank (DCP reshards), and training continues there."""
     ckpt = reference_run / "checkpoints" / "step_00000002"
@@ -149,12 +153,12 @@ def test_export_hf_reproduces_the_trained_log_probs(reference_run, tiny_model, t
 
 
 def test_export_hf_names_a_bad_checkpoint(tmp_path):
-    (tmp_path / "step_00000003.tmp").mkdir()
-    for target, message in [(tmp_path / "nope", "does not exist"), (tmp_path / "step_00000003.tmp", "interrupted save"),
-                            (tmp_path, "holds no complete checkpoint")]:
-        proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(target), str(tmp_path / "out")], cwd=ROOT,
-                              capture_output=True, text=True)
-        assert proc.returncode != 0 and message in proc.stderr and str(target) in proc.stderr, proc.stderr
+    """(The other bad paths are covered by ``resolve_checkpoint``'s unit tests.)"""
+    target = tmp_path / "step_00000003.tmp"
+    target.mkdir()
+    proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(target), str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and f"export_hf: checkpoint: {target} is an interrupted save" in proc.stderr, proc.stderr
 
 
 def test_meta_records_what_export_needs(reference_run):

@@ -47,6 +47,7 @@ def test_resume_none_refuses_existing_checkpoints(tmp_path):
     (lambda root: root / "missing", "does not exist"),
     (lambda root: fake_checkpoint(root, 4, complete=False), "interrupted save"),
     (lambda root: (root / "step_00000007").mkdir() or root / "step_00000007", "is incomplete"),
+    (lambda root: (root / "elsewhere").mkdir() or root / "elsewhere", "holds no complete checkpoint"),
 ])
 def test_resume_path_errors_name_the_path(tmp_path, make, message):
     target = make(tmp_path)
