@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -171,12 +171,8 @@ class FSDPEngine:
 
     def param_shapes(self) -> dict[str, torch.Size]:
         """Global (unsharded) shape of every entry of the model state dict, by name."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         return {k: v.shape for k, v in get_model_state_dict(self.module).items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU state dict of the root module on rank 0 of the mesh; empty elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

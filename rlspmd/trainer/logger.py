@@ -4,8 +4,8 @@ Metrics arrive already reduced over ranks (``MetricBuffer.reduce``); the logger 
 
 Resuming at step N continues the same files: ``metrics.jsonl`` keeps its lines up to step N and appends
 from N + 1; lines after N (steps the crashed run logged after its last checkpoint, now run again) move to
-``metrics.superseded.jsonl``; TensorBoard purges events after N. A fresh start (N = 0) supersedes the
-whole of an earlier ``metrics.jsonl``.
+``metrics.superseded.jsonl``; TensorBoard hides earlier events after N. A fresh start (N = 0) supersedes
+all of an earlier run's metrics.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class MetricLogger:
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
+            # TensorBoard then hides older events from this step on (the files stay on disk)
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=initial_step + 1 if initial_step else 0)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
         if not self.enabled:
