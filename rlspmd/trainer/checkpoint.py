@@ -304,6 +304,9 @@ class Checkpointer:
             if role not in roles:
                 raise CheckpointError(f"checkpoint {path} has no {role!r} state (it holds {roles}); it was written by a different kind of run")
             self._check_shapes(path, role, engine_shapes, saved, meta)
+        unused = sorted(set(roles) - set(engines))
+        if unused:
+            print(f"checkpoint {path} also holds {unused}, which this run does not train; not loaded", flush=True)
         missing = sorted(set(components) - set(meta.get("trainer_components", [])))
         if missing:
             raise CheckpointError(
