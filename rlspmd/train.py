@@ -5,6 +5,7 @@
     python -m rlspmd.train --config configs/quickstart.py --help   # every field with its docstring
 
 ``--dry-run`` builds the meshes, prints the resolved config and the role/mesh layout, and exits.
+``--resume auto|none|PATH`` is short for ``--checkpoint.resume``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,18 @@ from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_e
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
-    """``--config FILE`` and ``--dry-run`` first, then tyro applies the remaining ``--section.field`` overrides."""
+    """``--config FILE``, ``--dry-run`` and ``--resume`` first, then tyro applies the remaining ``--section.field`` overrides."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--dry-run", action="store_true")
+    has_checkpoint = "checkpoint" in {f.name for f in dataclasses.fields(config_type)}
+    if has_checkpoint:
+        pre.add_argument("--resume", default=None)
     known, rest = pre.parse_known_args(argv)
+    if has_checkpoint and known.resume is not None:
+        rest = [*rest, "--checkpoint.resume", known.resume]
     default = load_config_file(known.config, config_type) if known.config else config_type()
-    description = f"{prog}: --config FILE (a Python file defining `config`), --dry-run, then overrides of any field below."
+    description = f"{prog}: --config FILE (a Python file defining `config`), --dry-run, --resume auto|none|PATH, then overrides of any field below."
     quiet = os.environ.get("RANK", "0") != "0"  # every rank parses the same argv; let rank 0 report problems
     with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
         cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog)

@@ -31,16 +31,25 @@ def _two_steps(tmp_path, name, nproc, model, data, *extra):
     return torch.load(out)
 
 
+SPLIT = ("--mesh.actor-ranks", "0-1", "--mesh.ref-ranks", "0-1", "--mesh.rollout-ranks", "2-3")
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["rollout_tp1", "rollout_tp2"])
+def two_step_runs(request, tiny_model, arithmetic_data, tmp_path_factory):
+    """The same two RL steps colocated on 2 ranks and split over 2+2 ranks (same seed and rollout DP layout)."""
+    tmp = tmp_path_factory.mktemp(f"runs_tp{request.param}")
+    tp = ["--mesh.rollout-tp", str(request.param)]
+    return {"tp": request.param,
+            "colocated": _two_steps(tmp, "colocated", 2, tiny_model, arithmetic_data, *tp),
+            "split": _two_steps(tmp, "split", 4, tiny_model, arithmetic_data, *tp, *SPLIT)}
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("rollout_tp", [1, 2])
-def test_split_placement_matches_colocated(tiny_model, arithmetic_data, tmp_path, rollout_tp):
+def test_split_placement_matches_colocated(two_step_runs):
     """Actor+ref on ranks 0-1 and the rollout on ranks 2-3 give the colocated 2-rank run's samples and rewards, step
     after step: prompts cross to the rollout mesh and samples come back in order, and the weights the rollout ranks
     receive after each update are the actor's (the rollout-vs-trainer log-prob gap stays at float noise)."""
-    tp = ["--mesh.rollout-tp", str(rollout_tp)]
-    colocated = _two_steps(tmp_path, "colocated", 2, tiny_model, arithmetic_data, *tp)
-    split = _two_steps(tmp_path, "split", 4, tiny_model, arithmetic_data, *tp,
-                       "--mesh.actor-ranks", "0-1", "--mesh.ref-ranks", "0-1", "--mesh.rollout-ranks", "2-3")
+    colocated, split = two_step_runs["colocated"], two_step_runs["split"]
     for step, (a, b) in enumerate(zip(colocated["batches"], split["batches"]), 1):
         for key in ("responses_BR", "scores_B", "rollout_logprobs_BR"):
             assert torch.equal(a[key], b[key]), (step, key)
@@ -53,6 +62,33 @@ def test_split_placement_matches_colocated(tiny_model, arithmetic_data, tmp_path
         assert b["weight_sync/gathered_bytes"] > 0 and b["rollout/gen_tokens_per_s"] > 0
         for key in ("weight_sync/s", "rollout/wake_s", "rollout/sleep_s", "rollout/gen_s", "rollout/gen_tokens_per_s"):
             assert key in a and key in b, key
+
+
+@pytest.mark.dist
+def test_split_placement_stops_checkpoints_and_resumes(two_step_runs, tiny_model, arithmetic_data, tmp_path):
+    """The CLI in split placement: checkpoints are collective over the actor ranks only, the rollout ranks serve
+    until the trainer closes them, and after a resume the rollout gets the restored weights before generating
+    (step 2 equals the uninterrupted run's)."""
+    import json
+
+    if two_step_runs["tp"] != 1:
+        pytest.skip("one resume check is enough")
+    out = tmp_path / "resume"
+    args = ["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
+            "--reward.function", f"{dist_script('split_rollout_check.py')}:digit_reward",
+            "--data.train-files", str(arithmetic_data / "train.parquet"), "--data.val-files", str(arithmetic_data / "test.parquet"),
+            "--data.train-batch-size", "4", "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--rollout.n", "2",
+            "--rollout.max-response-length", "8", "--actor.optim.lr", "1e-3", "--actor.optim.warmup-steps", "0",
+            "--trainer.total-steps", "2", "--trainer.no-val-before-train", "--trainer.val-every", "0",
+            "--trainer.loggers", "jsonl", "--trainer.output-dir", str(out), *SPLIT]
+    first = torchrun([*args, "--trainer.stop-at-step", "1"], 4)
+    assert "stopped after step 1" in first.stdout
+    torchrun([*args, "--resume", "auto"], 4)
+    rows = {r["step"]: r for r in map(json.loads, open(out / "metrics.jsonl"))}
+    assert sorted(rows) == [1, 2] and (out / "checkpoints" / "step_00000002").is_dir()
+    expected = two_step_runs["split"]["metrics"][1]
+    for key in ("actor/grad_norm", "reward/mean", "rollout/logprob_gap"):
+        assert rows[2][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
 
 
 def _dims(world, **ranks):

@@ -14,6 +14,9 @@
 A prompt's samples are generated, scored and trained on one DP rank, so group statistics are local and
 only scalars cross ranks. Rank 0 decides (which prompts, when to validate) and broadcasts.
 
+``fit`` adds what a long run needs around the step: resume from a checkpoint, the NaN policy, periodic and
+final checkpoints, and a clean stop (checkpoint, then exit) when any rank got SIGTERM/SIGUSR1.
+
 Placement (``build_program``): colocated, every rank runs this trainer. Split (the rollout on ranks of its own),
 the actor's ranks run this trainer, whose collectives use the actor's meshes, never the whole world, and the
 rollout-only ranks run ``RolloutWorker.fit``, which serves the trainer's rollout calls (``roles/rollout.py``).
@@ -21,16 +24,19 @@ rollout-only ranks run ``RolloutWorker.fit``, which serves the trainer's rollout
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from rlspmd.config import Config
 from rlspmd.data.prompts import EpochSampler, PromptDataset
-from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
+from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, on_main, scatter_batch
 from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import Runtime
+from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
@@ -39,6 +45,7 @@ from rlspmd.roles.policy import NoReference, Policy, Reference
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.roles.rollout import build_rollout
 from rlspmd.trainer.advantage import AdvantageStage
+from rlspmd.trainer.checkpoint import Checkpointer, RNGState, TrainerState, copy_model_files, hf_state_dict, write_hf_dir
 from rlspmd.trainer.logger import MetricLogger
 
 
@@ -83,6 +90,9 @@ def build_program(cfg: Config, rt: Runtime, meshes: RoleMeshes):
     check_placement(meshes.dims, engine=cfg.rollout.engine)
     if meshes.hosts("actor"):
         return RLTrainer(cfg, rt, meshes)
+    # A stop signal is the actor side's to act on (checkpoint, then close the rollout): here it is only recorded,
+    # so this rank keeps serving until the actor side's stop command instead of dying first.
+    StopRequest().install()
     model = cfg.actor.model
     tokenizer = load_tokenizer(model.tokenizer_path or model.path, field_name="actor.model.tokenizer_path")
     return build_rollout(
@@ -95,12 +105,24 @@ def build_program(cfg: Config, rt: Runtime, meshes: RoleMeshes):
 class RLTrainer:
     def __init__(self, cfg: Config, rt: Runtime, meshes: RoleMeshes):
         self.cfg, self.rt = cfg, rt
+        if not 0 <= cfg.trainer.stop_at_step <= cfg.trainer.total_steps:
+            raise ValueError(f"trainer.stop_at_step={cfg.trainer.stop_at_step} must be in [0, trainer.total_steps={cfg.trainer.total_steps}]")
+        # The trainer's collectives run on the actor's mesh: in split placement the rollout ranks are elsewhere.
         self.dp_mesh = meshes.get("actor", DP)
+        # Checkpoint directory and resume target first: a bad one fails in seconds, before models load.
+        self.checkpointer = Checkpointer(cfg.checkpoint, output_dir=cfg.trainer.output_dir, rank=rt.rank,
+                                         world_size=self.dp_mesh.size(), mesh=self.dp_mesh)
+        self.resume_from = self.checkpointer.prepare()
+        self.last_checkpoint: Path | None = None
+        self.stop_request = StopRequest().install()
         dp = self.dp_mesh.size()
         if cfg.data.train_batch_size % dp:
             raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} does not split over {dp} DP ranks")
         model_path = cfg.actor.model.path
-        self.tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or model_path, field_name="actor.model.tokenizer_path")
+        self.tokenizer = load_tokenizer(
+            cfg.actor.model.tokenizer_path or model_path,
+            field_name="actor.model.tokenizer_path" if cfg.actor.model.tokenizer_path else "actor.model.path",
+        )
         self.train_data = self.val_data = self.sampler = None
         if rt.is_main:  # rank 0 reads the data and decides each step's prompts
             d = cfg.data
@@ -141,7 +163,8 @@ class RLTrainer:
         self.reward = RewardManager(cfg.reward, self.tokenizer)
         self.advantage = AdvantageStage(cfg.algorithm)
         self.step_count = 0
-        self.logger = MetricLogger(cfg.trainer.loggers, cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps, enabled=rt.is_main)
+        self.skipped_updates_total = 0.0
+        self.logger: MetricLogger | None = None  # opened in fit(), once the resume step is known
 
     def next_prompts(self) -> Batch:
         batch = self.train_data.batch(self.sampler.next_batch()) if self.rt.is_main else None
@@ -228,28 +251,131 @@ class RLTrainer:
 
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
+        self.logger = MetricLogger(
+            cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=self.step_count, enabled=self.rt.is_main
+        )
         stats = self.data_stats
         self.logger.write(
             f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)"
         )
+        if self.resume_from is not None:
+            self.logger.write(f"resumed from {self.resume_from} at step {self.step_count}")
         summary = RunSummary()
-        if cfg.val_before_train:
+        if cfg.val_before_train and self.step_count == 0:
             val = self.validate(0)
             summary.add(0, val)
             self.logger.log(0, val, advance=False)
         for step in range(self.step_count + 1, cfg.total_steps + 1):
             metrics = self.step(step)
             self.step_count = step
+            self.apply_nan_policy(step, metrics)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
                 metrics.update(self.validate(step))
             summary.add(step, metrics)
             self.logger.log(step, metrics)
+            signalled = self.stop_request.agreed(self.rt.device, mesh=self.dp_mesh)
+            stop = signalled or step == cfg.stop_at_step
+            if stop or self.checkpointer.due(step, last=step == cfg.total_steps):
+                self.save_checkpoint(step)
+            if stop:
+                why = "a stop signal (SIGTERM/SIGUSR1)" if signalled else f"trainer.stop_at_step={cfg.stop_at_step}"
+                self.logger.write(
+                    f"stopped after step {step} on {why}; checkpoint {self.last_checkpoint}; continue with --resume auto"
+                )
+                break
         if self.rt.is_main:
             self.logger.write(summary.text())
             summary.write(self.cfg.trainer.output_dir)
         self.rollout.close()
         self.logger.close()
         return summary.last
+
+    def apply_nan_policy(self, step: int, metrics: dict[str, float]) -> None:
+        """A non-finite loss or gradient norm: the engine has already skipped that update (every rank agrees,
+        the norm is global); ``skip`` counts it, ``stop`` ends the run naming the step."""
+        skipped = {k: v for k, v in metrics.items() if k.endswith("skipped_updates") and v > 0}
+        if skipped and self.cfg.trainer.nan_policy == "stop":
+            bad = {k: v for k, v in metrics.items() if ("loss" in k or "grad_norm" in k) and not math.isfinite(v)}
+            raise FloatingPointError(
+                f"step {step}: non-finite loss or gradient norm ({bad or skipped}) and trainer.nan_policy=stop; "
+                f"the update was not applied. Last checkpoint: {self.last_checkpoint or 'none'}"
+            )
+        if skipped:
+            self.skipped_updates_total += sum(skipped.values())
+            counts = ", ".join(f"{k}={v:g}" for k, v in skipped.items())
+            self.logger.write(f"step {step}: skipped updates with a non-finite loss or gradient norm ({counts}; trainer.nan_policy=skip)")
+        metrics["trainer/skipped_updates_total"] = self.skipped_updates_total
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def trainable_engines(self) -> dict:
+        """Role engines with an optimiser (actor; critic when the algorithm has one), checkpointed sharded."""
+        roles = {"actor": self.actor, "critic": self.critic}
+        return {name: role.engine for name, role in roles.items() if getattr(role, "engine", None) is not None}
+
+    def stateful_components(self) -> dict[str, object]:
+        """Trainer attributes whose progress must survive a restart: anything with ``state_dict`` and
+        ``load_state_dict`` (the data sampler on rank 0, a KL controller, ...)."""
+        return {
+            name: obj for name, obj in vars(self).items()
+            if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        }
+
+    def save_checkpoint(self, step: int) -> None:
+        snapshot = broadcast_object(  # rank 0 owns the sampler: its view is the record, the same on every rank
+            {
+                "step": step,
+                "skipped_updates_total": self.skipped_updates_total,
+                "components": {name: c.state_dict() for name, c in self.stateful_components().items()},
+            }
+            if self.rt.is_main
+            else None,
+            mesh=self.dp_mesh,
+        )
+        engines = self.trainable_engines()
+        state = {**engines, "trainer": TrainerState(snapshot), "rng": RNGState(self.rt.rank)}
+        meta = {
+            "total_steps": self.cfg.trainer.total_steps,
+            "roles": sorted(engines),
+            "models": {"actor": self.cfg.actor.model.path},
+            "trainer_components": sorted(snapshot["components"]),
+            "trainer_state": snapshot,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        self.last_checkpoint = self.checkpointer.save(step, state, meta=meta, write_files=self._write_model_files)
+        self.logger.write(f"step {step}: saved checkpoint {self.last_checkpoint}")
+
+    def _write_model_files(self, ckpt: Path) -> None:
+        """Config and tokenizer for export; the actor as an HF directory with ``checkpoint.save_hf``."""
+        model = self.cfg.actor.model
+        engine = self.actor.engine
+        full = hf_state_dict(engine) if self.cfg.checkpoint.save_hf else None  # collective
+
+        def write():
+            copy_model_files(model.path, model.tokenizer_path or model.path, ckpt / "model")
+            if full is not None:
+                write_hf_dir(engine.hf_model, full, self.tokenizer, model.path, ckpt / "hf")
+
+        on_main(write, mesh=self.dp_mesh)
+
+    def restore(self, path: Path) -> None:
+        def put(snapshot: dict) -> None:
+            self.step_count = int(snapshot["step"])
+            self.skipped_updates_total = float(snapshot["skipped_updates_total"])
+            for name, component in self.stateful_components().items():
+                component.load_state_dict(snapshot["components"][name])
+
+        engines = self.trainable_engines()
+        state = {**engines, "trainer": TrainerState(restore=put), "rng": RNGState(self.rt.rank)}
+        meta = self.checkpointer.load(
+            path, state, engines={name: e.param_shapes() for name, e in engines.items()},
+            components=sorted(self.stateful_components()),
+        )
+        self.last_checkpoint = path
+        if meta["world_size"] != self.dp_mesh.size() and self.rt.is_main:
+            print(f"checkpoint {path} was written by {meta['world_size']} ranks; resharded onto {self.dp_mesh.size()}", flush=True)
 
 
 class RunSummary:
