@@ -59,8 +59,8 @@ def test_split_placement_matches_colocated(two_step_runs):
         assert b["rollout/logprob_gap"] < 1e-5, "the rollout generated with stale weights"
         assert a["weight_sync/loaded_bytes"] == 0 and a["weight_sync/broadcast_bytes"] == 0  # colocated: in place
         assert b["weight_sync/broadcast_bytes"] >= b["weight_sync/loaded_bytes"] > 0  # split: the model crossed
-        assert b["weight_sync/gathered_bytes"] > 0 and b["rollout/gen_tokens_per_s"] > 0
-        for key in ("weight_sync/s", "rollout/wake_s", "rollout/sleep_s", "rollout/gen_s", "rollout/gen_tokens_per_s"):
+        assert b["weight_sync/gathered_bytes"] > 0 and b["throughput/rollout/gen_tokens_per_s"] > 0
+        for key in ("timing/rollout/weight_sync", "timing/rollout/wake", "timing/rollout/sleep", "timing/rollout/gen", "throughput/rollout/gen_tokens_per_s"):
             assert key in a and key in b, key
 
 

@@ -112,7 +112,7 @@ def test_per_step_sequence_colocated(mesh):
         "wake_up('weights',)", "load_weights", "reset_prefix_cache", "wake_up('kv_cache',)", "generate", "reset_prefix_cache", "sleep2"
     ]
     metrics = role.sync_weights()
-    for key in ("weight_sync/s", "weight_sync/loaded_bytes", "rollout/wake_s", "rollout/sleep_s", "rollout/gen_s", "rollout/gen_tokens_per_s"):
+    for key in ("timing/rollout/weight_sync", "weight_sync/loaded_bytes", "timing/rollout/wake", "timing/rollout/sleep", "timing/rollout/gen", "throughput/rollout/gen_tokens_per_s"):
         assert key in metrics, key
     assert metrics["weight_sync/loaded_bytes"] == (8 + 2) * 4
 

@@ -21,11 +21,12 @@ Why commands: the rollout-only ranks follow whatever the trainer does (validatio
 rounds per step, early stops) without knowing its control flow, and every collective on the link is entered by
 all of its ranks in the same order: each call is a fixed sequence of link collectives on both sides.
 
-Per-step metrics (``sync_weights`` returns them, reduced; rank 0 logs them):
-``weight_sync/s``, ``weight_sync/gathered_bytes`` (per actor rank, the unit all-gathers),
-``weight_sync/broadcast_bytes`` (per rollout rank, split placement), ``weight_sync/loaded_bytes`` (per engine;
-0 when reading in place), ``rollout/wake_s``, ``rollout/sleep_s``, ``rollout/gen_s`` and
-``rollout/gen_tokens_per_s`` (training generations only, engine time on the rollout ranks).
+Per-step metrics (``sync_weights`` returns them, reduced; rank 0 logs them). Bytes: ``weight_sync/gathered_bytes``
+(per actor rank, the unit all-gathers), ``weight_sync/broadcast_bytes`` (per rollout rank, split placement),
+``weight_sync/loaded_bytes`` (per engine; 0 when reading in place). Seconds (wall clock, so under ``timing/``):
+``timing/rollout/weight_sync`` (every sync of the step, lazy re-syncs included), ``timing/rollout/wake``,
+``timing/rollout/sleep``, ``timing/rollout/gen`` (engine time of the training generations), and
+``throughput/rollout/gen_tokens_per_s``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from rlspmd.rollout.sampling import SamplingParams
 from rlspmd.rollout.weight_sync import WeightBridge, WeightStream
 
 TRAIN, VALIDATION = 0, 1  # generator purposes
+SYNC_S = "timing/rollout/weight_sync"
 
 
 def truncated(batch: Batch, *, eos_ids: list[int], max_response_length: int) -> torch.Tensor:
@@ -141,7 +143,7 @@ class Rollout:
         gen_s = time.perf_counter() - t0
         self.engine.sleep()
         if record:
-            self._stats.max("rollout/gen_s", gen_s)
+            self._stats.max("timing/rollout/gen", gen_s)
             self._stats.sum("rollout/gen_tokens", out["response_mask_BR"].sum())
         me = self.tp_mesh.get_local_rank() if len(parts) > 1 else 0
         start = sum(len(p) for p in parts[:me]) * params.n
@@ -153,8 +155,8 @@ class Rollout:
         loaded = 0 if stream is None else self.engine.update_weights(stream)
         self.synced = True
         # seconds add up over the syncs of a step (a level-2 sleep before validation costs one more); bytes are per sync
-        seconds = self._sync_stats.get("weight_sync/s", 0.0) + time.perf_counter() - t0
-        self._sync_stats = {"weight_sync/s": seconds, "weight_sync/loaded_bytes": float(loaded)}
+        seconds = self._sync_stats.get(SYNC_S, 0.0) + time.perf_counter() - t0
+        self._sync_stats = {SYNC_S: seconds, "weight_sync/loaded_bytes": float(loaded)}
         if stream is not None:
             self._sync_stats.update(self.weights.stats())
 
@@ -168,15 +170,15 @@ class Rollout:
 
     def step_metrics(self) -> dict[str, float]:
         m = self._stats
-        for k in ("weight_sync/s", "weight_sync/gathered_bytes", "weight_sync/broadcast_bytes", "weight_sync/loaded_bytes"):
+        for k in (SYNC_S, "weight_sync/gathered_bytes", "weight_sync/broadcast_bytes", "weight_sync/loaded_bytes"):
             m.max(k, self._sync_stats.get(k, 0.0))
-        for k, v in self.engine.take_times().items():
-            m.max(f"rollout/{k}", v)
-        m.max("rollout/gen_s", 0.0)
+        for k, v in self.engine.take_times().items():  # wake_s, sleep_s
+            m.max(f"timing/rollout/{k.removesuffix('_s')}", v)
+        m.max("timing/rollout/gen", 0.0)
         m.sum("rollout/gen_tokens", 0.0)
         # TP peers generate the same tokens: reduce over the DP dim only (each group counted once)
         out = m.reduce(mesh=self.dp_mesh)
-        out["rollout/gen_tokens_per_s"] = out.pop("rollout/gen_tokens") / max(out["rollout/gen_s"], 1e-9)
+        out["throughput/rollout/gen_tokens_per_s"] = out.pop("rollout/gen_tokens") / max(out["timing/rollout/gen"], 1e-9)
         self._stats, self._sync_stats = MetricBuffer(), {}
         return out
 
@@ -230,7 +232,7 @@ class RemoteRollout:
         self.synced = True
         elapsed = time.perf_counter() - t0
         remote = next(m for m in all_gather_objects(None, mesh=self.link) if m is not None)
-        remote["weight_sync/s"] = max(remote["weight_sync/s"], elapsed)
+        remote[SYNC_S] = max(remote[SYNC_S], elapsed)
         remote["weight_sync/gathered_bytes"] = float(stats.gathered_bytes)
         return remote
 

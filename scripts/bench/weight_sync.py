@@ -125,7 +125,7 @@ def worker(args) -> None:
             "model_bytes": n_params * torch.empty((), dtype=dtype).element_size(),
             "sync_s": statistics.mean(steady),
             "sync_s_first": times[0],
-            **{k: last[k] for k in sorted(last) if k.startswith("weight_sync/") and k != "weight_sync/s"},
+            **{k: last[k] for k in sorted(last) if k.startswith("weight_sync/")},
         }))
     shutdown()
 
