@@ -221,7 +221,7 @@ class RemoteRollout:
         counts = self._command(method, len(prompts), **kwargs)
         plan = _plan(self.link, self.rollout_ranks, sum(counts))
         redistribute_batch(prompts, mesh=self.link, sizes_in=counts, sizes_out=plan)
-        back_in = [n for n in all_gather_objects(0, mesh=self.link)]
+        back_in = all_gather_objects(0, mesh=self.link)  # rows each rollout rank returns
         per_prompt = sum(back_in) // max(sum(counts), 1)
         return redistribute_batch(None, mesh=self.link, sizes_in=back_in, sizes_out=[n * per_prompt for n in counts], device=self.device)
 
