@@ -1,0 +1,71 @@
+"""2+ ranks: broadcast, scatter/gather round trips, metric reduction, and disjoint role meshes."""
+
+import torch
+import torch.distributed as dist
+
+from rlspmd.config import DistConfig, MeshConfig
+from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
+from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
+from rlspmd.distributed.runtime import init_distributed, shutdown, spmd_main
+from rlspmd.protocol import Batch
+
+
+def full_batch(n_per_rank: int, world: int) -> Batch:
+    n = n_per_rank * world
+    return Batch(
+        {"x_BP": torch.arange(n * 3).view(n, 3), "uid_B": torch.arange(n)},
+        {"text": [f"row{i}" for i in range(n)], "info": [{"index": i} for i in range(n)]},
+    )
+
+
+@spmd_main
+def main():
+    rt = init_distributed(DistConfig())
+    r, w = rt.rank, rt.world_size
+    meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(), w), "cpu", r)
+    dp = meshes.get("actor", DP)
+
+    assert broadcast_object({"plan": [1, 2, 3]} if r == 0 else None, mesh=dp) == {"plan": [1, 2, 3]}
+
+    ref = full_batch(3, w)
+    local = scatter_batch(ref if r == 0 else None, mesh=dp)
+    # consecutive rows: rank r holds rows 3r..3r+2 (a prompt's samples stay together)
+    assert local["uid_B"].tolist() == list(range(3 * r, 3 * r + 3)), local["uid_B"]
+    assert local["text"] == [f"row{i}" for i in range(3 * r, 3 * r + 3)]
+    assert torch.equal(local["x_BP"], ref["x_BP"][3 * r : 3 * r + 3])
+    back = gather_batch(local, mesh=dp)
+    if r == 0:
+        assert torch.equal(back["x_BP"], ref["x_BP"]) and back["info"] == ref["info"] and back["text"] == ref["text"]
+    else:
+        assert back is None
+
+    m = MetricBuffer()
+    m.mean("loss", total=float(r + 1) * 10, count=r + 1)  # rank r contributes (r+1)*10 over r+1 items
+    m.max("max", r)
+    m.min("min", r)
+    m.sum("sum", 2.0)
+    out = m.reduce(mesh=dp)
+    assert out["loss"] == 10.0, out
+    assert out["max"] == w - 1 and out["min"] == 0 and out["sum"] == 2.0 * w, out
+
+    if w == 4:  # split placement: actor on 0-1, critic+ref on 2-3
+        dims = ParallelDims.from_config(
+            MeshConfig(actor_ranks="0-1", rollout_ranks="0-1", ref_ranks="2-3", critic_ranks="2,3", reward_ranks="2-3"), w
+        )
+        split = RoleMeshes(dims, "cpu", r)
+        assert split.hosts("actor") == (r < 2) and split.hosts("critic") == (r >= 2)
+        mine = split.get("actor", DP) if r < 2 else split.get("critic", DP)
+        assert (split.get("critic") is None) == (r < 2)
+        t = torch.tensor([float(r)])
+        dist.all_reduce(t, group=mine.get_group())
+        assert t.item() == (1.0 if r < 2 else 5.0), t
+        assert mine.size() == 2 and split.dp_rank("actor" if r < 2 else "critic") == r % 2
+        assert split.get("ref") is split.get("critic")  # same ranks share one mesh
+    dist.barrier()
+    if r == 0:
+        print("DISPATCH OK", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
