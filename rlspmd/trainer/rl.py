@@ -72,7 +72,7 @@ class RLTrainer:
             DynamicSampling(alg.filter_groups, mesh=self.dp_mesh, train_batch_size=cfg.data.train_batch_size,
                             samples_per_prompt=n, pad_id=self.tokenizer.pad_token_id)
             if alg.filter_groups.enable
-            else SingleRound()
+            else SingleRound(train_batch_size=cfg.data.train_batch_size)
         )
         self.train_data = self.val_data = self.sampler = None
         if rt.is_main:  # rank 0 reads the data and decides each step's prompts
@@ -80,8 +80,7 @@ class RLTrainer:
             kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts)
             self.train_data = PromptDataset(d.train_files, self.tokenizer, field_name="data.train_files", **kw)
             self.val_data = PromptDataset(d.val_files, self.tokenizer, field_name="data.val_files", **kw)
-            per_round = self.sampling.prompts_per_round or d.train_batch_size
-            self.sampler = EpochSampler(len(self.train_data), per_round, seed=cfg.trainer.seed, shuffle=d.shuffle)
+            self.sampler = EpochSampler(len(self.train_data), self.sampling.prompts_per_round, seed=cfg.trainer.seed, shuffle=d.shuffle)
         self.data_stats = broadcast_object(
             {"train_prompts": len(self.train_data), "train_dropped": self.train_data.n_dropped} if rt.is_main else None
         )

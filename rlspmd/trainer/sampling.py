@@ -32,7 +32,8 @@ RoundFn = Callable[[int], Batch]
 
 
 class SingleRound:
-    prompts_per_round = None  # the trainer's default: data.train_batch_size
+    def __init__(self, *, train_batch_size: int):
+        self.prompts_per_round = train_batch_size
 
     def collect(self, round_fn: RoundFn) -> tuple[Batch, MetricBuffer]:
         return round_fn(0), MetricBuffer()

@@ -88,12 +88,15 @@ def generate(
     max_value: int = 99,
     ops: str = "+-",
     seed: int = 0,
+    sft_other_style: float = 0.0,
 ) -> dict[str, list[dict[str, Any]]]:
     """Rows of the three splits, keyed ``train``/``test``/``sft``; same arguments give the same rows."""
     if not 1 <= min_terms <= max_terms:
         raise ValueError(f"--min-terms/--max-terms: need 1 <= min <= max, got {min_terms}, {max_terms}")
     if max_value < 0:
         raise ValueError(f"--max-value must be >= 0, got {max_value}")
+    if not 0.0 <= sft_other_style <= 1.0:
+        raise ValueError(f"--sft-other-style must be in [0, 1], got {sft_other_style}")
     if not ops or any(op not in SUPPORTED_OPS for op in ops):
         raise ValueError(f"--ops must be a non-empty string of {SUPPORTED_OPS!r}, got {ops!r}")
     shape = dict(min_terms=min_terms, max_terms=max_terms, max_value=max_value, ops=ops)
@@ -106,8 +109,17 @@ def generate(
     train_rng, sft_rng = stream("train"), stream("sft")
     train = [make_row(make_problem(train_rng, **shape), split="train", index=i) for i in range(num_train)]
     sft = [make_row(make_problem(sft_rng, **shape), split="sft", index=i) for i in range(num_sft)]
+    # A fraction of the demonstrations end in another answer style ("... The answer is 70.") that the
+    # task's checker, like GSM8K's, does not accept. A warm start trained on this mix follows the
+    # majority style under greedy decoding; RL on the verifiable reward has to move it to the accepted
+    # style while keeping the arithmetic right. This is the quickstart's deliberately imperfect warm start.
+    style_rng = stream("sft-style")
     for row in sft:
-        row["response"] = row["extra_info"]["solution"]
+        solution = row["extra_info"]["solution"]
+        if style_rng.random() < sft_other_style:
+            steps, answer = solution.rsplit(" #### ", 1)
+            solution = f"{steps}. The answer is {answer}."
+        row["response"] = solution
 
     # Held-out: reject anything seen in training (and repeats), so test accuracy measures generalisation.
     seen = {r["extra_info"]["expression"] for r in train + sft}
@@ -152,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default="+-", help=f"operators to draw from, a subset of {SUPPORTED_OPS!r}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    p.add_argument("--sft-other-style", type=float, default=0.0,
+                   help="fraction of SFT responses ending 'The answer is N.' instead of '#### N' (not accepted by the reward)")
     args = p.parse_args(argv)
 
     splits = generate(
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         max_value=args.max_value,
         ops=args.ops,
         seed=args.seed,
+        sft_other_style=args.sft_other_style,
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     ext = "parquet" if args.format == "parquet" else "jsonl"
