@@ -49,11 +49,15 @@ def test_every_algorithm_has_a_gpu_config_and_a_cpu_variant():
 def test_algorithm_raises_the_reward(name, steps, warm_start, quickstart_data, tmp_path):
     rows = run_config(name, tmp_path, warm_start, quickstart_data, "--trainer.total-steps", str(steps), "--trainer.val-every", str(steps))
     val = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
-    first, last = val[0], val[steps]
-    print(f"{name}: val/acc {first:.3f} -> {last:.3f}")
-    assert last >= first + 0.1, f"{name}: validation accuracy {first:.3f} -> {last:.3f}"
-    train = [r for r in rows if "reward/mean" in r]
-    assert len(train) == steps and all(r["actor/grad_norm"] == r["actor/grad_norm"] for r in train if "actor/grad_norm" in r)
+    # DAPO trains on the groups it kept (biased toward mixed outcomes); its task reward is over every sample drawn.
+    key = "sampling/drawn_acc" if name == "dapo" else "reward/mean"
+    train = [r[key] for r in rows if key in r]
+    k = 4
+    early, late = sum(train[:k]) / k, sum(train[-k:]) / k
+    print(f"{name}: val/acc {val[0]:.3f} -> {val[steps]:.3f}; training reward, first {k} steps {early:.3f} -> last {k} {late:.3f}")
+    assert len(train) == steps
+    assert val[steps] >= val[0] + 0.1, f"{name}: validation accuracy {val[0]:.3f} -> {val[steps]:.3f}"
+    assert late >= early + 0.03, f"{name}: training reward {early:.3f} -> {late:.3f}"
 
 
 def test_remax_runs_with_its_greedy_baseline_and_a_rerendering_reward_model(

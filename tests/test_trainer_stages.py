@@ -244,3 +244,61 @@ def test_plan_groups(kept_per_round, dropped_last, target, want):
             received[dst] += n
     assert [s + r for s, r in zip(plan.stay, received)] == [per_rank] * len(dropped_last)
     assert math.isclose(sum(plan.kept) + sum(plan.topped_up), target)
+
+
+class FakeMesh:
+    """Stands in for a DP mesh where a constructor only asks its size."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_bad_settings_fail_early_naming_the_field(tmp_path):
+    from rlspmd.config import CriticConfig, FilterGroupsConfig
+    from rlspmd.roles.critic import Critic
+    from rlspmd.trainer.sampling import DynamicSampling
+
+    def dynamic(cfg, **kw):
+        args = dict(mesh=FakeMesh(2), train_batch_size=8, samples_per_prompt=4, pad_id=0) | kw
+        return DynamicSampling(cfg, **args)
+
+    with pytest.raises(ValueError, match="algorithm.filter_groups.gen_batch_size=4 must be >= data.train_batch_size=8"):
+        dynamic(FilterGroupsConfig(enable=True, gen_batch_size=4))
+    with pytest.raises(ValueError, match="algorithm.filter_groups.gen_batch_size=9 does not split over 2"):
+        dynamic(FilterGroupsConfig(enable=True, gen_batch_size=9))
+    with pytest.raises(ValueError, match="algorithm.filter_groups.max_rounds"):
+        dynamic(FilterGroupsConfig(enable=True, max_rounds=0))
+    with pytest.raises(ValueError, match="rollout.n >= 2"):
+        dynamic(FilterGroupsConfig(enable=True), samples_per_prompt=1)
+
+    def critic(**cfg):
+        return Critic(CriticConfig(**cfg), model_path=str(tmp_path / "missing"), dtype="float32", attn_implementation="sdpa",
+                      mesh=FakeMesh(2), device=torch.device("cpu"), samples_per_prompt=3, train_batch_size=8,
+                      max_response_length=16, total_steps=1, seed=0)
+
+    with pytest.raises(ValueError, match="critic.mini_batch_size=1 x rollout.n=3"):
+        critic(mini_batch_size=1)
+    with pytest.raises(ValueError, match="critic.mini_batch_size=6"):
+        critic(mini_batch_size=6)
+    with pytest.raises(ValueError, match="critic.loss_agg_mode='mean'"):
+        critic(mini_batch_size=4, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="critic.cliprange_value"):
+        critic(mini_batch_size=4, cliprange_value=0.0)
+    with pytest.raises(FileNotFoundError, match="actor.model.path: .*missing"):  # the critic starts from the actor
+        critic(mini_batch_size=4)
+
+
+def test_trainer_state_dict_carries_the_kl_controller():
+    from rlspmd.trainer.rl import RLTrainer
+
+    cfg = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.3, target_kl=0.1, horizon=10))
+    trainer, restored = RLTrainer.__new__(RLTrainer), RLTrainer.__new__(RLTrainer)  # only the algorithm stages
+    trainer.token_rewards, restored.token_rewards = build_token_rewards(cfg, mesh=None), build_token_rewards(cfg, mesh=None)
+    trainer.token_rewards(kl_batch())
+    assert trainer.state_dict()["algorithm"]["kl_ctrl"]["value"] != 0.3
+    restored.load_state_dict(trainer.state_dict())
+    assert restored.token_rewards.controller.value == trainer.token_rewards.controller.value
+    assert RLTrainer.state_dict(type("T", (), {"token_rewards": TokenRewards()})()) == {"algorithm": {}}
