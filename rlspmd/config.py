@@ -378,6 +378,24 @@ def _split_selector(spec: str) -> tuple[Path, str]:
     return Path(spec), "config"
 
 
+def ignored_settings(cfg: Config) -> list[str]:
+    """Settings that differ from their defaults but do nothing under the switches that gate them (warned once)."""
+    alg, out = cfg.algorithm, []
+    if alg.adv_estimator != "gae" and cfg.critic != CriticConfig():
+        out.append(f"critic.* is set but algorithm.adv_estimator={alg.adv_estimator!r} uses no critic")
+    if not alg.use_kl_in_reward and (alg.kl_ctrl != KLControlConfig() or alg.kl_penalty != AlgorithmConfig.kl_penalty):
+        out.append("algorithm.kl_ctrl / kl_penalty are set but algorithm.use_kl_in_reward=False")
+    if not alg.filter_groups.enable and alg.filter_groups != FilterGroupsConfig():
+        out.append("algorithm.filter_groups.* is set but algorithm.filter_groups.enable=False")
+    if not cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer != OverlongBufferConfig():
+        out.append("reward.overlong_buffer.* is set but reward.overlong_buffer.enable=False")
+    if cfg.reward.model.path is None and cfg.reward.model != RewardModelConfig():
+        out.append("reward.model.* is set but reward.model.path is None")
+    if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (ActorConfig.kl_loss_coef, ActorConfig.kl_loss_type):
+        out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
+    return out
+
+
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 

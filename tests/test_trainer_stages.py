@@ -302,3 +302,18 @@ def test_trainer_state_dict_carries_the_kl_controller():
     restored.load_state_dict(trainer.state_dict())
     assert restored.token_rewards.controller.value == trainer.token_rewards.controller.value
     assert RLTrainer.state_dict(type("T", (), {"token_rewards": TokenRewards()})()) == {"algorithm": {}}
+
+
+def test_settings_that_do_nothing_are_reported():
+    from rlspmd.config import Config, CriticConfig, FilterGroupsConfig, ignored_settings
+    from rlspmd.config import load_config_file
+    from conftest import ROOT
+
+    assert ignored_settings(Config()) == []
+    for name in ("ppo", "grpo", "dapo", "rloo", "reinforce_pp", "remax", "gspo"):
+        assert ignored_settings(load_config_file(ROOT / f"configs/{name}.py")) == [], name
+        assert ignored_settings(load_config_file(ROOT / f"configs/{name}.py:cpu")) == [], name
+    cfg = Config(critic=CriticConfig(warmup_steps=3), algorithm=AlgorithmConfig(kl_ctrl=KLControlConfig(kl_coef=0.5), filter_groups=FilterGroupsConfig(max_rounds=9)))
+    cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef = False, 0.1
+    messages = ignored_settings(cfg)
+    assert len(messages) == 4 and "algorithm.adv_estimator='grpo' uses no critic" in messages[0]

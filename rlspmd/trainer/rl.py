@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlspmd.config import Config, CriticConfig
+from rlspmd.config import Config, ignored_settings
 from rlspmd.data.prompts import EpochSampler, PromptDataset
 from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
 from rlspmd.distributed.mesh import DP, RoleMeshes
@@ -136,8 +136,8 @@ class RLTrainer:
         self.advantage = AdvantageStage(alg, mesh=self.dp_mesh)
         self.step_count = 0
         self.logger = MetricLogger(cfg.trainer.loggers, cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps, enabled=rt.is_main)
-        if not with_critic and cfg.critic != CriticConfig():
-            self.logger.write(f"warning: critic.* is set but algorithm.adv_estimator={alg.adv_estimator!r} uses no critic; ignored")
+        for message in ignored_settings(cfg):
+            self.logger.write(f"warning: {message}; ignored")
 
     def state_dict(self) -> dict:
         """Algorithm state a checkpoint must carry besides the engines and the data sampler: the KL controller."""
