@@ -313,7 +313,35 @@ class TrainerConfig:
     seed: int = 0
     """Base seed: data order, sampling RNG (offset per rank), model init of new heads."""
     deterministic: bool = False
-    """Use deterministic algorithms (slower) so repeated runs are bit-identical."""
+    """Deterministic algorithms (and cuDNN/cuBLAS settings) so that a repeated run, or a run stopped and resumed
+    from a checkpoint, is bit-identical. Slower on GPU."""
+    nan_policy: Literal["skip", "stop"] = "skip"
+    """A non-finite loss or gradient norm: ``skip`` drops that optimiser update (counted in ``*/skipped_updates``
+    and ``trainer/skipped_updates_total``); ``stop`` ends the run with an error naming the step."""
+    stop_at_step: int = 0
+    """End this job after this step with a checkpoint, while the LR schedule still spans ``total_steps``
+    (continue with ``--resume auto``). For chains of walltime-limited jobs, like Megatron's ``--exit-interval``.
+    0 runs to ``total_steps``."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Checkpoint root; defaults to ``<trainer.output_dir>/checkpoints``. Holds ``step_XXXXXXXX/`` directories
+    (DCP shards, ``meta.json``, the model config and tokenizer) and a ``latest`` pointer. Must be shared by all
+    nodes."""
+    save_every: int = 0
+    """Save every N steps (0: only at the end, see ``save_final``, and on SIGTERM/SIGUSR1)."""
+    save_final: bool = True
+    """Save after the last step."""
+    keep_last: int = 3
+    """Keep the newest K complete checkpoints, delete older ones (0 keeps all)."""
+    save_hf: bool = False
+    """Also write the actor as a Hugging Face directory (``step_XXXXXXXX/hf``: safetensors, config, tokenizer)."""
+    resume: str = "auto"
+    """``auto``: continue from the newest complete checkpoint in ``dir`` if there is one, else start fresh;
+    ``none``: start fresh (refuses a ``dir`` that already holds checkpoints); or a path to a checkpoint
+    (``.../step_XXXXXXXX``) or a checkpoint root (its newest). ``--resume`` is a shorthand."""
 
 
 @dataclass
@@ -338,6 +366,8 @@ class Config:
     """torch.distributed settings."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The loop: steps, validation, logging."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving, resuming, Hugging Face export at save time."""
 
 
 def load_config_file(path: str | Path, expected_type: type = Config):
@@ -355,7 +385,10 @@ def load_config_file(path: str | Path, expected_type: type = Config):
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses defined in the file need their module registered
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - a typo in the file (e.g. an unknown field) must name the file
+        raise ValueError(f"config file {path} failed to load: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         if name != "config":
             known = sorted(k for k, v in vars(module).items() if not k.startswith("_") and (callable(v) or isinstance(v, expected_type))

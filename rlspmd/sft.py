@@ -17,7 +17,7 @@ from rlspmd.config import MeshConfig, SFTConfig
 from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, seed_everything, shutdown, spmd_main
+from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.protocol import Batch
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
     rt = init_distributed(cfg.dist)
+    quiet_libraries()
     seed_everything(cfg.seed)
     dims = ParallelDims.from_config(MeshConfig(), rt.world_size)  # SFT: one role on every rank
     mesh = RoleMeshes(dims, rt.device.type, rt.rank).get("actor", DP)

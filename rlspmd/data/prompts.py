@@ -40,6 +40,8 @@ def read_rows(files: list[str], *, prompt_key: str, field_name: str):
         kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(suffix)
         if kind is None:
             raise ValueError(f"{field_name}: {path} is neither .parquet nor .jsonl")
+        if _has_no_rows(path, kind):  # `datasets` would only say 'Instruction "train" corresponds to no data'
+            raise ValueError(f"{field_name}: {path} has no rows")
         try:
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - name the file for any reader failure
@@ -51,6 +53,18 @@ def read_rows(files: list[str], *, prompt_key: str, field_name: str):
             raise ValueError(f"{field_name}: {path} lacks required column(s) {missing} (has {ds.column_names})")
         tables.append((str(path), ds))
     return tables
+
+
+def _has_no_rows(path: Path, kind: str) -> bool:
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        with open(path, "rb") as f:
+            return not any(line.strip() for line in f)
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by the reader below, naming the file
+        return False
 
 
 class PromptDataset:

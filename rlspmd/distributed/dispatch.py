@@ -11,6 +11,7 @@ weights (which move through ``rollout/weight_sync.py`` instead).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,32 @@ def broadcast_object(obj: Any, *, mesh: DeviceMesh | None = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def on_main(fn: Callable[[], Any], *, mesh: DeviceMesh | None = None) -> Any:
+    """Run ``fn`` on the mesh's first rank and return its result on every rank.
+
+    If ``fn`` raises, every rank raises the same error, so that no rank is left waiting in the next
+    collective for a rank that has failed (rank 0 decides; the others must learn the decision, even a bad one).
+    """
+    group, src = _group_and_src(mesh)
+    result = error = None
+    if dist.get_rank() == src:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = e
+    box = [(result, error)]
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except Exception:  # an unpicklable result or exception: rank 0 raises its own, the others a summary
+        if error is not None:
+            raise error from None
+        raise
+    result, error = box[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def scatter_batch(batch: Batch | None, *, mesh: DeviceMesh, device: torch.device | None = None) -> Batch:

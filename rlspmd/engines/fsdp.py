@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -157,8 +158,21 @@ class FSDPEngine:
                 # FSDP2 keeps the root unsharded after forward (it is gathered again for backward at once).
                 m.set_reshard_after_forward(self.reshard_after_forward and m is not self.module)
 
+    def state_dict(self) -> dict:
+        """Checkpoint state (``Stateful``): sharded model and optimiser state keyed by parameter name, and the
+        LR schedule. DCP saves the shards and reshards them on load, so the world size may change."""
+        assert self.optimizer is not None, "a frozen engine has no training state to checkpoint"
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """Global (unsharded) shape of every entry of the model state dict, by name."""
+        return {k: v.shape for k, v in get_model_state_dict(self.module).items()}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU state dict of the root module on rank 0 of the mesh; empty elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -2,7 +2,8 @@
 
 ``TokenRewards`` places each sample's score on its last response token (``token_rewards_BR``);
 ``KLPenalizedTokenRewards`` also subtracts ``coef * KL(pi_old || pi_ref)`` from every token (InstructGPT-style
-PPO, REINFORCE++), with a fixed or adaptive coefficient whose state is checkpointed through ``state_dict``.
+PPO, REINFORCE++), with a fixed or adaptive coefficient whose state is checkpointed through ``state_dict`` (the
+trainer checkpoints every attribute that has one).
 
 ``AdvantageStage`` maps the estimator name to the pure function in ``rlspmd.algorithms``. Outcome estimators read
 the sequence score ``token_rewards_BR.sum(-1)`` (the score itself without a KL penalty) and group samples by
@@ -49,17 +50,11 @@ STD_NORM_DEFAULT = {"grpo": True, "grpo_passk": True, "gpg": False}
 
 
 class TokenRewards:
-    """``token_rewards_BR``: the score on the last valid response token, 0 elsewhere."""
+    """``token_rewards_BR``: the score on the last valid response token, 0 elsewhere. Stateless."""
 
     def __call__(self, batch: Batch) -> tuple[Batch, MetricBuffer]:
         token_scores = token_level_scores(batch["scores_B"], batch["response_mask_BR"].float())
         return batch.set(token_rewards_BR=token_scores), MetricBuffer()
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
 
 
 class KLPenalizedTokenRewards:

@@ -18,20 +18,26 @@
 A prompt's samples are generated, scored and trained on one DP rank, so group statistics are local and
 only scalars cross ranks. Rank 0 decides (which prompts, when to validate, when dynamic sampling has enough)
 and broadcasts.
+
+``fit`` adds what a long run needs around the step: resume from a checkpoint, the NaN policy, periodic and
+final checkpoints, and a clean stop (checkpoint, then exit) when any rank got SIGTERM/SIGUSR1.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from rlspmd.config import Config, ignored_settings
 from rlspmd.data.prompts import EpochSampler, PromptDataset
-from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
+from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, on_main, scatter_batch
 from rlspmd.distributed.mesh import DP, RoleMeshes
-from rlspmd.distributed.runtime import Runtime
+from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
@@ -41,6 +47,7 @@ from rlspmd.roles.policy import NoReference, Policy, Reference
 from rlspmd.roles.reward_model import NoRewardModel, RewardModel
 from rlspmd.roles.rollout import Rollout
 from rlspmd.trainer.advantage import NEEDS_CRITIC, NEEDS_GREEDY_BASELINE, AdvantageStage, build_token_rewards
+from rlspmd.trainer.checkpoint import Checkpointer, RNGState, TrainerState, copy_model_files, hf_state_dict, write_hf_dir
 from rlspmd.trainer.logger import MetricLogger
 from rlspmd.trainer.sampling import DynamicSampling, GreedyBaseline, NoBaseline, SingleRound
 
@@ -61,12 +68,22 @@ class RLTrainer:
         if not meshes.dims.is_colocated:
             raise ValueError("split placement (mesh.*_ranks) is not supported by the RL trainer yet; use colocated placement")
         self.cfg, self.rt = cfg, rt
+        if not 0 <= cfg.trainer.stop_at_step <= cfg.trainer.total_steps:
+            raise ValueError(f"trainer.stop_at_step={cfg.trainer.stop_at_step} must be in [0, trainer.total_steps={cfg.trainer.total_steps}]")
+        # Checkpoint directory and resume target first: a bad one fails in seconds, before models load.
+        self.checkpointer = Checkpointer(cfg.checkpoint, output_dir=cfg.trainer.output_dir, rank=rt.rank, world_size=rt.world_size)
+        self.resume_from = self.checkpointer.prepare()
+        self.last_checkpoint: Path | None = None
+        self.stop_request = StopRequest().install()
         self.dp_mesh = meshes.get("actor", DP)
         dp = self.dp_mesh.size()
         if cfg.data.train_batch_size % dp:
             raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} does not split over {dp} DP ranks")
         model_path = cfg.actor.model.path
-        self.tokenizer = load_tokenizer(cfg.actor.model.tokenizer_path or model_path, field_name="actor.model.tokenizer_path")
+        self.tokenizer = load_tokenizer(
+            cfg.actor.model.tokenizer_path or model_path,
+            field_name="actor.model.tokenizer_path" if cfg.actor.model.tokenizer_path else "actor.model.path",
+        )
         alg, n = cfg.algorithm, cfg.rollout.n
         self.sampling = (
             DynamicSampling(alg.filter_groups, mesh=self.dp_mesh, train_batch_size=cfg.data.train_batch_size,
@@ -135,16 +152,8 @@ class RLTrainer:
         self.token_rewards = build_token_rewards(alg, mesh=self.dp_mesh)
         self.advantage = AdvantageStage(alg, mesh=self.dp_mesh)
         self.step_count = 0
-        self.logger = MetricLogger(cfg.trainer.loggers, cfg.trainer.output_dir, total_steps=cfg.trainer.total_steps, enabled=rt.is_main)
-        for message in ignored_settings(cfg):
-            self.logger.write(f"warning: {message}; ignored")
-
-    def state_dict(self) -> dict:
-        """Algorithm state a checkpoint must carry besides the engines and the data sampler: the KL controller."""
-        return {"algorithm": self.token_rewards.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.token_rewards.load_state_dict(state["algorithm"])
+        self.skipped_updates_total = 0.0
+        self.logger: MetricLogger | None = None  # opened in fit(), once the resume step is known
 
     def next_prompts(self) -> Batch:
         batch = self.train_data.batch(self.sampler.next_batch()) if self.rt.is_main else None
@@ -247,20 +256,168 @@ class RLTrainer:
 
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
+        if self.resume_from is not None:
+            self.restore(self.resume_from)
+        self.logger = MetricLogger(
+            cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=self.step_count, enabled=self.rt.is_main
+        )
         stats = self.data_stats
         self.logger.write(
             f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)"
         )
-        last: dict[str, float] = {}
-        if cfg.val_before_train:
-            last = self.validate(0)
-            self.logger.log(0, last, advance=False)
+        for message in ignored_settings(self.cfg):
+            self.logger.write(f"warning: {message}; ignored")
+        if self.resume_from is not None:
+            self.logger.write(f"resumed from {self.resume_from} at step {self.step_count}")
+        summary = RunSummary()
+        if cfg.val_before_train and self.step_count == 0:
+            val = self.validate(0)
+            summary.add(0, val)
+            self.logger.log(0, val, advance=False)
         for step in range(self.step_count + 1, cfg.total_steps + 1):
             metrics = self.step(step)
             self.step_count = step
+            self.apply_nan_policy(step, metrics)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
                 metrics.update(self.validate(step))
+            summary.add(step, metrics)
             self.logger.log(step, metrics)
-            last = metrics
+            signalled = self.stop_request.agreed(self.rt.device)
+            stop = signalled or step == cfg.stop_at_step
+            if stop or self.checkpointer.due(step, last=step == cfg.total_steps):
+                self.save_checkpoint(step)
+            if stop:
+                why = "a stop signal (SIGTERM/SIGUSR1)" if signalled else f"trainer.stop_at_step={cfg.stop_at_step}"
+                self.logger.write(
+                    f"stopped after step {step} on {why}; checkpoint {self.last_checkpoint}; continue with --resume auto"
+                )
+                break
+        if self.rt.is_main:
+            self.logger.write(summary.text())
+            summary.write(self.cfg.trainer.output_dir)
         self.logger.close()
-        return last
+        return summary.last
+
+    def apply_nan_policy(self, step: int, metrics: dict[str, float]) -> None:
+        """A non-finite loss or gradient norm: the engine has already skipped that update (every rank agrees,
+        the norm is global); ``skip`` counts it, ``stop`` ends the run naming the step."""
+        skipped = {k: v for k, v in metrics.items() if k.endswith("skipped_updates") and v > 0}
+        if skipped and self.cfg.trainer.nan_policy == "stop":
+            bad = {k: v for k, v in metrics.items() if ("loss" in k or "grad_norm" in k) and not math.isfinite(v)}
+            raise FloatingPointError(
+                f"step {step}: non-finite loss or gradient norm ({bad or skipped}) and trainer.nan_policy=stop; "
+                f"the update was not applied. Last checkpoint: {self.last_checkpoint or 'none'}"
+            )
+        if skipped:
+            self.skipped_updates_total += sum(skipped.values())
+            counts = ", ".join(f"{k}={v:g}" for k, v in skipped.items())
+            self.logger.write(f"step {step}: skipped updates with a non-finite loss or gradient norm ({counts}; trainer.nan_policy=skip)")
+        metrics["trainer/skipped_updates_total"] = self.skipped_updates_total
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def trainable_engines(self) -> dict:
+        """Role engines with an optimiser (actor; critic when the algorithm has one), checkpointed sharded."""
+        roles = {"actor": self.actor, "critic": self.critic}
+        return {name: role.engine for name, role in roles.items() if getattr(role, "engine", None) is not None}
+
+    def stateful_components(self) -> dict[str, object]:
+        """Trainer attributes whose progress must survive a restart: anything with ``state_dict`` and
+        ``load_state_dict`` (the data sampler on rank 0, a KL controller, ...)."""
+        return {
+            name: obj for name, obj in vars(self).items()
+            if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        }
+
+    def save_checkpoint(self, step: int) -> None:
+        snapshot = broadcast_object(  # rank 0 owns the sampler: its view is the record, the same on every rank
+            {
+                "step": step,
+                "skipped_updates_total": self.skipped_updates_total,
+                "components": {name: c.state_dict() for name, c in self.stateful_components().items()},
+            }
+            if self.rt.is_main
+            else None
+        )
+        engines = self.trainable_engines()
+        state = {**engines, "trainer": TrainerState(snapshot), "rng": RNGState(self.rt.rank)}
+        meta = {
+            "total_steps": self.cfg.trainer.total_steps,
+            "roles": sorted(engines),
+            "models": {"actor": self.cfg.actor.model.path},
+            "trainer_components": sorted(snapshot["components"]),
+            "trainer_state": snapshot,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        self.last_checkpoint = self.checkpointer.save(step, state, meta=meta, write_files=self._write_model_files)
+        self.logger.write(f"step {step}: saved checkpoint {self.last_checkpoint}")
+
+    def _write_model_files(self, ckpt: Path) -> None:
+        """Config and tokenizer for export; the actor as an HF directory with ``checkpoint.save_hf``."""
+        model = self.cfg.actor.model
+        engine = self.actor.engine
+        full = hf_state_dict(engine) if self.cfg.checkpoint.save_hf else None  # collective
+
+        def write():
+            copy_model_files(model.path, model.tokenizer_path or model.path, ckpt / "model")
+            if full is not None:
+                write_hf_dir(engine.hf_model, full, self.tokenizer, model.path, ckpt / "hf")
+
+        on_main(write)
+
+    def restore(self, path: Path) -> None:
+        def put(snapshot: dict) -> None:
+            self.step_count = int(snapshot["step"])
+            self.skipped_updates_total = float(snapshot["skipped_updates_total"])
+            for name, component in self.stateful_components().items():
+                component.load_state_dict(snapshot["components"][name])
+
+        engines = self.trainable_engines()
+        state = {**engines, "trainer": TrainerState(restore=put), "rng": RNGState(self.rt.rank)}
+        meta = self.checkpointer.load(
+            path, state, engines={name: e.param_shapes() for name, e in engines.items()},
+            components=sorted(self.stateful_components()),
+        )
+        self.last_checkpoint = path
+        if meta["world_size"] != self.rt.world_size and self.rt.is_main:
+            print(f"checkpoint {path} was written by {meta['world_size']} ranks; resharded onto {self.rt.world_size}", flush=True)
+
+
+class RunSummary:
+    """What a run did, for the end of the log and ``summary.json``: validation first -> last, step-time breakdown."""
+
+    def __init__(self):
+        self.t0 = time.time()
+        self.val: list[tuple[int, float]] = []
+        self.timings: list[dict[str, float]] = []
+        self.last: dict[str, float] = {}
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        if "val/acc" in metrics:
+            self.val.append((step, metrics["val/acc"]))
+        t = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
+        if t:
+            self.timings.append(t)
+        self.last = metrics
+
+    def as_dict(self) -> dict:
+        steady = self.timings[1:] or self.timings  # the first step pays one-off warm-up costs
+        mean = {k: sum(t.get(k, 0.0) for t in steady) / len(steady) for k in (steady[0] if steady else {})}
+        return {"wall_s": time.time() - self.t0, "steps": len(self.timings), "val_acc": self.val, "mean_step_s": mean}
+
+    def text(self) -> str:
+        d = self.as_dict()
+        lines = [f"done: {d['steps']} steps in {d['wall_s']:.0f} s"]
+        if len(self.val) >= 2:
+            (s0, a0), (s1, a1) = self.val[0], self.val[-1]
+            lines.append(f"validation accuracy: {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points")
+        if d["mean_step_s"]:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in d["mean_step_s"].items() if k != "step" and v >= 0.005)
+            lines.append(f"seconds per step (mean after the first): {d['mean_step_s'].get('step', 0):.2f} = {parts}")
+        return "\n".join(lines)
+
+    def write(self, output_dir: str) -> None:
+        import json
+        from pathlib import Path
+
+        (Path(output_dir) / "summary.json").write_text(json.dumps(self.as_dict(), indent=2))

@@ -1,0 +1,73 @@
+"""Config files, tyro overrides, --help and --dry-run."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, torchrun
+from rlspmd.config import Config, load_config_file
+from rlspmd.train import parse_args
+
+
+def write(tmp_path, body: str):
+    p = tmp_path / "cfg.py"
+    p.write_text(body)
+    return p
+
+
+def test_file_then_overrides(tmp_path):
+    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(optim=OptimConfig(lr=3e-4)), rollout=RolloutConfig(n=8))\n")
+    cfg, dry = parse_args(["--config", str(p), "--actor.optim.lr", "1e-6", "--data.train-files", "a.parquet", "b.jsonl"])
+    assert cfg.actor.optim.lr == 1e-6 and cfg.rollout.n == 8 and not dry
+    assert cfg.data.train_files == ["a.parquet", "b.jsonl"]
+
+
+def test_config_may_be_a_function(tmp_path):
+    p = write(tmp_path, "from rlspmd.config import *\ndef config():\n    return Config(trainer=TrainerConfig(total_steps=7))\n")
+    assert load_config_file(p).trainer.total_steps == 7
+
+
+def test_missing_config_file_and_missing_object(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_config_file(tmp_path / "nope.py")
+    p = write(tmp_path, "x = 1\n")
+    with pytest.raises(ValueError, match="must define `config"):
+        load_config_file(p)
+    p2 = write(tmp_path, "config = 3\n")
+    with pytest.raises(ValueError, match="expected Config"):
+        load_config_file(p2)
+
+
+def test_unknown_field_is_rejected_with_its_name():
+    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--actor.optim.lrr", "1"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "--actor.optim.lrr" in proc.stderr
+
+
+def test_help_shows_field_docstrings():
+    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0
+    out = proc.stdout
+    assert "--actor.optim.lr" in out and "Peak learning rate." in out
+    assert "Samples per prompt (the GRPO group size)." in out
+
+
+def test_dry_run_prints_layout_4_ranks():
+    proc = torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--dry-run"], 4)
+    out = proc.stdout
+    assert "world size 4, placement colocated" in out
+    assert "actor    ranks 0-3" in out and "dp=4" in out
+    assert "rollout.n = " in out and "actor.optim.lr = " in out
+    assert out.count("world size 4") == 1  # printed by rank 0 only
+
+
+def test_dry_run_split_placement_and_bad_degrees():
+    proc = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.actor-ranks", "0-1", "--mesh.rollout-ranks", "2-3",
+                     "--mesh.rollout-tp", "2"], 4)
+    assert "placement split" in proc.stdout and "rollout  ranks 2-3" in proc.stdout and "tp=2" in proc.stdout
+    bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.rollout-tp", "3"], 2, check=False)
+    assert bad.returncode != 0
+    assert "tensor-parallel degree 3 does not divide its 2 ranks" in bad.stderr
+    bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.critic-ranks", "0-5"], 2, check=False)
+    assert bad.returncode != 0 and "mesh.critic_ranks='0-5'" in bad.stderr

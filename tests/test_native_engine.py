@@ -1,0 +1,115 @@
+"""The native engine: greedy equals HF `generate`; EOS/max-token stopping; sampling filters; the rollout layout."""
+
+import pytest
+import torch
+
+from rlspmd.models.decoder import HFDecoder, LlamaFamilyDecoder, make_decoder
+from rlspmd.models.loader import eos_token_ids, load_causal_lm, load_tokenizer
+from rlspmd.protocol import Batch
+from rlspmd.rollout.native import NativeEngine, OwnWeights, generate_tokens
+from rlspmd.rollout.sampling import SamplingParams, _filter, sample_next
+
+PROMPTS = ["Calculate 1 + 2.", "Calculate 37 + 45 - 12.", "Calculate 90 - 9 + 5.", "Hi"]
+
+
+def encode(tok, texts=PROMPTS):
+    t = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True) for c in texts]
+    enc = tok(t, padding=True, return_tensors="pt", add_special_tokens=False)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_greedy_equals_hf_generate(fixture, request):
+    path = request.getfixturevalue(fixture)
+    tok = load_tokenizer(path, field_name="model")
+    model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    assert (mask == 0).any(), "prompts must need left padding for this test"
+    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                        pad_token_id=tok.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
+    for decoder in (make_decoder(model), HFDecoder(model)):
+        tokens, lengths, _ = generate_tokens(decoder, ids, mask, SamplingParams(temperature=0.0, max_new_tokens=24),
+                                             eos_ids=torch.tensor([-1]), pad_id=tok.pad_token_id, generator=None)
+        assert torch.equal(tokens, hf), type(decoder).__name__
+        assert lengths.tolist() == [24] * len(PROMPTS)
+    assert isinstance(make_decoder(model), LlamaFamilyDecoder)
+
+
+def test_greedy_with_eos_matches_hf_and_layout(tiny_model):
+    tok = load_tokenizer(tiny_model, field_name="model")
+    model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    # Make EOS likely: use the token the model greedily emits at step 3 of row 1 as an extra stop id.
+    free, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=8),
+                                 eos_ids=torch.tensor([-1]), pad_id=0, generator=None)
+    stop = int(free[1, 3])
+    engine = NativeEngine(OwnWeights(model), eos_ids=[stop], pad_id=tok.pad_token_id, max_batch_size=2, device=torch.device("cpu"))
+    prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(len(PROMPTS))}, {"text": PROMPTS})
+    out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8), generator=None)
+    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id,
+                        eos_token_id=stop)[:, ids.shape[1]:]
+    R = out["responses_BR"].shape[1]
+    for b in range(len(PROMPTS)):
+        n = int(out["response_mask_BR"][b].sum())
+        assert out["responses_BR"][b, :n].tolist() == hf[b, :n].tolist()
+        row = out["responses_BR"][b].tolist()
+        if stop in row:
+            assert n == row.index(stop) + 1  # EOS is part of the response
+        assert all(t == tok.pad_token_id for t in row[n:])
+    assert int(out["response_mask_BR"][1].sum()) <= 4  # row 1 emits the stop token by step 3
+    P = ids.shape[1]
+    assert torch.equal(out["input_ids_BL"][:, :P], ids) and out["input_ids_BL"].shape[1] == P + R
+    assert torch.equal(out["attention_mask_BL"], torch.cat([mask, out["response_mask_BR"]], 1))
+
+
+def test_n_samples_are_consecutive_and_seeded(tiny_model):
+    tok = load_tokenizer(tiny_model, field_name="model")
+    model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    engine = NativeEngine(OwnWeights(model), eos_ids=eos_token_ids(tiny_model, tok), pad_id=tok.pad_token_id,
+                          max_batch_size=64, device=torch.device("cpu"))
+    prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(4)})
+    p = SamplingParams(temperature=1.0, max_new_tokens=6, n=3)
+    a = engine.generate(prompts, p, generator=torch.Generator().manual_seed(1))
+    b = engine.generate(prompts, p, generator=torch.Generator().manual_seed(1))
+    c = engine.generate(prompts, p, generator=torch.Generator().manual_seed(2))
+    assert a["uid_B"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert torch.equal(a["responses_BR"], b["responses_BR"])
+    assert not torch.equal(a["responses_BR"], c["responses_BR"])
+    # rollout log-probs are the model's log-softmax at the sampled tokens
+    logits = model(input_ids=a["input_ids_BL"], attention_mask=a["attention_mask_BL"], position_ids=a["position_ids_BL"]).logits
+    R = a["responses_BR"].shape[1]
+    lp = torch.log_softmax(logits[:, -R - 1 : -1].float(), -1).gather(-1, a["responses_BR"][..., None]).squeeze(-1)
+    m = a["response_mask_BR"].bool()
+    torch.testing.assert_close(a["rollout_logprobs_BR"][m], lp[m], atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_filters_and_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    z = _filter(logits.clone(), top_k=2, top_p=1.0)
+    assert torch.isinf(z[0, 2:]).all() and torch.isfinite(z[0, :2]).all()
+    z = _filter(logits.clone(), top_k=0, top_p=0.7)  # keeps 0.5 and 0.3 (mass before 0.3 is 0.5 < 0.7)
+    assert torch.isfinite(z[0, :2]).all() and torch.isinf(z[0, 2:]).all()
+    z = _filter(logits.clone(), top_k=0, top_p=0.4)  # the top token alone reaches 0.4
+    assert torch.isfinite(z[0, 0]) and torch.isinf(z[0, 1:]).all()
+    g = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_next(logits.expand(1000, 4), SamplingParams(temperature=1.0), g)[0] for _ in range(20)])
+    freq = torch.bincount(draws, minlength=4).float() / draws.numel()
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+    tok, lp = sample_next(logits, SamplingParams(temperature=0.0), None)
+    assert tok.item() == 0 and lp.item() == pytest.approx(torch.log(torch.tensor(0.5)).item(), abs=1e-6)
+
+
+def test_real_tokenizer_smollm2(smollm2_l2):
+    """The real SmolLM2 tokenizer and chat template (Llama architecture): chat rendering and greedy parity."""
+    tok = load_tokenizer(smollm2_l2, field_name="model")
+    model = load_causal_lm(smollm2_l2, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok, ["What is 12 + 7?", "Name a colour."])
+    assert tok.decode(ids[0][mask[0].bool()]).startswith("<|im_start|>system")
+    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                        pad_token_id=tok.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
+    tokens, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=16),
+                                   eos_ids=torch.tensor([-1]), pad_id=tok.pad_token_id, generator=None)
+    assert isinstance(make_decoder(model), LlamaFamilyDecoder)
+    assert torch.equal(tokens, hf)
+    assert eos_token_ids(smollm2_l2, tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
