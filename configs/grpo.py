@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/grpo.py       # GPU: MODEL below on GSM8K
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/grpo.py:cpu   # CPU: the quickstart's tiny model
 
-Variants are one override away: Dr.GRPO (arXiv 2503.20783) is ``--algorithm.norm-adv-by-std False
+Variants are one override away: Dr.GRPO (arXiv 2503.20783) is ``--algorithm.no-norm-adv-by-std
 --actor.loss-agg-mode seq-mean-token-sum-norm``; pass@k GRPO is ``--algorithm.adv-estimator grpo_passk``;
 OPO is ``--algorithm.adv-estimator opo``; GPG is ``--algorithm.adv-estimator gpg --actor.policy-loss gpg``.
 GSM8K comes from ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.

@@ -216,9 +216,9 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (see ``rlspmd.algorithms.ADVANTAGE_ESTIMATORS``): gae (PPO, needs the critic), grpo,
     grpo_passk, rloo, reinforce_pp, reinforce_pp_baseline, remax (greedy baseline rollout), opo, gpg."""
-    norm_adv_by_std: bool | None = None
-    """Divide group-relative advantages by the group std. None = the estimator's published default: True for
-    grpo and grpo_passk, False for gpg. ``False`` with grpo is Dr.GRPO. Other estimators reject a value."""
+    norm_adv_by_std: bool = True
+    """grpo and grpo_passk: divide group-relative advantages by the group std. ``False`` with grpo is Dr.GRPO
+    (``--algorithm.no-norm-adv-by-std``). GPG always uses F_norm = 1, its paper's best setting."""
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -414,6 +414,8 @@ def _split_selector(spec: str) -> tuple[Path, str]:
 def ignored_settings(cfg: Config) -> list[str]:
     """Settings that differ from their defaults but do nothing under the switches that gate them (warned once)."""
     alg, out = cfg.algorithm, []
+    if not alg.norm_adv_by_std and alg.adv_estimator not in ("grpo", "grpo_passk"):
+        out.append(f"algorithm.norm_adv_by_std=False applies to grpo and grpo_passk, not {alg.adv_estimator!r}")
     if alg.adv_estimator != "gae" and cfg.critic != CriticConfig():
         out.append(f"critic.* is set but algorithm.adv_estimator={alg.adv_estimator!r} uses no critic")
     if not alg.use_kl_in_reward and (alg.kl_ctrl != KLControlConfig() or alg.kl_penalty != AlgorithmConfig.kl_penalty):

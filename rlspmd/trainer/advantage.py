@@ -45,8 +45,6 @@ NEEDS_CRITIC = frozenset({"gae"})
 """Estimators that read ``values_BR`` (the trainer builds a critic for them)."""
 NEEDS_GREEDY_BASELINE = frozenset({"remax"})
 """Estimators that read ``baseline_scores_B`` (the trainer generates a greedy response per prompt for them)."""
-STD_NORM_DEFAULT = {"grpo": True, "grpo_passk": True, "gpg": False}
-"""Estimators with a group-std option and their published default (``algorithm.norm_adv_by_std=None``)."""
 
 
 class TokenRewards:
@@ -112,13 +110,7 @@ class AdvantageStage:
         name = cfg.adv_estimator
         if name not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"algorithm.adv_estimator={name!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
-        if cfg.norm_adv_by_std is not None and name not in STD_NORM_DEFAULT:
-            raise ValueError(
-                f"algorithm.norm_adv_by_std={cfg.norm_adv_by_std} does nothing for adv_estimator={name!r} "
-                f"(it applies to {sorted(STD_NORM_DEFAULT)}); leave it None"
-            )
         self.cfg, self.mesh = cfg, mesh
-        self.norm_by_std = STD_NORM_DEFAULT.get(name) if cfg.norm_adv_by_std is None else cfg.norm_adv_by_std
         self.estimate = getattr(self, f"_{name}")
 
     def __call__(self, batch: Batch) -> Batch:
@@ -136,10 +128,10 @@ class AdvantageStage:
         return self.whiten(adv, mask), ret
 
     def _grpo(self, batch, rewards, mask):
-        return grpo_outcome(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.norm_by_std)
+        return grpo_outcome(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std)
 
     def _grpo_passk(self, batch, rewards, mask):
-        return grpo_passk(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.norm_by_std)
+        return grpo_passk(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std)
 
     def _rloo(self, batch, rewards, mask):
         return rloo(rewards.sum(-1), mask, batch["uid_B"])
@@ -165,4 +157,4 @@ class AdvantageStage:
         counts = all_reduce_sum(torch.stack([torch.tensor(len(batch), device=degenerate.device), degenerate]).double(), mesh=self.mesh)
         valid = float(counts[0] - counts[1])
         alpha = float(counts[0]) / valid if valid > 0 else 1.0
-        return gpg(scores, mask, uid, norm_by_std=self.norm_by_std, alpha=alpha)
+        return gpg(scores, mask, uid, norm_by_std=False, alpha=alpha)  # F_norm = 1, the paper's best setting
