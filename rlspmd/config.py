@@ -391,8 +391,11 @@ def load_config_file(path: str | Path, expected_type: type = Config):
         raise ValueError(f"config file {path} failed to load: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         if name != "config":
-            known = sorted(k for k, v in vars(module).items() if not k.startswith("_") and (callable(v) or isinstance(v, expected_type))
-                           and getattr(v, "__module__", module_name) == module_name)
+            known = sorted(
+                k for k, v in vars(module).items()
+                if not k.startswith("_")
+                and (isinstance(v, expected_type) or (callable(v) and not isinstance(v, type) and getattr(v, "__module__", None) == module_name))
+            )
             raise ValueError(f"config file {path} has no `{name}` (selected by `:{name}`); it defines {known}")
         raise ValueError(f"config file {path} must define `config = {expected_type.__name__}(...)` or a function `config()`")
     cfg = getattr(module, name)

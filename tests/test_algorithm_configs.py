@@ -41,6 +41,20 @@ def test_every_algorithm_has_a_gpu_config_and_a_cpu_variant():
         load_config_file(f"{ROOT}/configs/grpo.py:gpu")
 
 
+def test_config_file_selector_picks_an_instance_or_a_function(tmp_path):
+    from rlspmd.config import RolloutConfig, load_config_file
+    from rlspmd.train import parse_args
+
+    f = tmp_path / "two.py"
+    f.write_text("from rlspmd.config import *\nconfig = Config()\nsmall = Config(rollout=RolloutConfig(n=2))\n"
+                 "def big():\n    return Config(rollout=RolloutConfig(n=16))\n")
+    assert load_config_file(f).rollout.n == RolloutConfig().n and load_config_file(f"{f}:small").rollout.n == 2
+    cfg, _ = parse_args(["--config", f"{f}:big", "--rollout.n", "32"])
+    assert cfg.rollout.n == 32 and parse_args(["--config", f"{f}:big"])[0].rollout.n == 16
+    with pytest.raises(ValueError, match="has no `tiny` .* it defines \\['big', 'config', 'small'\\]"):
+        load_config_file(f"{f}:tiny")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, steps",
