@@ -1,9 +1,10 @@
 """The rollout role: turns a DP shard of prompts into ``n`` scored-ready samples per prompt.
 
-Sampling randomness comes from a generator seeded by ``(seed, step, rollout DP rank)``, so a step's
-samples do not depend on how many steps ran before in this process (exact resume) and differ between
-DP ranks. Colocated with the actor, the native engine reads the actor's weights in place and the
-weight sync is a no-op that costs nothing; other placements stream weights (``sync_weights``).
+Sampling randomness comes from a generator seeded by ``(seed, step, rollout DP rank, purpose, round)``, so a
+step's samples do not depend on how many steps ran before in this process (exact resume) and differ between
+DP ranks and between the generation rounds of one step (dynamic sampling). Colocated with the actor, the native
+engine reads the actor's weights in place and the weight sync is a no-op that costs nothing; other placements
+stream weights (``sync_weights``).
 """
 
 from __future__ import annotations
@@ -33,14 +34,20 @@ class Rollout:
         self.val_params = SamplingParams(
             temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=1
         )
+        self.greedy_params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_response_length, n=1)
 
-    def _generator(self, step: int, purpose: int) -> torch.Generator:
+    def _generator(self, step: int, purpose: int, round: int = 0) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.manual_seed(hash((self.seed, step, self.dp_rank, purpose)) & (2**63 - 1))
+        key = (self.seed, step, self.dp_rank, purpose) + ((round,) if round else ())  # round 0: the single-round seed
+        g.manual_seed(hash(key) & (2**63 - 1))
         return g
 
-    def generate(self, prompts: Batch, *, step: int) -> Batch:
-        return self.engine.generate(prompts.to(self.device), self.train_params, generator=self._generator(step, 0))
+    def generate(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
+        return self.engine.generate(prompts.to(self.device), self.train_params, generator=self._generator(step, 0, round))
+
+    def generate_greedy(self, prompts: Batch) -> Batch:
+        """One greedy response per prompt (ReMax's baseline)."""
+        return self.engine.generate(prompts.to(self.device), self.greedy_params, generator=None)
 
     def generate_validation(self, prompts: Batch, *, step: int) -> Batch:
         return self.engine.generate(prompts.to(self.device), self.val_params, generator=self._generator(step, 1))
