@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/grpo.py --actor.optim.lr 1e-6
     python -m rlspmd.train --config configs/quickstart.py          # one process, for pdb
     python -m rlspmd.train --config configs/quickstart.py --help   # every field with its docstring
+    torchrun --nproc-per-node 2 -m rlspmd.train --config configs/ppo.py:cpu  # FILE:NAME picks another object
 
 ``--dry-run`` builds the meshes, prints the resolved config and the role/mesh layout, and exits.
 ``--resume auto|none|PATH`` is short for ``--checkpoint.resume``.
@@ -37,7 +38,10 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
     if has_checkpoint and known.resume is not None:
         rest = [*rest, "--checkpoint.resume", known.resume]
     default = load_config_file(known.config, config_type) if known.config else config_type()
-    description = f"{prog}: --config FILE (a Python file defining `config`), --dry-run, --resume auto|none|PATH, then overrides of any field below."
+    description = (
+        f"{prog}: --config FILE[:NAME] (a Python file defining `config`, or the object NAME), --dry-run, "
+        "--resume auto|none|PATH, then overrides of any field below."
+    )
     quiet = os.environ.get("RANK", "0") != "0"  # every rank parses the same argv; let rank 0 report problems
     with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
         cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog)

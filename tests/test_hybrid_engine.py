@@ -34,14 +34,23 @@ def _two_steps(tmp_path, name, nproc, model, data, *extra):
 SPLIT = ("--mesh.actor-ranks", "0-1", "--mesh.ref-ranks", "0-1", "--mesh.rollout-ranks", "2-3")
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["rollout_tp1", "rollout_tp2"])
+RUNS = {
+    "rollout_tp1": [],
+    "rollout_tp2": ["--mesh.rollout-tp", "2"],
+    # greedy baseline calls and a data-dependent number of generation rounds per step: the rollout ranks follow
+    "remax_dynamic_sampling": ["--algorithm.adv-estimator", "remax", "--algorithm.filter-groups.enable",
+                               "--algorithm.filter-groups.max-rounds", "3"],
+}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
 def two_step_runs(request, tiny_model, arithmetic_data, tmp_path_factory):
     """The same two RL steps colocated on 2 ranks and split over 2+2 ranks (same seed and rollout DP layout)."""
-    tmp = tmp_path_factory.mktemp(f"runs_tp{request.param}")
-    tp = ["--mesh.rollout-tp", str(request.param)]
-    return {"tp": request.param,
-            "colocated": _two_steps(tmp, "colocated", 2, tiny_model, arithmetic_data, *tp),
-            "split": _two_steps(tmp, "split", 4, tiny_model, arithmetic_data, *tp, *SPLIT)}
+    tmp = tmp_path_factory.mktemp(request.param)
+    extra = RUNS[request.param]
+    return {"name": request.param,
+            "colocated": _two_steps(tmp, "colocated", 2, tiny_model, arithmetic_data, *extra),
+            "split": _two_steps(tmp, "split", 4, tiny_model, arithmetic_data, *extra, *SPLIT)}
 
 
 @pytest.mark.dist
@@ -71,8 +80,8 @@ def test_split_placement_stops_checkpoints_and_resumes(two_step_runs, tiny_model
     (step 2 equals the uninterrupted run's)."""
     import json
 
-    if two_step_runs["tp"] != 1:
-        pytest.skip("one resume check is enough")
+    if two_step_runs["name"] != "rollout_tp1":
+        pytest.skip("one resume check is enough (against the rollout_tp1 runs)")
     out = tmp_path / "resume"
     args = ["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
             "--reward.function", f"{dist_script('split_rollout_check.py')}:digit_reward",

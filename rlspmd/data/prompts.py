@@ -97,7 +97,8 @@ class PromptDataset:
                 info = dict(row.get("extra_info") or {})
                 info.setdefault("index", i)
                 self.rows.append(
-                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1], "where": (path, i)}
+                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1],
+                     "prompt_messages": messages, "where": (path, i)}
                 )
             ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
             self.prompt_ids.extend(ids)
@@ -139,6 +140,7 @@ class PromptDataset:
                 "ground_truth": [r["ground_truth"] for r in rows],
                 "extra_info": [r["extra_info"] for r in rows],
                 "prompt_text": [r["prompt_text"] for r in rows],
+                "prompt_messages": [r["prompt_messages"] for r in rows],  # a reward model re-renders them
             },
         )
 

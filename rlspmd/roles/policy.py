@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty, local_denominators
+from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty, local_denominators
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
 from rlspmd.engines.fsdp import FSDPEngine
@@ -72,6 +72,10 @@ class Policy:
         if cfg.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
         self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
+        if cfg.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"actor.loss_agg_mode={cfg.loss_agg_mode!r} is not one of {sorted(AGG_MODES)}")
+        if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
+            raise ValueError(f"actor.sapo_tau_pos / sapo_tau_neg must be > 0, got {cfg.sapo_tau_pos}, {cfg.sapo_tau_neg}")
         module = build_policy_module(
             cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="actor.model.path"
         )
@@ -130,6 +134,8 @@ class Policy:
             clip_low=cfg.clip_ratio_low,
             clip_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c,
+            tau_pos=cfg.sapo_tau_pos,  # loss-specific options: SAPO reads them, the other losses ignore them
+            tau_neg=cfg.sapo_tau_neg,
         )
         loss = pg_loss
         n_tok = mask.sum()

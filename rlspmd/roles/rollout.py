@@ -1,8 +1,9 @@
 """The rollout role: turns a DP shard of prompts into ``n`` scored-ready samples per prompt, in any placement.
 
-Sampling randomness comes from a generator seeded by ``(seed, step, rollout DP rank)``, so a step's samples do
-not depend on how many steps ran before in this process (exact resume), differ between rollout DP ranks, and are
-the same on the ranks of one rollout TP group (which generate the same prompts).
+Sampling randomness comes from a generator seeded by ``(seed, step, rollout DP rank, purpose, round)``, so a
+step's samples do not depend on how many steps ran before in this process (exact resume), differ between rollout
+DP ranks and between the generation rounds of one step (dynamic sampling), and are the same on the ranks of one
+rollout TP group (which generate the same prompts).
 
 Placements (``build_rollout`` picks one; the trainer's call sites are the same in all of them):
 
@@ -110,17 +111,23 @@ class Rollout:
         self.eos_ids = eos_ids
         self.syncs_itself = syncs_itself
         self.train_params, self.val_params = sampling_params(cfg)
+        self.greedy_params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_response_length, n=1)
         self.synced = isinstance(weights, InPlaceWeights)
         self._stats = MetricBuffer()
         self._sync_stats: dict[str, float] = {}
 
-    def _generator(self, step: int, purpose: int) -> torch.Generator:
+    def _generator(self, step: int, purpose: int, round: int = 0) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.manual_seed(hash((self.seed, step, self.dp_rank, purpose)) & (2**63 - 1))
+        key = (self.seed, step, self.dp_rank, purpose) + ((round,) if round else ())  # round 0: the single-round seed
+        g.manual_seed(hash(key) & (2**63 - 1))
         return g
 
-    def generate(self, prompts: Batch, *, step: int) -> Batch:
-        return self._run(prompts, self.train_params, self._generator(step, TRAIN), record=True)
+    def generate(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
+        return self._run(prompts, self.train_params, self._generator(step, TRAIN, round), record=True)
+
+    def generate_greedy(self, prompts: Batch) -> Batch:
+        """One greedy response per prompt (ReMax's baseline)."""
+        return self._run(prompts, self.greedy_params, None, record=False)
 
     def generate_validation(self, prompts: Batch, *, step: int) -> Batch:
         return self._run(prompts, self.val_params, self._generator(step, VALIDATION), record=False)
@@ -210,6 +217,9 @@ class RemoteRollout:
 
     def generate_validation(self, prompts: Batch, *, step: int) -> Batch:
         return self._call("generate_validation", prompts, step=step)
+
+    def generate_greedy(self, prompts: Batch) -> Batch:
+        return self._call("generate_greedy", prompts)
 
     def _command(self, method: str, n_rows: int, **kwargs) -> list[int]:
         entries = all_gather_objects(((method, kwargs), n_rows), mesh=self.link)

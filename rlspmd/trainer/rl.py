@@ -2,17 +2,22 @@
 
     prompts (rank 0 samples them, scatter to the DP ranks)
       -> rollout.generate      n samples per prompt, on this rank
-      -> reward.score          rule functions / user function, same rank
+      -> reward.score          rule functions / user function / reward model, same rank
+      -> shaping               DAPO overlong penalty (no-op when off)
+      -> baseline              ReMax's greedy response, scored (no-op for other estimators)
+         (dynamic sampling repeats the lines above until enough groups carry signal)
       -> ref.log_prob          frozen reference (no-op without a KL term)
       -> actor.log_prob        old log-probs of the behaviour policy
       -> critic.values         PPO only (no-op otherwise)
+      -> token rewards         score on the last token, minus the KL penalty when it is in the reward
       -> advantages            pure functions in rlspmd.algorithms
-      -> critic.update, actor.update
+      -> critic.update, actor.update   (the actor waits for critic.warmup_steps)
       -> rollout.sync_weights  actor -> rollout
       -> metrics               reduced over ranks, logged by rank 0
 
 A prompt's samples are generated, scored and trained on one DP rank, so group statistics are local and
-only scalars cross ranks. Rank 0 decides (which prompts, when to validate) and broadcasts.
+only scalars cross ranks. Rank 0 decides (which prompts, when to validate, when dynamic sampling has enough)
+and broadcasts.
 
 ``fit`` adds what a long run needs around the step: resume from a checkpoint, the NaN policy, periodic and
 final checkpoints, and a clean stop (checkpoint, then exit) when any rank got SIGTERM/SIGUSR1.
@@ -32,21 +37,24 @@ from pathlib import Path
 
 import torch
 
-from rlspmd.config import Config
+from rlspmd.config import Config, ignored_settings
 from rlspmd.data.prompts import EpochSampler, PromptDataset
 from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, on_main, scatter_batch
 from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
+from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
-from rlspmd.roles.critic import NoCritic
+from rlspmd.rewards.shaping import NoShaping, OverlongShaping
+from rlspmd.roles.critic import Critic, NoCritic
 from rlspmd.roles.policy import NoReference, Policy, Reference
-from rlspmd.engines.fsdp import compute_dtype
+from rlspmd.roles.reward_model import NoRewardModel, RewardModel
 from rlspmd.roles.rollout import build_rollout
-from rlspmd.trainer.advantage import AdvantageStage
+from rlspmd.trainer.advantage import NEEDS_CRITIC, NEEDS_GREEDY_BASELINE, AdvantageStage, build_token_rewards
 from rlspmd.trainer.checkpoint import Checkpointer, RNGState, TrainerState, copy_model_files, hf_state_dict, write_hf_dir
 from rlspmd.trainer.logger import MetricLogger
+from rlspmd.trainer.sampling import DynamicSampling, GreedyBaseline, NoBaseline, SingleRound
 
 
 class StageTimer:
@@ -123,45 +131,75 @@ class RLTrainer:
             cfg.actor.model.tokenizer_path or model_path,
             field_name="actor.model.tokenizer_path" if cfg.actor.model.tokenizer_path else "actor.model.path",
         )
+        alg, n = cfg.algorithm, cfg.rollout.n
+        self.sampling = (
+            DynamicSampling(alg.filter_groups, mesh=self.dp_mesh, train_batch_size=cfg.data.train_batch_size,
+                            samples_per_prompt=n, pad_id=self.tokenizer.pad_token_id)
+            if alg.filter_groups.enable
+            else SingleRound(train_batch_size=cfg.data.train_batch_size)
+        )
         self.train_data = self.val_data = self.sampler = None
         if rt.is_main:  # rank 0 reads the data and decides each step's prompts
             d = cfg.data
             kw = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length, overlong=d.overlong_prompts)
             self.train_data = PromptDataset(d.train_files, self.tokenizer, field_name="data.train_files", **kw)
             self.val_data = PromptDataset(d.val_files, self.tokenizer, field_name="data.val_files", **kw)
-            self.sampler = EpochSampler(len(self.train_data), d.train_batch_size, seed=cfg.trainer.seed, shuffle=d.shuffle)
+            self.sampler = EpochSampler(len(self.train_data), self.sampling.prompts_per_round, seed=cfg.trainer.seed, shuffle=d.shuffle)
         self.data_stats = broadcast_object(
             {"train_prompts": len(self.train_data), "train_dropped": self.train_data.n_dropped} if rt.is_main else None,
             mesh=self.dp_mesh,
         )
 
         temperature = cfg.rollout.temperature
+        model_kw = dict(dtype=cfg.actor.model.dtype, attn_implementation=cfg.actor.model.attn_implementation)
+        with_critic = alg.adv_estimator in NEEDS_CRITIC
+        self.critic = (
+            Critic(
+                cfg.critic, model_path=model_path, **model_kw, mesh=self.dp_mesh, device=rt.device, samples_per_prompt=n,
+                train_batch_size=cfg.data.train_batch_size, max_response_length=cfg.rollout.max_response_length,
+                total_steps=cfg.trainer.total_steps, seed=cfg.trainer.seed,
+            )
+            if with_critic
+            else NoCritic()
+        )
         self.actor = Policy(
             cfg.actor,
             mesh=self.dp_mesh,
             device=rt.device,
-            samples_per_prompt=cfg.rollout.n,
+            samples_per_prompt=n,
             train_batch_size=cfg.data.train_batch_size,
             temperature=temperature,
             max_response_length=cfg.rollout.max_response_length,
-            total_steps=cfg.trainer.total_steps,
+            total_steps=max(1, cfg.trainer.total_steps - self.critic.warmup_steps),
         )
         self.ref = (
-            Reference(
-                cfg.ref, model_path=model_path, dtype=cfg.actor.model.dtype, attn_implementation=cfg.actor.model.attn_implementation,
-                mesh=self.dp_mesh, device=rt.device, fsdp=cfg.actor.fsdp, temperature=temperature,
-            )
-            if cfg.actor.use_kl_loss
+            Reference(cfg.ref, model_path=model_path, **model_kw, mesh=self.dp_mesh, device=rt.device, fsdp=cfg.actor.fsdp, temperature=temperature)
+            if cfg.actor.use_kl_loss or alg.use_kl_in_reward
             else NoReference()
         )
-        self.critic = NoCritic()
         self.rollout = build_rollout(
             cfg.rollout, meshes=meshes, policy=self.actor, model_path=model_path, compute_dtype=compute_dtype(cfg.actor.fsdp, rt.device),
             eos_ids=eos_token_ids(model_path, self.tokenizer), pad_id=self.tokenizer.pad_token_id, device=rt.device,
             seed=cfg.trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
         )
-        self.reward = RewardManager(cfg.reward, self.tokenizer)
-        self.advantage = AdvantageStage(cfg.algorithm)
+        reward_model = (
+            RewardModel(cfg.reward.model, actor_tokenizer=self.tokenizer, **model_kw, mesh=self.dp_mesh, device=rt.device, fsdp=cfg.actor.fsdp)
+            if cfg.reward.model.path
+            else NoRewardModel()
+        )
+        self.reward = RewardManager(cfg.reward, self.tokenizer, reward_model=reward_model)
+        self.shaping = (
+            OverlongShaping(cfg.reward.overlong_buffer, max_response_length=cfg.rollout.max_response_length)
+            if cfg.reward.overlong_buffer.enable
+            else NoShaping()
+        )
+        self.baseline = (
+            GreedyBaseline(rollout=self.rollout, score=lambda b: self.shaping(self.reward.score(b)), samples_per_prompt=n)
+            if alg.adv_estimator in NEEDS_GREEDY_BASELINE
+            else NoBaseline()
+        )
+        self.token_rewards = build_token_rewards(alg, mesh=self.dp_mesh)
+        self.advantage = AdvantageStage(alg, mesh=self.dp_mesh)
         self.step_count = 0
         self.skipped_updates_total = 0.0
         self.logger: MetricLogger | None = None  # opened in fit(), once the resume step is known
@@ -170,14 +208,20 @@ class RLTrainer:
         batch = self.train_data.batch(self.sampler.next_batch()) if self.rt.is_main else None
         return scatter_batch(batch, mesh=self.dp_mesh, device=self.rt.device)
 
+    def rollout_round(self, step: int, round: int, t: StageTimer) -> Batch:
+        """One generation round on this rank: fresh prompts -> n samples each -> scored (+ ReMax's baseline)."""
+        prompts = self.next_prompts()
+        with t("gen"):
+            batch = self.rollout.generate(prompts, step=step, round=round)
+        with t("reward"):
+            batch = self.shaping(self.reward.score(batch))
+        with t("baseline"):
+            return self.baseline(prompts, batch)
+
     def step(self, step: int) -> dict[str, float]:
         t = StageTimer()
         with t("step"):
-            prompts = self.next_prompts()
-            with t("gen"):
-                batch = self.rollout.generate(prompts, step=step)
-            with t("reward"):
-                batch = self.reward.score(batch)
+            batch, sampling_metrics = self.sampling.collect(lambda round: self.rollout_round(step, round, t))
             with t("ref"):
                 batch = self.ref.log_prob(batch)
             with t("old_log_prob"):
@@ -185,14 +229,17 @@ class RLTrainer:
             with t("values"):
                 batch = self.critic.values(batch)
             with t("adv"):
+                batch, kl_metrics = self.token_rewards(batch)
                 batch = self.advantage(batch)
             with t("update_critic"):
                 critic_metrics = self.critic.update(batch)
             with t("update_actor"):
-                actor_metrics = self.actor.update(batch)
+                # Critic warm-up: the first critic.warmup_steps steps fit the critic to the initial policy only.
+                actor_metrics = self.actor.update(batch) if step > self.critic.warmup_steps else MetricBuffer()
             with t("weight_sync"):
                 sync_metrics = self.rollout.sync_weights(self.actor)
-        return self.step_metrics(batch, [actor_metrics, critic_metrics], sync_metrics, t)
+        buffers = [sampling_metrics, kl_metrics, critic_metrics, actor_metrics]
+        return self.step_metrics(batch, buffers, sync_metrics, t)
 
     def step_metrics(self, batch: Batch, buffers: list[MetricBuffer], extra: dict[str, float], t: StageTimer) -> dict[str, float]:
         m = MetricBuffer()
@@ -202,13 +249,20 @@ class RLTrainer:
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
         m.mean("reward/sq", scores.pow(2).sum(), n)
-        m.mean("acc/mean", (scores >= 1.0).float().sum(), n)
+        m.mean("acc/mean", (batch["task_scores_B"] >= 1.0).float().sum(), n)
+        for key, name in (("task_scores_B", "task_score"), ("rm_scores_B", "rm_score"), ("overlong_penalty_B", "overlong_penalty")):
+            if key in batch:  # the reward's components, where configured
+                m.mean(f"reward/{name}", batch[key].sum(), n)
         lengths = mask.sum(-1)
         m.mean("response_length/mean", lengths.sum(), n)
         m.max("response_length/max", lengths.max())
         m.mean("response_length/clip_ratio", self.rollout.truncated(batch).float().sum(), n)
         gap = ((batch["rollout_logprobs_BR"] - batch["old_logprobs_BR"]).abs() * mask).sum()
         m.mean("rollout/logprob_gap", gap, mask.sum())
+        adv, valid = batch["advantages_BR"], mask > 0
+        m.mean("adv/mean", (adv * mask).sum(), mask.sum())
+        m.max("adv/max", torch.where(valid, adv, -torch.inf).max())
+        m.min("adv/min", torch.where(valid, adv, torch.inf).min())
         m.sum("tokens/response", mask.sum())
         m.sum("tokens/total", batch["attention_mask_BL"].sum())
         for k, v in t.seconds.items():
@@ -234,19 +288,19 @@ class RLTrainer:
             batch, n_pad = (self.val_data.batch(idx).pad_to_divisor(dp) if self.rt.is_main else (None, 0))
             local = scatter_batch(batch, mesh=self.dp_mesh, device=self.rt.device)
             out = self.reward.score(self.rollout.generate_validation(local, step=step))
-            slim = Batch({"scores_B": out["scores_B"].cpu()}, {"data_source": out["data_source"]})
+            slim = Batch({"scores_B": out["scores_B"].cpu(), "task_scores_B": out["task_scores_B"].cpu()}, {"data_source": out["data_source"]})
             gathered = gather_batch(slim, mesh=self.dp_mesh)
             if gathered is not None:
                 results.append(gathered.slice(0, len(gathered) - n_pad))
         if not self.rt.is_main:
             return {}
         allv = Batch.concat(results)
-        scores = allv["scores_B"]
-        metrics = {"val/acc": float((scores >= 1.0).float().mean()), "val/reward": float(scores.mean())}
+        scores, task = allv["scores_B"], allv["task_scores_B"]
+        metrics = {"val/acc": float((task >= 1.0).float().mean()), "val/reward": float(scores.mean())}
         sources = allv["data_source"]
         for src in sorted(set(sources)):
             sel = torch.tensor([s == src for s in sources])
-            metrics[f"val/acc/{src}"] = float((scores[sel] >= 1.0).float().mean())
+            metrics[f"val/acc/{src}"] = float((task[sel] >= 1.0).float().mean())
         return metrics
 
     def fit(self) -> dict[str, float]:
@@ -260,6 +314,8 @@ class RLTrainer:
         self.logger.write(
             f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)"
         )
+        for message in ignored_settings(self.cfg):
+            self.logger.write(f"warning: {message}; ignored")
         if self.resume_from is not None:
             self.logger.write(f"resumed from {self.resume_from} at step {self.step_count}")
         summary = RunSummary()
