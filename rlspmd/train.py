@@ -3,8 +3,10 @@
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/grpo.py --actor.optim.lr 1e-6
     python -m rlspmd.train --config configs/quickstart.py          # one process, for pdb
     python -m rlspmd.train --config configs/quickstart.py --help   # every field with its docstring
+    torchrun --nproc-per-node 2 -m rlspmd.train --config configs/ppo.py:cpu  # FILE:NAME picks another object
 
 ``--dry-run`` builds the meshes, prints the resolved config and the role/mesh layout, and exits.
+``--resume auto|none|PATH`` is short for ``--checkpoint.resume``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,21 @@ from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_e
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
-    """``--config FILE`` and ``--dry-run`` first, then tyro applies the remaining ``--section.field`` overrides."""
+    """``--config FILE``, ``--dry-run`` and ``--resume`` first, then tyro applies the remaining ``--section.field`` overrides."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--dry-run", action="store_true")
+    has_checkpoint = "checkpoint" in {f.name for f in dataclasses.fields(config_type)}
+    if has_checkpoint:
+        pre.add_argument("--resume", default=None)
     known, rest = pre.parse_known_args(argv)
+    if has_checkpoint and known.resume is not None:
+        rest = [*rest, "--checkpoint.resume", known.resume]
     default = load_config_file(known.config, config_type) if known.config else config_type()
-    description = f"{prog}: --config FILE (a Python file defining `config`), --dry-run, then overrides of any field below."
+    description = (
+        f"{prog}: --config FILE[:NAME] (a Python file defining `config`, or the object NAME), --dry-run, "
+        "--resume auto|none|PATH, then overrides of any field below."
+    )
     quiet = os.environ.get("RANK", "0") != "0"  # every rank parses the same argv; let rank 0 report problems
     with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
         cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog)
@@ -52,6 +62,10 @@ def flatten(cfg, prefix: str = "") -> dict[str, object]:
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
+    if cfg.rollout.engine == "vllm":  # vLLM's environment must be set before the first NCCL communicator
+        from third_party.vllm_adapter import prepare_environment
+
+        prepare_environment()
     rt = init_distributed(cfg.dist)
     quiet_libraries()
     seed_everything(cfg.trainer.seed)
@@ -68,9 +82,9 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-    from rlspmd.trainer.rl import RLTrainer  # heavy imports after the cheap checks
+    from rlspmd.trainer.rl import build_program  # heavy imports after the cheap checks
 
-    RLTrainer(cfg, rt, meshes).fit()
+    build_program(cfg, rt, meshes).fit()
     shutdown()
 
 

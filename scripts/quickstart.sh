@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
+rm -rf outputs/quickstart-sft outputs/quickstart   # a fresh run each time (the trainer would otherwise resume)
 python scripts/models/build_tiny.py --out models/tiny
 python scripts/data/arithmetic.py --out-dir data/arithmetic --max-value 9 --max-terms 4 --sft-other-style 0.7
 torchrun --nproc-per-node "$NPROC" -m rlspmd.sft --config configs/sft_quickstart.py

@@ -114,3 +114,37 @@ def torchrun(target: list[str], nproc: int, *, timeout: float = 300, env: dict |
 
 def dist_script(name: str) -> str:
     return str(DIST / name)
+
+
+def build_reward_model(out: Path, tiny_model: Path, *, chat_template: str | None = None, seed: int = 0) -> Path:
+    """A random-init one-label Qwen2ForSequenceClassification with the tiny model's tokenizer (optionally another
+    chat template, which makes the trainer re-render conversations for it)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen2ForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    cfg = AutoConfig.from_pretrained(str(tiny_model))
+    cfg.num_labels, cfg.architectures, cfg.pad_token_id = 1, ["Qwen2ForSequenceClassification"], tok.pad_token_id
+    torch.manual_seed(seed)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    tok.save_pretrained(str(out))
+    return out
+
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+"""A chat template unlike the tiny model's ChatML: a reward model with it sees re-rendered text."""
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tiny_model, tmp_path_factory) -> Path:
+    return build_reward_model(tmp_path_factory.mktemp("rm") / "model", tiny_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_plain_template(tiny_model, tmp_path_factory) -> Path:
+    return build_reward_model(tmp_path_factory.mktemp("rm_plain") / "model", tiny_model, chat_template=PLAIN_TEMPLATE, seed=1)

@@ -154,3 +154,33 @@ def test_sliding_window_longer_than_samples_is_rejected():
     out, _ = packed_attention_forward(M(), q, q, q, None, sliding_window=8, cu_seq_lens_q=cu, max_length_q=6)
     ref = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)
     torch.testing.assert_close(out, ref)
+
+
+def test_packed_values_and_scores_equal_padded(tiny_model, tiny_reward_model):
+    """The critic's values (and their gradients) and the reward model's scores: packed == padded."""
+    from rlspmd.models.value import load_sequence_scorer, load_value_model
+
+    P, R = 7, 9
+    padded = load_value_model(tiny_model, dtype="float32", attn_implementation="sdpa", seed=0, field_name="m", packing=False)
+    packed = load_value_model(tiny_model, dtype="float32", attn_implementation="sdpa", seed=0, field_name="m", packing=True)
+    ids, am, pos, rm = rollout_layout(padded.config.vocab_size, [7, 2, 5, 4], [9, 1, 6, 3], P, R, seed=5)
+    out = []
+    for model in (padded, packed):
+        model.zero_grad(set_to_none=True)
+        v = model(ids, am, pos, response_len=R)
+        loss = ((v - torch.linspace(-1, 1, R)).square() * rm).sum() / rm.sum()
+        loss.backward()
+        out.append((v.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    m = rm.bool()
+    torch.testing.assert_close(out[1][0][m], out[0][0][m], rtol=1e-5, atol=1e-5)
+    assert bool((out[1][0][~m] == 0).all())
+    assert out[0][1].keys() == out[1][1].keys() and "value_head.weight" in out[0][1]
+    for name, g in out[0][1].items():
+        torch.testing.assert_close(out[1][1][name], g, rtol=1e-4, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+    scorers = [load_sequence_scorer(tiny_reward_model, dtype="float32", attn_implementation="sdpa", field_name="m", packing=p)
+               for p in (False, True)]
+    ids, am, pos, _ = rollout_layout(scorers[0].hf.config.vocab_size, [7, 3, 5], [2, 9, 5], P, R, seed=6)
+    with torch.no_grad():
+        a, b = (s(ids, am, pos) for s in scorers)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

@@ -84,3 +84,33 @@ def test_quickstart_grpo_raises_validation_accuracy(warm_start, quickstart_data,
     val = [(r["step"], r["val/acc"]) for r in read_metrics(out / "metrics.jsonl") if "val/acc" in r]
     assert val[0][0] == 0 and val[-1][0] == 20
     assert val[-1][1] - val[0][1] >= 0.15, val
+
+
+def test_reusing_the_update_forward_for_old_logprobs_changes_nothing(tiny_model, arithmetic_data, tmp_path):
+    """One update per step: old log-probs from the update's forward == a separate no-grad pass (same losses,
+    gradient norms and samples over 3 steps), and the no-grad pass is skipped."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from rl_run import metrics, rl_args, write_reward
+
+    reward = write_reward(tmp_path)
+    runs = {}
+    for name, flag in (("reuse", []), ("recompute", ["--actor.no-reuse-update-logprobs"])):
+        out = tmp_path / name
+        args = rl_args(tiny_model, arithmetic_data, out, steps=3, reward=reward,
+                       extra=["--actor.mini-batch-size", "4", "--checkpoint.save-every", "0", "--checkpoint.no-save-final",
+                              "--trainer.val-every", "0", "--trainer.no-val-before-train", *flag])
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (metrics(out), read_metrics(out / "metrics.jsonl"))
+    (reuse, reuse_raw), (recompute, recompute_raw) = runs["reuse"], runs["recompute"]
+    assert len(reuse) == len(recompute) == 3
+    for a, b in zip(reuse, recompute):
+        assert a["reward/mean"] == b["reward/mean"] and a["response_length/mean"] == b["response_length/mean"]
+        assert a["actor/grad_norm"] > 0
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "rollout/logprob_gap"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert all(r["timing/old_log_prob"] < 1e-3 for r in reuse_raw)
+    assert all(r["timing/old_log_prob"] > 1e-3 for r in recompute_raw)

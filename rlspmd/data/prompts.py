@@ -40,6 +40,8 @@ def read_rows(files: list[str], *, prompt_key: str, field_name: str):
         kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(suffix)
         if kind is None:
             raise ValueError(f"{field_name}: {path} is neither .parquet nor .jsonl")
+        if _has_no_rows(path, kind):  # `datasets` would only say 'Instruction "train" corresponds to no data'
+            raise ValueError(f"{field_name}: {path} has no rows")
         try:
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
         except Exception as e:  # noqa: BLE001 - name the file for any reader failure
@@ -51,6 +53,18 @@ def read_rows(files: list[str], *, prompt_key: str, field_name: str):
             raise ValueError(f"{field_name}: {path} lacks required column(s) {missing} (has {ds.column_names})")
         tables.append((str(path), ds))
     return tables
+
+
+def _has_no_rows(path: Path, kind: str) -> bool:
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        with open(path, "rb") as f:
+            return not any(line.strip() for line in f)
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by the reader below, naming the file
+        return False
 
 
 class PromptDataset:
@@ -83,7 +97,8 @@ class PromptDataset:
                 info = dict(row.get("extra_info") or {})
                 info.setdefault("index", i)
                 self.rows.append(
-                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1], "where": (path, i)}
+                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1],
+                     "prompt_messages": messages, "where": (path, i)}
                 )
             ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
             self.prompt_ids.extend(ids)
@@ -125,6 +140,7 @@ class PromptDataset:
                 "ground_truth": [r["ground_truth"] for r in rows],
                 "extra_info": [r["extra_info"] for r in rows],
                 "prompt_text": [r["prompt_text"] for r in rows],
+                "prompt_messages": [r["prompt_messages"] for r in rows],  # a reward model re-renders them
             },
         )
 

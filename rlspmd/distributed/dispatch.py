@@ -4,6 +4,10 @@ These replace a single controller's RPC fan-out. Control decisions are broadcast
 batches are scattered from the mesh's first rank to its DP ranks; results that rank 0 needs (validation
 scores) are gathered; metrics are reduced as scalars. Tensors otherwise stay where they were produced.
 
+Between disjoint meshes (split placement) batches move with ``redistribute_batch``: one all-to-all over a
+link mesh that spans both, rows keeping their global order, each rank sending only the rows another rank needs
+(no relay through rank 0).
+
 Object collectives pickle through CPU; the payloads here are prompts, token ids and scalars, small next to
 weights (which move through ``rollout/weight_sync.py`` instead).
 """
@@ -11,6 +15,8 @@ weights (which move through ``rollout/weight_sync.py`` instead).
 from __future__ import annotations
 
 import math
+import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +40,32 @@ def broadcast_object(obj: Any, *, mesh: DeviceMesh | None = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def on_main(fn: Callable[[], Any], *, mesh: DeviceMesh | None = None) -> Any:
+    """Run ``fn`` on the mesh's first rank and return its result on every rank.
+
+    If ``fn`` raises, every rank raises the same error, so that no rank is left waiting in the next
+    collective for a rank that has failed (rank 0 decides; the others must learn the decision, even a bad one).
+    """
+    group, src = _group_and_src(mesh)
+    result = error = None
+    if dist.get_rank() == src:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = e
+    box = [(result, error)]
+    try:
+        dist.broadcast_object_list(box, src=src, group=group)
+    except Exception:  # an unpicklable result or exception: rank 0 raises its own, the others a summary
+        if error is not None:
+            raise error from None
+        raise
+    result, error = box[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def scatter_batch(batch: Batch | None, *, mesh: DeviceMesh, device: torch.device | None = None) -> Batch:
@@ -64,6 +96,72 @@ def all_gather_objects(obj: Any, *, mesh: DeviceMesh) -> list[Any]:
     out = [None] * mesh.size()
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_to_all_objects(objs: list[Any], *, mesh: DeviceMesh) -> list[Any]:
+    """Rank ``i`` of the mesh sends ``objs[j]`` to rank ``j``; returns what each rank sent this one, by sender.
+
+    Two tensor all-to-alls (sizes, then pickled bytes) on the mesh's device: NCCL moves device tensors, Gloo CPU.
+    """
+    group, _ = _group_and_src(mesh)
+    n = mesh.size()
+    assert len(objs) == n, f"all_to_all_objects: {len(objs)} objects for a mesh of {n} ranks"
+    device = _comm_device(mesh)
+    payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty(n, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    blob = b"".join(payloads)
+    send = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if blob else torch.empty(0, dtype=torch.uint8, device=device)
+    recv_list = recv_sizes.tolist()
+    recv = torch.empty(sum(recv_list), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_list, input_split_sizes=send_sizes.tolist(), group=group)
+    data = recv.cpu().numpy().tobytes()
+    out, offset = [], 0
+    for size in recv_list:
+        out.append(pickle.loads(data[offset : offset + size]))
+        offset += size
+    return out
+
+
+def _comm_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` rows in ``parts`` consecutive parts whose sizes differ by at most one (larger parts first)."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def redistribute_batch(
+    batch: Batch | None, *, mesh: DeviceMesh, sizes_in: list[int], sizes_out: list[int], device: torch.device | None = None
+) -> Batch:
+    """Move rows between the ranks of ``mesh`` keeping their global order; one all-to-all.
+
+    The global batch is the concatenation of every rank's rows in mesh-rank order; rank ``k`` holds
+    ``sizes_in[k]`` of them before and ``sizes_out[k]`` after. Every rank passes the same two lists. A rank that
+    holds nothing passes None (or an empty Batch) and gets an empty ``Batch()`` back when it receives nothing.
+    Used between disjoint meshes (split placement): actor DP ranks -> rollout ranks and back.
+    """
+    n = mesh.size()
+    me = mesh.get_local_rank()
+    assert len(sizes_in) == len(sizes_out) == n and sum(sizes_in) == sum(sizes_out), (sizes_in, sizes_out)
+    have = 0 if batch is None else len(batch)
+    assert have == sizes_in[me], f"rank {me} of the link holds {have} rows, the plan says {sizes_in[me]}"
+    start = sum(sizes_in[:me])
+    parts: list[Batch | None] = []
+    dst_start = 0
+    for k in range(n):  # the slice of my rows that rank k owns afterwards
+        lo, hi = max(start, dst_start), min(start + have, dst_start + sizes_out[k])
+        parts.append(batch.slice(lo - start, hi - start).to("cpu") if hi > lo else None)
+        dst_start += sizes_out[k]
+    received = [b for b in all_to_all_objects(parts, mesh=mesh) if b is not None]
+    out = Batch.concat(received) if received else Batch()
+    assert len(out) == sizes_out[me], (len(out), sizes_out[me])
+    return out if device is None or not received else out.to(device)
 
 
 def all_reduce_sum(x: torch.Tensor, *, mesh: DeviceMesh | None) -> torch.Tensor:

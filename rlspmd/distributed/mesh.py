@@ -7,6 +7,11 @@ dims ``(dp, tp)``; training roles use ``tp = 1`` (FSDP over ``dp``), the rollout
 engines that shard weights (vLLM), with consecutive ranks forming a TP group.
 
 Roles with the same rank set and dims share one ``DeviceMesh`` (and its process groups).
+
+``ref``, ``critic`` and ``reward`` may name ``actor`` as their ranks (their default): they follow the actor.
+When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
+one over both rank sets (prompts, samples and control move on it) and one over the actor's first rank plus
+the rollout ranks (weights are broadcast on it). See ``link``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlspmd.config import MeshConfig
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
+FOLLOWERS = ("ref", "critic", "reward")  # may be placed with ``actor``: on the actor's ranks
 DP = "dp"
 TP = "tp"
+LINK = "link"
 
 
 def parse_ranks(spec: str, world_size: int, *, field_name: str) -> list[int]:
@@ -68,7 +75,13 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: MeshConfig, world_size: int) -> "ParallelDims":
-        ranks = {role: parse_ranks(getattr(cfg, f"{role}_ranks"), world_size, field_name=f"mesh.{role}_ranks") for role in ROLES}
+        ranks: dict[str, list[int]] = {}
+        for role in ROLES:
+            spec = getattr(cfg, f"{role}_ranks")
+            if spec.strip() == "actor" and role in FOLLOWERS:
+                ranks[role] = list(ranks["actor"])
+            else:
+                ranks[role] = parse_ranks(spec, world_size, field_name=f"mesh.{role}_ranks")
         return cls(world_size=world_size, role_ranks=ranks, role_tp={"rollout": cfg.rollout_tp})
 
     def dp_size(self, role: str) -> int:
@@ -80,6 +93,9 @@ class ParallelDims:
     @property
     def is_colocated(self) -> bool:
         return all(self.role_ranks[r] == self.role_ranks["actor"] for r in ROLES)
+
+    def disjoint(self, a: str, b: str) -> bool:
+        return not set(self.role_ranks[a]) & set(self.role_ranks[b])
 
     def layout(self) -> str:
         lines = [f"world size {self.world_size}, placement {'colocated' if self.is_colocated else 'split'}"]
@@ -116,6 +132,13 @@ class RoleMeshes:
                 layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // tp, tp)
                 built[key] = DeviceMesh(device_type, layout, mesh_dim_names=(DP, TP))
             self._meshes[role] = built[key]
+        # Split placement: the actor <-> rollout links (every rank takes part in creating their groups).
+        self._links: dict[tuple[str, str, bool], DeviceMesh] = {}
+        if dims.disjoint("actor", "rollout"):
+            actor, rollout = dims.role_ranks["actor"], dims.role_ranks["rollout"]
+            for first_only, ranks in ((False, actor + rollout), (True, [actor[0], *rollout])):
+                layout = torch.tensor(sorted(ranks), dtype=torch.int)
+                self._links[("actor", "rollout", first_only)] = DeviceMesh(device_type, layout, mesh_dim_names=(LINK,))
 
     def hosts(self, role: str) -> bool:
         return self.rank in self.dims.role_ranks[role]
@@ -134,3 +157,15 @@ class RoleMeshes:
     def dp_rank(self, role: str) -> int | None:
         mesh = self.get(role, DP)
         return None if mesh is None else mesh.get_local_rank()
+
+    def link(self, src: str, dst: str, *, first_only: bool = False) -> DeviceMesh | None:
+        """1-D mesh joining two disjoint roles, over sorted global ranks: all ranks of both, or (``first_only``)
+        the first rank of ``src`` plus the ranks of ``dst``. None on ranks outside it.
+
+        Only the actor -> rollout link exists (split placement); anything else is a ValueError.
+        """
+        key = (src, dst, first_only)
+        if key not in self._links:
+            raise ValueError(f"no link mesh {src} -> {dst}: it exists only when they sit on disjoint ranks")
+        mesh = self._links[key]
+        return mesh if self.rank in mesh.mesh.tolist() else None

@@ -8,6 +8,13 @@ the process exits with status 1 without unwinding through collectives. torchrun'
 non-zero exit and terminates the other ranks within about a second. Launchers without an agent
 (plain srun) rely on the collective timeout instead: a rank blocked on a dead peer fails after
 ``dist.timeout_s``.
+
+Stop requests (preemption): SIGUSR1 and SIGTERM only set a flag (``StopRequest``); the trainer checks it
+at step boundaries, agreed over all ranks (any rank saw it -> every rank saves and exits). A signal
+handler never saves: a rank may be inside a collective when the signal arrives. One exception: torchrun's
+agent also sends SIGTERM to the survivors when a rank has failed; a survivor that finds the failure
+marker of a peer on its node then dies at once (as without a handler), since a save would wait on the
+dead peer.
 """
 
 from __future__ import annotations
@@ -15,9 +22,12 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from functools import wraps
@@ -101,14 +111,102 @@ def seed_everything(seed: int) -> None:
 
 
 def set_deterministic(enabled: bool) -> None:
+    """Bit-reproducible kernels. On CPU with a fixed thread count runs are reproducible anyway; this makes
+    the choice explicit and fails loudly on an op without a deterministic implementation."""
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def rng_state() -> dict:
+    """Every global RNG of this process: python, numpy, torch CPU and (when present) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class StopRequest:
+    """Records SIGTERM/SIGUSR1 so the trainer can checkpoint and exit at the next step boundary.
+
+    The Python-level handler only runs when the main thread is back in the interpreter, which may be never
+    if it is blocked in a collective with a dead peer. So the signal is also seen by a watcher thread
+    through ``signal.set_wakeup_fd`` (written by the C-level handler at once): it sets the flag, or ends
+    the process immediately when a peer on this node has already failed (torchrun's agent is ending the
+    job; there is nothing consistent to save).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("StopRequest.install must run on the main thread")
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._sockets = (reader, writer)  # keep both ends alive
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda signum, frame: self._record(signum))
+        threading.Thread(target=self._watch, args=(reader,), daemon=True, name="rlspmd-signals").start()
+        return self
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:
+            data = reader.recv(64)
+            if not data:
+                return
+            for signum in data:
+                if signum in self.SIGNALS:
+                    self._record(signum)
+
+    def _record(self, signum: int) -> None:
+        if signum == signal.SIGTERM and _peer_failed():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            sys.stderr.write(
+                f"[rlspmd] rank {os.environ.get('RANK', '0')}: {self.signal_name} received; "
+                "saving a checkpoint and stopping after the current step\n"
+            )
+            sys.stderr.flush()
+
+    def agreed(self, device: torch.device, *, mesh=None) -> bool:
+        """True on every rank of ``mesh`` (None: the whole world) if any of them has seen a stop signal."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=None if mesh is None else mesh.get_group())
+        return bool(flag.item())
+
+
+_STARTED = time.time()
 
 
 def _failure_marker() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
     return os.path.join(tempfile.gettempdir(), f"rlspmd-failed-{run_id}-{os.getppid()}")
+
+
+def _peer_failed() -> bool:
+    """A rank of this job on this node has failed (its marker is newer than this process: not a stale one)."""
+    try:
+        return os.path.getmtime(_failure_marker()) >= _STARTED - 1.0
+    except OSError:
+        return False
 
 
 def report_failure(exc: BaseException) -> None:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -29,12 +30,16 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
+    """The dtype of unsharded parameters in forwards (``param_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU)."""
+    if cfg.param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[cfg.param_dtype]
+
+
 def apply_fsdp(module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
-    param_dtype = cfg.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if device.type == "cuda" else "float32"
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -168,8 +173,21 @@ class FSDPEngine:
     def load_params(self) -> None:
         self.module.to(self.device, non_blocking=True)
 
+    def state_dict(self) -> dict:
+        """Checkpoint state (``Stateful``): sharded model and optimiser state keyed by parameter name, and the
+        LR schedule. DCP saves the shards and reshards them on load, so the world size may change."""
+        assert self.optimizer is not None, "a frozen engine has no training state to checkpoint"
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """Global (unsharded) shape of every entry of the model state dict, by name."""
+        return {k: v.shape for k, v in get_model_state_dict(self.module).items()}
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU state dict of the root module on rank 0 of the mesh; empty elsewhere."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -30,6 +30,8 @@ def token_counts(batch: Batch) -> list[int]:
 def zero_weight_copy(batch: Batch) -> Batch:
     """One sample whose response mask is empty: it runs through the model but contributes nothing to a masked loss."""
     row = batch.select([0])
+    if "response_mask_BR" not in row:  # a scoring pass (reward model): its output is simply discarded
+        return row
     return row.set(response_mask_BR=torch.zeros_like(row["response_mask_BR"]))
 
 

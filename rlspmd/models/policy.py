@@ -28,7 +28,7 @@ def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor
 class CausalLMPolicy(nn.Module):
     """Wraps an HF ``*ForCausalLM``; ``forward`` returns ``(logprobs_BR, entropy_BR)`` of the response tokens."""
 
-    def __init__(self, hf_model: nn.Module, *, logprob_chunk: int = DEFAULT_CHUNK, packing: bool = False):
+    def __init__(self, hf_model: nn.Module, *, logprob_chunk: int | None = DEFAULT_CHUNK, packing: bool = False):
         super().__init__()
         self.hf = hf_model
         self.logprob_chunk = logprob_chunk

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty, local_denominators
+from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty, local_denominators
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
 from rlspmd.engines.fsdp import FSDPEngine
@@ -79,6 +79,7 @@ class Policy:
                 f"do not split over {dp} DP ranks"
             )
         self.local_mini_batch = rows // dp
+        self.single_update = cfg.ppo_epochs == 1 and cfg.mini_batch_size == train_batch_size
         if train_batch_size % cfg.mini_batch_size:
             raise ValueError(
                 f"data.train_batch_size={train_batch_size} is not a multiple of actor.mini_batch_size={cfg.mini_batch_size}"
@@ -87,6 +88,10 @@ class Policy:
         if cfg.policy_loss not in POLICY_LOSSES:
             raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
         self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
+        if cfg.loss_agg_mode not in AGG_MODES:
+            raise ValueError(f"actor.loss_agg_mode={cfg.loss_agg_mode!r} is not one of {sorted(AGG_MODES)}")
+        if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
+            raise ValueError(f"actor.sapo_tau_pos / sapo_tau_neg must be > 0, got {cfg.sapo_tau_pos}, {cfg.sapo_tau_neg}")
         module = build_policy_module(
             cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
             field_name="actor.model.path", packing=cfg.model.packing,
@@ -141,18 +146,26 @@ class Policy:
             mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, temperature=self.temperature
         )
         mask = mb["response_mask_BR"].float()
+        n_tok = mask.sum()
+        if "old_logprobs_BR" in mb:
+            old_logp = mb["old_logprobs_BR"]
+        else:  # reuse_update_logprobs: the one update of the step runs the behaviour policy itself (ratio 1)
+            old_logp = logp.detach()
+            gap = ((mb["rollout_logprobs_BR"] - old_logp).abs() * mask).sum()
+            metrics.mean("rollout/logprob_gap", gap, n_tok)
         pg_loss, pg_stats = self.loss_fn(
             logp,
-            mb["old_logprobs_BR"],
+            old_logp,
             mb["advantages_BR"],
             mask,
             agg=agg,
             clip_low=cfg.clip_ratio_low,
             clip_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c,
+            tau_pos=cfg.sapo_tau_pos,  # loss-specific options: SAPO reads them, the other losses ignore them
+            tau_neg=cfg.sapo_tau_neg,
         )
         loss = pg_loss
-        n_tok = mask.sum()
         if cfg.use_kl_loss:
             kl = kl_penalty(logp, mb["ref_logprobs_BR"], kind=cfg.kl_loss_type)
             loss = loss + cfg.kl_loss_coef * agg(kl, mask)

@@ -4,7 +4,7 @@ Weights come from a ``WeightSource``. Colocated with an FSDP2 actor (``Colocated
 gathers the actor's parameters in place for the duration of ``generate`` and reads them directly — no
 copy of the model, and always the current weights, so "weight sync" is free. ``OwnWeights`` holds a
 separate model (split placement, or a rollout dtype different from training) that ``update_weights``
-loads from a weight stream.
+loads from a weight stream (``rollout/weight_sync.py``), the same stream the vLLM engine loads.
 
 Finished rows stop costing compute: once a quarter of the active rows have produced EOS they are dropped
 from the batch and the KV cache is compacted (compacting at every EOS would copy the cache too often).
@@ -135,8 +135,16 @@ class NativeEngine:
             raise RuntimeError("the colocated native engine reads the actor's weights in place; nothing to update")
         return self.weights.load(weights)
 
+    @property
+    def holds_weights(self) -> bool:
+        """Always: in place, or a private copy that survives between generations."""
+        return True
+
     def sleep(self) -> None:
         """Nothing to release: the KV cache lives only inside ``generate``."""
 
     def wake(self) -> None:
         pass
+
+    def take_times(self) -> dict[str, float]:
+        return {"wake_s": 0.0, "sleep_s": 0.0}

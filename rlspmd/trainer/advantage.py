@@ -1,29 +1,160 @@
-"""The advantage stage: maps ``algorithm.adv_estimator`` to a pure estimator from ``rlspmd.algorithms``.
+"""From scores to advantages: per-token rewards (optionally KL-penalised), then ``algorithm.adv_estimator``.
 
-Outcome estimators (GRPO family, RLOO, ...) group samples by ``uid_B``. All of a prompt's samples live on
-one DP rank (they were generated there), so group statistics are local and exact.
+``TokenRewards`` places each sample's score on its last response token (``token_rewards_BR``);
+``KLPenalizedTokenRewards`` also subtracts ``coef * KL(pi_old || pi_ref)`` from every token (InstructGPT-style
+PPO, REINFORCE++), with a fixed or adaptive coefficient whose state is checkpointed through ``state_dict`` (the
+trainer checkpoints every attribute that has one).
+
+``AdvantageStage`` maps the estimator name to the pure function in ``rlspmd.algorithms``. Outcome estimators read
+the sequence score ``token_rewards_BR.sum(-1)`` (the score itself without a KL penalty) and group samples by
+``uid_B``. All of a prompt's samples live on one DP rank, so group statistics are local and exact. What must be
+global is made global with one all-reduce on the DP mesh, so the result does not depend on the number of ranks:
+whitening (GAE and the REINFORCE++ variants: ``masked_moments`` summed over ranks) and GPG's alpha (counts of
+rows and of zero-variance rows summed over ranks).
 """
 
 from __future__ import annotations
 
-from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, grpo_outcome, rloo
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    gae,
+    gpg,
+    grpo_outcome,
+    grpo_passk,
+    masked_moments,
+    masked_whiten,
+    opo,
+    reinforce_pp,
+    remax,
+    rloo,
+    token_level_scores,
+    zero_variance_rows,
+)
+from rlspmd.algorithms.kl import KL_ESTIMATORS
 from rlspmd.config import AlgorithmConfig
+from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
 from rlspmd.protocol import Batch
 
-SUPPORTED = ("grpo", "rloo")
+NEEDS_CRITIC = frozenset({"gae"})
+"""Estimators that read ``values_BR`` (the trainer builds a critic for them)."""
+NEEDS_GREEDY_BASELINE = frozenset({"remax"})
+"""Estimators that read ``baseline_scores_B`` (the trainer generates a greedy response per prompt for them)."""
+
+
+class TokenRewards:
+    """``token_rewards_BR``: the score on the last valid response token, 0 elsewhere. Stateless."""
+
+    def __call__(self, batch: Batch) -> tuple[Batch, MetricBuffer]:
+        token_scores = token_level_scores(batch["scores_B"], batch["response_mask_BR"].float())
+        return batch.set(token_rewards_BR=token_scores), MetricBuffer()
+
+
+class KLPenalizedTokenRewards:
+    """``token_rewards_BR = token_level_scores - coef * KL_t`` with KL from the behaviour policy's log-probs.
+
+    The controller sees the step's mean per-token KL over the GLOBAL batch (one all-reduce) and the global
+    number of samples, so its coefficient is identical on every rank.
+    """
+
+    def __init__(self, cfg: AlgorithmConfig, *, mesh: DeviceMesh | None):
+        if cfg.kl_penalty not in KL_ESTIMATORS:
+            raise ValueError(f"algorithm.kl_penalty={cfg.kl_penalty!r} is not one of {sorted(KL_ESTIMATORS)}")
+        c = cfg.kl_ctrl
+        self.kind, self.mesh = cfg.kl_penalty, mesh
+        if c.type == "fixed":
+            self.controller = FixedKLController(c.kl_coef)
+        elif c.type == "adaptive":
+            try:
+                self.controller = AdaptiveKLController(c.kl_coef, c.target_kl, c.horizon)
+            except ValueError as e:
+                raise ValueError(f"algorithm.kl_ctrl: {e}") from None
+        else:
+            raise ValueError(f"algorithm.kl_ctrl.type={c.type!r} must be 'fixed' or 'adaptive'")
+
+    def __call__(self, batch: Batch) -> tuple[Batch, MetricBuffer]:
+        mask = batch["response_mask_BR"].float()
+        coef = self.controller.value
+        rewards, kl = apply_kl_in_reward(
+            token_level_scores(batch["scores_B"], mask), batch["old_logprobs_BR"], batch["ref_logprobs_BR"], mask,
+            coef=coef, kind=self.kind,
+        )
+        totals = all_reduce_sum(torch.stack([kl.sum(), mask.sum(), torch.tensor(float(len(batch)), device=mask.device)]).double(), mesh=self.mesh)
+        mean_kl = float(totals[0] / totals[1].clamp(min=1))
+        self.controller.update(mean_kl, n_steps=int(totals[2]))
+        metrics = MetricBuffer()
+        metrics.max("kl_in_reward/kl", mean_kl)
+        metrics.max("kl_in_reward/coef", coef)
+        return batch.set(token_rewards_BR=rewards), metrics
+
+    def state_dict(self) -> dict:
+        return {"kl_ctrl": self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.controller.load_state_dict(state["kl_ctrl"])
+
+
+def build_token_rewards(cfg: AlgorithmConfig, *, mesh: DeviceMesh | None):
+    return KLPenalizedTokenRewards(cfg, mesh=mesh) if cfg.use_kl_in_reward else TokenRewards()
 
 
 class AdvantageStage:
-    def __init__(self, cfg: AlgorithmConfig):
-        if cfg.adv_estimator not in SUPPORTED:
-            known = sorted(ADVANTAGE_ESTIMATORS)
-            raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} is not supported by the trainer yet (library has {known})")
-        self.cfg = cfg
+    """Adds ``advantages_BR`` and ``returns_BR`` (the critic's targets for GAE) from ``token_rewards_BR``."""
+
+    def __init__(self, cfg: AlgorithmConfig, *, mesh: DeviceMesh | None):
+        name = cfg.adv_estimator
+        if name not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"algorithm.adv_estimator={name!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        self.cfg, self.mesh = cfg, mesh
+        self.estimate = getattr(self, f"_{name}")
 
     def __call__(self, batch: Batch) -> Batch:
-        scores, mask, uid = batch["scores_B"], batch["response_mask_BR"].float(), batch["uid_B"]
-        if self.cfg.adv_estimator == "grpo":
-            adv, ret = grpo_outcome(scores, mask, uid, norm_by_std=self.cfg.norm_adv_by_std)
-        else:
-            adv, ret = rloo(scores, mask, uid)
+        mask = batch["response_mask_BR"].float()
+        adv, ret = self.estimate(batch, batch["token_rewards_BR"], mask)
         return batch.set(advantages_BR=adv, returns_BR=ret)
+
+    def whiten(self, x_BR: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
+        """Whiten over the valid tokens of the global batch: local moments, one all-reduce."""
+        moments = all_reduce_sum(masked_moments(x_BR, mask_BR), mesh=self.mesh)
+        return masked_whiten(x_BR, mask_BR, moments=moments)
+
+    def _gae(self, batch, rewards, mask):
+        adv, ret = gae(rewards, batch["values_BR"], mask, gamma=self.cfg.gamma, lam=self.cfg.lam)
+        return self.whiten(adv, mask), ret
+
+    def _grpo(self, batch, rewards, mask):
+        return grpo_outcome(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std)
+
+    def _grpo_passk(self, batch, rewards, mask):
+        return grpo_passk(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std)
+
+    def _rloo(self, batch, rewards, mask):
+        return rloo(rewards.sum(-1), mask, batch["uid_B"])
+
+    def _opo(self, batch, rewards, mask):
+        return opo(rewards.sum(-1), mask, batch["uid_B"])
+
+    def _reinforce_pp(self, batch, rewards, mask):
+        _, returns = reinforce_pp(rewards, mask, gamma=self.cfg.gamma)  # its own whitening is local; redo it globally
+        return self.whiten(returns, mask), returns
+
+    def _reinforce_pp_baseline(self, batch, rewards, mask):
+        centred, _ = grpo_outcome(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=False)
+        adv = self.whiten(centred, mask)
+        return adv, adv
+
+    def _remax(self, batch, rewards, mask):
+        return remax(rewards.sum(-1), batch["baseline_scores_B"], mask)
+
+    def _gpg(self, batch, rewards, mask):
+        scores, uid = rewards.sum(-1), batch["uid_B"]
+        degenerate = zero_variance_rows(scores, uid).sum()
+        counts = all_reduce_sum(torch.stack([torch.tensor(len(batch), device=degenerate.device), degenerate]).double(), mesh=self.mesh)
+        valid = float(counts[0] - counts[1])
+        alpha = float(counts[0]) / valid if valid > 0 else 1.0
+        return gpg(scores, mask, uid, norm_by_std=False, alpha=alpha)  # F_norm = 1, the paper's best setting

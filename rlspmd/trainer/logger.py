@@ -1,6 +1,11 @@
 """Metric sinks behind one interface, used by rank 0 only: console (tqdm), jsonl, TensorBoard.
 
 Metrics arrive already reduced over ranks (``MetricBuffer.reduce``); the logger only writes them.
+
+Resuming at step N continues the same files: ``metrics.jsonl`` keeps its lines up to step N and appends
+from N + 1; lines after N (steps the crashed run logged after its last checkpoint, now run again) move to
+``metrics.superseded.jsonl``; TensorBoard hides earlier events after N. A fresh start (N = 0) supersedes
+all of an earlier run's metrics.
 """
 
 from __future__ import annotations
@@ -30,11 +35,15 @@ class MetricLogger:
 
             self.bar = tqdm(total=total_steps, initial=initial_step, desc="rlspmd", dynamic_ncols=True, file=sys.stdout)
         if "jsonl" in sinks:
-            self.jsonl = open(out / "metrics.jsonl", "a", buffering=1)
+            path = out / "metrics.jsonl"
+            if path.exists():
+                _rewind_jsonl(path, initial_step)
+            self.jsonl = open(path, "a", buffering=1)
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+            # TensorBoard then hides older events from this step on (the files stay on disk)
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=initial_step + 1 if initial_step else 0)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
         if not self.enabled:
@@ -71,3 +80,21 @@ class MetricLogger:
 
 def _finite(metrics: dict) -> dict:
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
+
+
+def _rewind_jsonl(path: Path, step: int) -> None:
+    """Keep the lines of steps <= ``step`` (none for a fresh start); move the others to ``*.superseded.jsonl``."""
+    keep, drop = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            s = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            s = None  # a torn last line from a killed run
+        (keep if step and s is not None and s <= step else drop).append(line)
+    if not drop:
+        return
+    with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+        f.writelines(line if line.endswith("\n") else line + "\n" for line in drop)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)

@@ -4,7 +4,16 @@ import torch
 import torch.distributed as dist
 
 from rlspmd.config import DistConfig, MeshConfig
-from rlspmd.distributed.dispatch import MetricBuffer, broadcast_object, gather_batch, scatter_batch
+from rlspmd.distributed.dispatch import (
+    MetricBuffer,
+    all_gather_objects,
+    all_to_all_objects,
+    broadcast_object,
+    even_split,
+    gather_batch,
+    redistribute_batch,
+    scatter_batch,
+)
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
@@ -61,6 +70,25 @@ def main():
         assert t.item() == (1.0 if r < 2 else 5.0), t
         assert mine.size() == 2 and split.dp_rank("actor" if r < 2 else "critic") == r % 2
         assert split.get("ref") is split.get("critic")  # same ranks share one mesh
+
+        # actor 0-1 <-> rollout 2-3: uneven rows out to the rollout ranks and back, order kept, no relay
+        split = RoleMeshes(ParallelDims.from_config(MeshConfig(actor_ranks="0-1", rollout_ranks="2-3"), w), "cpu", r)
+        link = split.link("actor", "rollout")
+        assert link.size() == 4 and (split.link("actor", "rollout", first_only=True) is None) == (r == 1)
+        assert all_to_all_objects([(r, j) for j in range(4)], mesh=link) == [(j, r) for j in range(4)]
+        ref = full_batch(5, 1)  # 5 rows: actor rank 0 holds 3, actor rank 1 holds 2
+        mine = {0: ref.slice(0, 3), 1: ref.slice(3, 5)}.get(r)
+        counts = [n for _, n in all_gather_objects((None, len(mine) if mine else 0), mesh=link)]
+        assert counts == [3, 2, 0, 0]
+        out_sizes = [0, 0, *even_split(5, 2)]
+        got = redistribute_batch(mine, mesh=link, sizes_in=counts, sizes_out=out_sizes)
+        if r >= 2:  # consecutive rows, evenly: rank 2 gets 3, rank 3 gets 2
+            assert got["uid_B"].tolist() == ([0, 1, 2] if r == 2 else [3, 4])
+        else:
+            assert len(got) == 0
+        back = redistribute_batch(got if r >= 2 else None, mesh=link, sizes_in=out_sizes, sizes_out=counts)
+        if r < 2:
+            assert torch.equal(back["x_BP"], mine["x_BP"]) and back["text"] == mine["text"] and back["info"] == mine["info"]
     dist.barrier()
     if r == 0:
         print("DISPATCH OK", flush=True)

@@ -3,7 +3,9 @@
 Run with different world sizes / micro-batch sizes: the gradients must agree (global loss normalisation,
 summed gradients). Learning rate 0 and no clipping, so the update leaves the gradients to inspect.
 
-usage: policy_grad_check.py MODEL_DIR OUT.pt MICRO_BATCH MODE[,MODE...]
+usage: policy_grad_check.py MODEL_DIR OUT.pt MICRO_BATCH MODE[,MODE...] [LOSS[,LOSS...]]
+
+With a list of policy losses (default ppo_clip) the results are keyed ``"MODE/LOSS"``, except for ppo_clip alone.
 """
 
 import sys
@@ -46,16 +48,19 @@ def global_batch(vocab: int) -> Batch:
 @spmd_main
 def main():
     model_dir, out, micro, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+    losses = sys.argv[5].split(",") if len(sys.argv) > 5 else ["ppo_clip"]
     rt = init_distributed(DistConfig())
     dp = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)
     results = {}
-    for mode in modes:
+    for mode, loss in [(m, l) for m in modes for l in losses]:
         cfg = ActorConfig(
             model=ModelConfig(path=model_dir),
             optim=OptimConfig(lr=0.0, grad_clip=0.0),
             mini_batch_size=B // N_SAMPLES,
             micro_batch_size=micro,
             loss_agg_mode=mode,
+            policy_loss=loss,
+            sapo_tau_pos=0.9,
             use_kl_loss=True,
             kl_loss_coef=0.1,
             entropy_coef=0.01,
@@ -66,7 +71,8 @@ def main():
         n = B // rt.world_size
         metrics = policy.update(full.slice(rt.rank * n, (rt.rank + 1) * n)).reduce(mesh=dp)
         grads = {k: p.grad.full_tensor() for k, p in policy.engine.module.named_parameters()}
-        results[mode] = {"grads": grads, "pg_loss": metrics["actor/pg_loss"]}
+        key = mode if losses == ["ppo_clip"] else f"{mode}/{loss}"
+        results[key] = {"grads": grads, "pg_loss": metrics["actor/pg_loss"]}
     if rt.rank == 0:
         torch.save(results, out)
     shutdown()

@@ -1,0 +1,151 @@
+"""Scalar-head models: per-token values (the PPO critic) and per-sequence scores (a reward model).
+
+``ValueModel`` is an HF backbone (``AutoModel``: the decoder without its LM head) plus a ``value_head``
+``Linear(hidden, 1)``; ``forward`` returns the value of every response position. ``SequenceScorer`` wraps an HF
+``*ForSequenceClassification`` model and returns the score of each sequence's last real token. Both are the root
+module FSDP shards (like ``CausalLMPolicy``): the decoder layers are the sharding units and the head lives in
+the root unit, so one root forward gathers it once.
+
+Value convention: ``values_BR[:, t]`` is V(s_t), the value of the state *before* response token ``t`` is chosen,
+i.e. the hidden state at the position that predicts token ``t`` (the same positions the policy's log-probs use).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+from rlspmd.models.loader import DTYPES, check_model_dir
+from rlspmd.models.packing import pack, packed_hidden_states, shifted_target_positions, training_attn_implementation
+from rlspmd.models.policy import response_hidden
+
+HEAD_PREFIXES = ("value_head.", "score.")
+"""Weights a model directory may carry for the value head: our own export, or a one-label classifier's head."""
+
+
+class ValueModel(nn.Module):
+    """Backbone + scalar head; ``forward`` returns ``values_BR`` (float32) for the last ``response_len`` tokens."""
+
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear, *, packing: bool = False):
+        super().__init__()
+        self.hf = backbone
+        self.value_head = value_head
+        self.packing = packing
+
+    @property
+    def config(self):
+        return self.hf.config
+
+    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int) -> torch.Tensor:
+        if self.packing:  # valid tokens only (rlspmd.models.packing); 0 at padded response positions
+            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL)
+            hidden_TH = packed_hidden_states(self.hf, packed)
+            targets = shifted_target_positions(packed, attention_mask_BL, response_len)
+            values_N = _scalar_head(self.value_head, hidden_TH[targets - 1])
+            valid_BR = attention_mask_BL[:, -response_len:].bool()
+            return values_N.new_zeros(valid_BR.shape).masked_scatter(valid_BR, values_N)
+        hidden = self.hf(
+            input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
+        ).last_hidden_state
+        return _scalar_head(self.value_head, response_hidden(hidden, response_len))
+
+
+def _scalar_head(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` without the trailing unit dim, as a fresh float32 tensor (FSDP2 warns about returning views)."""
+    out = torch.matmul(hidden, head.weight[0])  # (..., H) @ (H,) for a batch of rows or a (B, R, H) block
+    return (out + head.bias[0] if head.bias is not None else out).float()
+
+
+def _head_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """``value_head.*`` or one-label ``score.*`` weights stored in the directory's safetensors, if any."""
+    for prefix in HEAD_PREFIXES:
+        found = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    if key.startswith(prefix) and key[len(prefix):] in ("weight", "bias"):
+                        found[key[len(prefix):]] = st.get_tensor(key)
+        if "weight" in found and found["weight"].shape[0] == 1:
+            return found
+    return {}
+
+
+def load_value_model(
+    path: str | Path, *, dtype: str, attn_implementation: str, seed: int, field_name: str, packing: bool = False
+) -> ValueModel:
+    """A value model initialised from ``path`` (causal LM, base model, or reward model directory).
+
+    The head comes from the directory when it has one (``value_head.*`` or a one-label ``score.*``); otherwise it
+    is drawn from N(0, (0.1 / sqrt(hidden))^2) with a generator seeded by ``seed``, bias 0, so the initial values are
+    small (std ~0.1 for unit-scale hidden states) and identical on every rank and every run.
+    """
+    p = check_model_dir(path, field_name=field_name)
+    attn_implementation = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    config = AutoConfig.from_pretrained(str(p))
+    backbone = AutoModel.from_pretrained(str(p), config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    backbone.config.use_cache = False
+    hidden = backbone.config.hidden_size
+    head = nn.Linear(hidden, 1, dtype=DTYPES[dtype])
+    stored = _head_tensors(p)
+    with torch.no_grad():
+        if stored:
+            head.weight.copy_(stored["weight"].reshape(1, hidden))
+            head.bias.copy_(stored["bias"].reshape(1) if "bias" in stored else torch.zeros(1))
+        else:
+            g = torch.Generator().manual_seed(seed)
+            head.weight.copy_(torch.randn(1, hidden, generator=g) * (0.1 / math.sqrt(hidden)))
+            head.bias.zero_()
+    return ValueModel(backbone, head, packing=packing)
+
+
+class SequenceScorer(nn.Module):
+    """An HF ``*ForSequenceClassification`` model scoring each row at its last real token (attention mask).
+
+    Pooling by the attention mask rather than by ``pad_token_id`` (what HF's forward does) stays right when the
+    pad token equals EOS, which ends every scored response.
+    """
+
+    def __init__(self, hf_model: nn.Module, *, packing: bool = False):
+        super().__init__()
+        self.hf = hf_model
+        self.packing = packing
+        self.backbone = getattr(hf_model, hf_model.base_model_prefix)
+        head = getattr(hf_model, "score", None)
+        if not isinstance(head, nn.Linear) or head.out_features != 1:
+            raise ValueError(
+                f"reward.model.path: {type(hf_model).__name__} must have a one-label `score` head "
+                f"(a *ForSequenceClassification model with num_labels=1)"
+            )
+
+    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL) -> torch.Tensor:
+        if self.packing:  # the last valid token of each sample ends its segment of the pack
+            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL)
+            hidden_TH = packed_hidden_states(self.backbone, packed)
+            return _scalar_head(self.hf.score, hidden_TH[packed.cu_seqlens[1:].long() - 1])
+        hidden = self.backbone(
+            input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
+        ).last_hidden_state
+        L = attention_mask_BL.shape[1]
+        last_B = (attention_mask_BL.long() * torch.arange(L, device=attention_mask_BL.device)).argmax(-1)
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_B]
+        return _scalar_head(self.hf.score, pooled)
+
+
+def load_sequence_scorer(
+    path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False
+) -> SequenceScorer:
+    p = check_model_dir(path, field_name=field_name)
+    attn_implementation = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    config = json.loads((p / "config.json").read_text())
+    archs = config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{field_name}: {p} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model")
+    model = AutoModelForSequenceClassification.from_pretrained(str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    model.config.use_cache = False
+    return SequenceScorer(model, packing=packing)

@@ -1,0 +1,94 @@
+"""Reward-model role: a frozen HF sequence classifier on the shared FSDP2 engine scores prompt + response.
+
+When the reward model's tokenizer or chat template differs from the actor's, the actor's token ids mean nothing
+to it: the conversation is re-rendered as text (the prompt's chat messages plus the decoded response as the
+assistant turn) with the reward model's own template and tokenizer. When both agree, the actor's
+``input_ids_BL`` (prompt + response, as generated) are scored directly.
+
+``NoRewardModel`` stands in when ``reward.model.path`` is None: it does nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.config import FSDPConfig, RewardModelConfig
+from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.engines.micro_batches import split_micro_batches
+from rlspmd.models.loader import load_tokenizer
+from rlspmd.models.value import load_sequence_scorer
+from rlspmd.protocol import Batch
+
+
+def same_tokenization(a, b) -> bool:
+    """Do two tokenizers turn the same conversation into the same ids (same vocabulary and chat template)?"""
+    return a.chat_template == b.chat_template and a.get_vocab() == b.get_vocab()
+
+
+def render_conversations(tokenizer, prompt_messages: list[list[dict]], responses: list[str]) -> Batch:
+    """Left-padded ``input_ids_BL`` / ``attention_mask_BL`` / ``position_ids_BL`` of each prompt + response,
+    rendered with ``tokenizer``'s chat template (the response is the final assistant turn)."""
+    texts = [
+        tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": response}], tokenize=False)
+        for messages, response in zip(prompt_messages, responses)
+    ]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    L = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), L), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(ids), L, dtype=torch.long)
+    for i, x in enumerate(ids):
+        input_ids[i, L - len(x):] = torch.tensor(x)
+        mask[i, L - len(x):] = 1
+    return Batch({"input_ids_BL": input_ids, "attention_mask_BL": mask, "position_ids_BL": (mask.cumsum(-1) - 1).clamp(min=0)})
+
+
+class RewardModel:
+    def __init__(
+        self,
+        cfg: RewardModelConfig,
+        *,
+        actor_tokenizer,
+        dtype: str,
+        attn_implementation: str,
+        mesh: DeviceMesh,
+        device: torch.device,
+        fsdp: FSDPConfig,
+        packing: bool = False,
+    ):
+        self.cfg, self.device, self.mesh = cfg, device, mesh
+        module = load_sequence_scorer(
+            cfg.path, dtype=dtype, attn_implementation=attn_implementation, field_name="reward.model.path", packing=packing
+        )
+        self.tokenizer = load_tokenizer(
+            cfg.tokenizer_path or cfg.path, field_name="reward.model.tokenizer_path", require_chat_template=False
+        )
+        self.rerender = not same_tokenization(self.tokenizer, actor_tokenizer)
+        if self.rerender and not self.tokenizer.chat_template:
+            raise ValueError(
+                f"reward.model.tokenizer_path: the reward model's tokenizer ({cfg.tokenizer_path or cfg.path}) differs from "
+                "the actor's and has no chat template to render the conversation with"
+            )
+        self.engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=None)
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch) -> Batch:
+        """Adds ``rm_scores_B`` (float32), the reward model's raw score of each sample."""
+        if self.rerender:
+            inputs = render_conversations(self.tokenizer, batch["prompt_messages"], batch["response_text"]).to(self.device)
+        else:
+            inputs = batch
+        scores_B = torch.zeros(len(inputs), dtype=torch.float32, device=inputs["input_ids_BL"].device)
+        micro = split_micro_batches(
+            inputs, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_micro_batch, mesh=self.mesh
+        )
+        for rows, mb in micro:
+            s = self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"])
+            if rows:  # zero-weight fillers only keep the ranks' FSDP collectives in step
+                scores_B[torch.tensor(rows, device=scores_B.device)] = s.float()
+        return batch.set(rm_scores_B=scores_B)
+
+
+class NoRewardModel:
+    def __call__(self, batch: Batch) -> Batch:
+        return batch

@@ -1,0 +1,111 @@
+"""The ``vllm`` rollout engine: one in-process vLLM engine per rank, driven through an explicit lifecycle.
+
+Everything that depends on vLLM's version or internals is in ``third_party/vllm_adapter.py`` (``VllmBackend``);
+this module holds the logic that does not: the lifecycle (``rollout/lifecycle.py``), the per-step sequence, the
+batch layout, per-request seeds and the phase timings. Tests drive it with a recording stand-in for the backend
+(vLLM cannot run on CPU).
+
+Per step, colocated with training (the hybrid engine):
+
+    update_weights:  wake weights -> stream-load in place -> reset prefix cache
+    wake:            wake KV cache
+    generate
+    sleep:           reset prefix cache -> sleep (level 2 drops the weights; the next generate re-streams them)
+
+In split placement the rollout ranks are the engine's own: it never sleeps, and a weight load while awake is
+followed by a prefix-cache reset before anything else runs.
+
+Sampling: every request carries its own seed, drawn from the role's generator (seeded by step and rollout DP
+rank), so the ranks of a TP group, which receive identical prompts and generators, sample identical tokens
+without sharing a CUDA RNG state, and different TP groups sample differently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from rlspmd.protocol import Batch
+from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.lifecycle import Lifecycle, LifecycleError, State
+from rlspmd.rollout.sampling import SamplingParams
+
+
+class VllmEngine:
+    def __init__(self, backend, *, sleeps: bool, sleep_level: int, eos_ids: list[int], pad_id: int, device: torch.device):
+        """``backend``: a ``third_party.vllm_adapter.VllmBackend`` (or a stand-in with the same methods).
+        ``sleeps``: release memory between generations (colocated); the backend is built asleep in that case,
+        awake with dummy weights otherwise."""
+        self.backend = backend
+        self.sleeps, self.sleep_level = sleeps, sleep_level
+        self.eos_ids, self.pad_id, self.device = list(eos_ids), pad_id, device
+        self.lifecycle = Lifecycle(State.ASLEEP if sleeps else State.WEIGHTS_AWAKE)
+        self.loads = 0
+        self.times = {"wake_s": 0.0, "sleep_s": 0.0}
+
+    @property
+    def holds_weights(self) -> bool:
+        return self.loads > 0 and self.lifecycle.holds_weights
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a full weight stream in place; returns the bytes loaded. Leaves the KV cache as it was."""
+        if self.lifecycle.state is State.ASLEEP:
+            self._timed("wake_s", "wake_weights", lambda: self.backend.wake_up(["weights"]))
+        self.lifecycle.apply("load")
+        n_bytes = self.backend.load_weights(weights, check_coverage=self.loads == 0)
+        self.loads += 1
+        self.lifecycle.apply("reset_prefix")
+        self.backend.reset_prefix_cache()
+        return n_bytes
+
+    def wake(self) -> None:
+        """Wake the KV cache (no-op when already awake); after a level-1 sleep, the kept weights first."""
+        if self.lifecycle.state is State.READY:
+            return
+        if self.lifecycle.state is State.ASLEEP:
+            if not self.lifecycle.weights_retained:
+                raise LifecycleError("rollout engine: wake with no weights (never loaded, or dropped by a level-2 sleep): update_weights first")
+            self._timed("wake_s", "wake_weights", lambda: self.backend.wake_up(["weights"]))
+        self._timed("wake_s", "wake_kv", lambda: self.backend.wake_up(["kv_cache"]) if self.sleeps else None)
+
+    def sleep(self) -> None:
+        """Reset the prefix cache and release memory (colocated); no-op for an engine that never sleeps."""
+        if not self.sleeps:
+            return
+        t0 = time.perf_counter()
+        self.lifecycle.sleep(self.sleep_level)
+        self.backend.reset_prefix_cache()
+        self.backend.sleep(self.sleep_level)
+        self.times["sleep_s"] += time.perf_counter() - t0
+
+    def generate(self, prompts: Batch, params: SamplingParams, *, generator: torch.Generator | None) -> Batch:
+        self.lifecycle.apply("generate")
+        batch = prompts.repeat(params.n) if params.n > 1 else prompts
+        ids, mask = batch["prompts_BP"].cpu(), batch["prompt_mask_BP"].cpu().bool()
+        token_ids = [row[m].tolist() for row, m in zip(ids, mask)]  # vLLM takes unpadded prompts
+        seeds = None
+        if not params.greedy:
+            seeds = torch.randint(0, 2**31 - 1, (len(batch),), generator=generator, device=generator.device if generator else "cpu").tolist()
+        outs = self.backend.generate(token_ids, params=params, seeds=seeds, stop_token_ids=self.eos_ids)
+        R = max([len(t) for t, _ in outs] + [1])
+        tokens = torch.full((len(batch), R), self.pad_id, dtype=torch.long)
+        logprobs = torch.zeros(len(batch), R, dtype=torch.float32)
+        lengths = torch.zeros(len(batch), dtype=torch.long)
+        for i, (toks, lps) in enumerate(outs):
+            tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+            logprobs[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
+            lengths[i] = len(toks)
+        dev = batch["prompts_BP"].device
+        return assemble_rollout(batch, tokens.to(dev), lengths.to(dev), logprobs.to(dev), pad_id=self.pad_id)
+
+    def _timed(self, key: str, event: str, fn) -> None:
+        self.lifecycle.apply(event)
+        t0 = time.perf_counter()
+        fn()
+        self.times[key] += time.perf_counter() - t0
+
+    def take_times(self) -> dict[str, float]:
+        out, self.times = self.times, {"wake_s": 0.0, "sleep_s": 0.0}
+        return out

@@ -1,0 +1,57 @@
+"""Two RL steps through ``build_program`` (the entry point's path); rank 0 saves each step's responses, rewards and
+metrics. Run colocated and split (actor and rollout on disjoint ranks) with the same seed and rollout DP layout:
+the outputs must match.
+
+    torchrun --nproc-per-node N split_rollout_check.py OUT.pt [rlspmd.train overrides...]
+"""
+
+import sys
+
+import torch
+
+from rlspmd.distributed.dispatch import gather_batch
+from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
+from rlspmd.distributed.runtime import init_distributed, seed_everything, shutdown, spmd_main
+from rlspmd.protocol import Batch
+from rlspmd.train import parse_args
+from rlspmd.trainer.rl import RLTrainer, build_program
+
+
+def digit_reward(response: str, ground_truth: str, extra_info: dict, data_source: str) -> float:
+    """Varies between samples of a random model, so advantages (and the update) are not all zero."""
+    return sum(c.isdigit() for c in response) / 10.0
+
+
+@spmd_main
+def main():
+    out_path, overrides = sys.argv[1], sys.argv[2:]
+    cfg, _ = parse_args(["--config", "configs/quickstart.py", "--reward.function", f"{__file__}:digit_reward", *overrides])
+    rt = init_distributed(cfg.dist)
+    seed_everything(cfg.trainer.seed)
+    meshes = RoleMeshes(ParallelDims.from_config(cfg.mesh, rt.world_size), rt.device.type, rt.rank)
+    program = build_program(cfg, rt, meshes)
+    if not isinstance(program, RLTrainer):
+        program.fit()  # serves the trainer's rollout calls until it closes
+        shutdown()
+        return
+    seen: list[Batch] = []
+    score = program.reward.score
+
+    def recording_score(batch):
+        out = score(batch)
+        seen.append(Batch({"responses_BR": out["responses_BR"].cpu(), "scores_B": out["scores_B"].cpu(),
+                           "rollout_logprobs_BR": out["rollout_logprobs_BR"].cpu()}))
+        return out
+
+    program.reward.score = recording_score
+    steps = [program.step(step) for step in (1, 2)]
+    program.rollout.close()
+    gathered = [gather_batch(b, mesh=program.dp_mesh) for b in seen]
+    if rt.rank == 0:
+        torch.save({"batches": [b.tensors for b in gathered], "metrics": steps}, out_path)
+        print("SPLIT CHECK DONE", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Single-process checks of the checkpoint bookkeeping: which checkpoint a resume picks, rewinding, pruning,
+metrics.jsonl continuation, and the ``--resume`` shorthand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlspmd.config import CheckpointConfig
+from rlspmd.trainer.checkpoint import Checkpointer, complete_checkpoints, resolve_checkpoint
+from rlspmd.trainer.logger import MetricLogger
+from rlspmd.train import parse_args
+
+
+def fake_checkpoint(root: Path, step: int, *, complete: bool = True) -> Path:
+    d = root / (f"step_{step:08d}" + ("" if complete else ".tmp"))
+    d.mkdir(parents=True)
+    if complete:
+        (d / "meta.json").write_text(json.dumps({"step": step}))
+        (d / ".metadata").write_bytes(b"")
+    return d
+
+
+def checkpointer(root: Path, **kw) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(dir=str(root), **kw), output_dir="unused", rank=0, world_size=1)
+
+
+def test_auto_picks_the_newest_complete_checkpoint(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 10)
+    fake_checkpoint(tmp_path, 12, complete=False)  # an interrupted save
+    (tmp_path / "step_00000011").mkdir()  # no meta.json: never committed
+    assert checkpointer(tmp_path)._prepare() == tmp_path / "step_00000010"
+    assert checkpointer(tmp_path / "empty")._prepare() is None  # nothing yet: a fresh start
+    assert resolve_checkpoint(tmp_path, field_name="x") == tmp_path / "step_00000010"
+
+
+def test_resume_none_refuses_existing_checkpoints(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    with pytest.raises(ValueError, match="checkpoint.resume=none.*already holds checkpoints"):
+        checkpointer(tmp_path, resume="none")._prepare()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: root / "missing", "does not exist"),
+    (lambda root: fake_checkpoint(root, 4, complete=False), "interrupted save"),
+    (lambda root: (root / "step_00000007").mkdir() or root / "step_00000007", "is incomplete"),
+    (lambda root: (root / "elsewhere").mkdir() or root / "elsewhere", "holds no complete checkpoint"),
+])
+def test_resume_path_errors_name_the_path(tmp_path, make, message):
+    target = make(tmp_path)
+    with pytest.raises((FileNotFoundError, ValueError), match=message) as err:
+        checkpointer(tmp_path / "ckpt", resume=str(target))._prepare()
+    assert str(target) in str(err.value) and "checkpoint.resume" in str(err.value)
+
+
+def test_rewinding_moves_newer_checkpoints_aside(tmp_path):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    (tmp_path / "latest").write_text("step_00000006\n")
+    assert checkpointer(tmp_path, resume=str(tmp_path / "step_00000004"))._prepare() == tmp_path / "step_00000004"
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000002", "step_00000004"]
+    assert len(list(tmp_path.glob("step_00000006.superseded-*"))) == 1  # kept, but out of auto's and keep_last's way
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"
+
+
+def test_prune_keeps_the_newest_and_removes_interrupted_saves(tmp_path):
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, step)
+    fake_checkpoint(tmp_path, 10, complete=False)
+    checkpointer(tmp_path, keep_last=2)._prune(keep=tmp_path / "step_00000008")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006", "step_00000008"]
+
+
+def test_a_file_where_the_directory_should_be(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PermissionError, match=f"checkpoint.dir={tmp_path / 'file' / 'ckpt'} is not a writable directory"):
+        checkpointer(tmp_path / "file" / "ckpt")._prepare()
+
+
+def test_metrics_jsonl_continues_after_resume(tmp_path):
+    lines = [{"step": s, "x": s} for s in (0, 1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "x"')  # torn
+    logger = MetricLogger(["jsonl"], str(tmp_path), total_steps=10, initial_step=2)
+    logger.log(3, {"x": 30.0})
+    logger.close()
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept] == [0, 1, 2, 3] and kept[-1]["x"] == 30.0
+    superseded = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+    assert len(superseded) == 3  # steps 3 and 4 of the crashed run, and its torn last line
+
+
+def test_resume_shorthand_and_default():
+    assert parse_args([])[0].checkpoint.resume == "auto"
+    assert parse_args(["--resume", "none"])[0].checkpoint.resume == "none"
+    assert parse_args(["--resume", "/ckpt/step_00000010"])[0].checkpoint.resume == "/ckpt/step_00000010"
+    assert parse_args(["--checkpoint.resume", "none"])[0].checkpoint.resume == "none"

@@ -1,0 +1,225 @@
+"""Bad input and failures through the real CLI on 2 ranks: every case ends every rank quickly with a non-zero
+exit and a message that names the field, file, row, sample, parameter or step; nothing already saved is lost."""
+
+from __future__ import annotations
+
+import json
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import dist_script, load_script, torchrun
+from rl_run import metrics, rl_args, run_torchrun, write_reward
+
+pytestmark = pytest.mark.dist
+
+
+def fails(target: list[str], *needles: str, nproc: int = 2, preexec_fn=None) -> str:
+    """Run, expect a non-zero exit within 60 s, and every needle in the output; returns the output."""
+    t0 = time.monotonic()
+    proc = run_torchrun(target, nproc, preexec_fn=preexec_fn)
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in output:\n{out[-4000:]}"
+    return out
+
+
+@pytest.fixture
+def args(tiny_model, arithmetic_data, tmp_path):
+    def make(*extra: str, model: Path = tiny_model, steps: int = 2) -> list[str]:
+        return rl_args(model, arithmetic_data, tmp_path / "run", steps=steps, extra=list(extra))
+
+    return make
+
+
+# -- configuration ---------------------------------------------------------------------------------------
+
+
+def test_missing_config_file(args, tmp_path):
+    fails([*args(), "--config", str(tmp_path / "nope.py")], f"config file not found: {tmp_path / 'nope.py'}")
+
+
+def test_typo_in_config_file_names_file_and_field(args, tmp_path):
+    cfg = tmp_path / "bad_cfg.py"
+    cfg.write_text("from rlspmd.config import Config, TrainerConfig\nconfig = Config(trainer=TrainerConfig(totl_steps=3))\n")
+    fails([*args(), "--config", str(cfg)], f"config file {cfg} failed to load", "totl_steps")
+
+
+def test_typo_in_command_line_field(args):
+    out = fails([*args(), "--actor.optim.lrr", "1e-3"], "Unrecognized options", "--actor.optim.lrr")
+    assert out.count("╭─ Unrecognized options") == 1, "only rank 0 reports a usage error"
+
+
+def test_mesh_degree_that_does_not_divide_the_world(args):
+    fails([*args(), "--mesh.rollout-tp", "3"], "mesh: rollout tensor-parallel degree 3 does not divide its 2 ranks")
+
+
+def test_resume_none_refuses_a_directory_with_checkpoints(args, tmp_path):
+    (tmp_path / "run" / "checkpoints" / "step_00000002").mkdir(parents=True)
+    for name in ("meta.json", ".metadata"):
+        (tmp_path / "run" / "checkpoints" / "step_00000002" / name).write_text("{}")
+    fails([*args(), "--resume", "none"], "checkpoint.resume=none", "already holds checkpoints (newest step_00000002)")
+
+
+def test_resume_from_a_missing_checkpoint(args, tmp_path):
+    fails([*args(), "--resume", str(tmp_path / "nope")], f"checkpoint.resume: checkpoint {tmp_path / 'nope'} does not exist")
+
+
+# -- model ------------------------------------------------------------------------------------------------
+
+
+def test_model_path_that_does_not_exist(args, tmp_path):
+    fails(args(model=tmp_path / "no_model"), "actor.model.path", f"{tmp_path / 'no_model'} does not exist")
+
+
+@pytest.mark.parametrize("remove, message", [
+    (("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"), "has no tokenizer files"),
+    (("chat_template.jinja",), "has no chat template"),
+])
+def test_model_without_tokenizer_or_chat_template(args, tiny_model, tmp_path, remove, message):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    for name in remove:
+        (model / name).unlink()
+    fails(args(model=model), "actor.model.path: ", str(model), message)
+
+
+# -- data -------------------------------------------------------------------------------------------------
+
+
+def _write_parquet(path: Path, rows: dict) -> Path:
+    import datasets
+
+    datasets.Dataset.from_dict(rows).to_parquet(str(path))
+    return path
+
+
+ROW = {
+    "data_source": ["arithmetic"],
+    "prompt": [[{"role": "user", "content": "Calculate 1 + 2."}]],
+    "reward_model": [{"style": "rule", "ground_truth": "3"}],
+}
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_column"])
+def test_bad_dataset(args, tmp_path, case):
+    path = tmp_path / f"{case}.parquet"
+    if case == "empty":
+        import datasets
+
+        datasets.Dataset.from_dict(ROW).select([]).to_parquet(str(path))
+        message = "has no rows"
+    elif case == "no_column":
+        _write_parquet(path, {k: v for k, v in ROW.items() if k != "reward_model"})
+        message = "lacks required column(s) ['reward_model']"
+    else:
+        message = "does not exist"
+    fails([*args(), "--data.train-files", str(path)], "data.train_files: ", str(path), message)
+
+
+def test_overlong_prompt_names_the_row(args, arithmetic_data):
+    fails([*args(), "--data.overlong-prompts", "error", "--data.max-prompt-length", "8"],
+          f"data.train_files: {arithmetic_data / 'train.parquet'} row 0: prompt has", "> data.max_prompt_length=8")
+
+
+def test_peer_failure_is_not_mistaken_for_a_stop_request():
+    """SIGTERM normally means "checkpoint and stop at the next step"; not when torchrun sends it because a rank
+    failed: then the survivors must exit at once (torchrun would otherwise wait 30 s before SIGKILL)."""
+    t0 = time.monotonic()
+    proc = run_torchrun([dist_script("stop_on_peer_failure_check.py")], 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "boom on rank 1" in out and "UNREACHABLE" not in out, out[-3000:]
+    assert time.monotonic() - t0 < 20, "the surviving rank waited instead of exiting"
+
+
+# -- rewards ----------------------------------------------------------------------------------------------
+
+
+def test_reward_function_raising_on_one_rank_ends_every_rank(args, tmp_path):
+    fn = write_reward(tmp_path, "import os\n\ndef reward(response, ground_truth):\n"
+                                "    if os.environ['RANK'] == '1':\n        raise KeyError('no answer field')\n    return 0.0\n")
+    out = fails([*args(), "--reward.function", fn], "reward function reward raised on sample index=",
+                "data_source='arithmetic'", "KeyError: 'no answer field'")
+    assert out.count("[rlspmd] rank 1 failed:") == 1 and "[rlspmd] rank 0 failed:" not in out, out[-4000:]
+
+
+def test_reward_function_returning_a_non_number(args, tmp_path):
+    fn = write_reward(tmp_path, "def reward(response, ground_truth):\n    return 'yes'\n")
+    fails([*args(), "--reward.function", fn], "reward function reward returned 'yes' (not a finite number) on sample index=")
+
+
+# -- NaN / Inf --------------------------------------------------------------------------------------------
+
+# A finite but absurdly scaled reward (no std normalisation): the policy-gradient loss and gradients overflow
+# float32, a real way to get a non-finite loss and gradient norm.
+HUGE_REWARD = "def reward(response, ground_truth):\n    return 3e38 if len(response) % 2 else 0.0\n"
+
+
+def test_non_finite_gradient_stop_names_the_step(args, tmp_path):
+    fn = write_reward(tmp_path, HUGE_REWARD)
+    fails([*args(), "--reward.function", fn, "--algorithm.no-norm-adv-by-std", "--trainer.nan-policy", "stop"],
+          "FloatingPointError: step 1: non-finite loss or gradient norm", "trainer.nan_policy=stop")
+
+
+def test_non_finite_gradient_skip_counts_and_keeps_weights(args, tmp_path, tiny_model):
+    from safetensors.torch import load_file
+
+    fn = write_reward(tmp_path, HUGE_REWARD)
+    out = torchrun([*args(), "--reward.function", fn, "--algorithm.no-norm-adv-by-std", "--checkpoint.save-hf"], 2).stdout
+    assert "skipped" in out and "trainer.nan_policy=skip" in out
+    rows = [m for m in metrics(tmp_path / "run") if m["step"] > 0]
+    assert [m["actor/skipped_updates"] for m in rows] == [2.0, 2.0]  # both mini-batch updates of each step
+    assert [m["trainer/skipped_updates_total"] for m in rows] == [2.0, 4.0]
+    trained = load_file(tmp_path / "run" / "checkpoints" / "step_00000002" / "hf" / "model.safetensors")
+    initial = load_file(tiny_model / "model.safetensors")
+    assert all((trained[k] == initial[k]).all() for k in initial), "skipped updates must leave the weights alone"
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_dir_that_is_not_writable(args, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    fails([*args(), "--checkpoint.dir", str(blocker / "ckpt")], f"checkpoint.dir={blocker / 'ckpt'} is not a writable directory")
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_model, arithmetic_data, tmp_path_factory) -> Path:
+    """Checkpoints of a finished 2-step run (``<dir>/checkpoints/step_00000002``)."""
+    out = tmp_path_factory.mktemp("two_steps")
+    torchrun(rl_args(tiny_model, arithmetic_data, out, steps=2), 2)
+    return out
+
+
+def test_full_disk_during_save_keeps_the_previous_checkpoint(args, two_steps, tmp_path):
+    """A run resumes from step 2's checkpoint; a file-size limit (RLIMIT_FSIZE, enforced by the kernel: writes
+    fail with EFBIG as on a full disk) makes step 4's save fail. Step 2 stays intact and resumable."""
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(two_steps / "checkpoints", ckpts)
+    before = sorted(p.name for p in (ckpts / "step_00000002").iterdir())
+
+    def limit_file_size():  # checkpoint shards are MBs; metrics and logs stay far below
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+    out = fails(args(steps=4), "saving step 4 failed", "File too large", "the previous checkpoint step_00000002 is intact",
+                preexec_fn=limit_file_size)
+    assert f"checkpoint.dir (default <trainer.output_dir>/checkpoints)={ckpts}" in out
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]  # the failed .tmp is gone
+    assert sorted(p.name for p in (ckpts / "step_00000002").iterdir()) == before
+    assert json.loads((ckpts / "step_00000002" / "meta.json").read_text())["step"] == 2
+
+
+def test_resume_with_an_incompatible_model(two_steps, arithmetic_data, tmp_path):
+    ckpts = two_steps / "checkpoints"
+    other = load_script("scripts/models/build_tiny.py").build(tmp_path / "wider", intermediate_size=256)
+    fails(rl_args(other, arithmetic_data, tmp_path / "run2", steps=4, extra=["--resume", str(ckpts)]),
+          f"checkpoint {ckpts / 'step_00000002'} was written for a different model",
+          "parameter 'hf.model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the checkpoint but [256, 128]")

@@ -1,0 +1,323 @@
+"""The trainer's algorithm stages on small hand-made batches (one process): token rewards with the KL penalty,
+the advantage stage for every estimator, overlong shaping, reward mixing, re-padding, dynamic-sampling plans."""
+
+import math
+
+import pytest
+import torch
+
+from rlspmd.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    gae,
+    gpg,
+    grpo_outcome,
+    grpo_passk,
+    masked_whiten,
+    opo,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    remax,
+    rloo,
+)
+from rlspmd.config import AlgorithmConfig, KLControlConfig, OverlongBufferConfig, RewardConfig, RewardModelConfig
+from rlspmd.protocol import Batch
+from rlspmd.rewards.shaping import OverlongShaping, overlong_penalty
+from rlspmd.rollout.base import concat_rollouts
+from rlspmd.trainer.advantage import AdvantageStage, KLPenalizedTokenRewards, TokenRewards, build_token_rewards
+from rlspmd.trainer.sampling import plan_groups
+
+MASK = torch.tensor(
+    [
+        [1, 1, 1, 0],
+        [1, 1, 0, 0],
+        [1, 0, 1, 1],  # a hole (tool tokens) inside the response
+        [1, 1, 1, 1],
+        [1, 0, 0, 0],
+        [1, 1, 1, 0],
+    ],
+    dtype=torch.long,
+)
+SCORES = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5])
+UID = torch.tensor([7, 7, 3, 7, 3, 9])  # groups by id, not by position; 9 is a singleton
+
+
+def batch(**extra) -> Batch:
+    return Batch({"scores_B": SCORES.clone(), "response_mask_BR": MASK.clone(), "uid_B": UID.clone(), **extra})
+
+
+def test_overlong_penalty_hand_computed():
+    # budget 20, buffer 4: free up to 16 tokens, then -1/4 per token, -1 at 20; factor scales it
+    lengths = torch.tensor([10, 16, 17, 19, 20])
+    got = overlong_penalty(lengths, max_length=20, buffer_len=4, penalty_factor=0.5)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.125, -0.375, -0.5]))
+
+
+def test_overlong_shaping_adds_to_scores_and_checks_its_config():
+    b = Batch({"scores_B": torch.tensor([1.0, 1.0]), "response_mask_BR": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
+    out = OverlongShaping(OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0), max_response_length=4)(b)
+    torch.testing.assert_close(out["overlong_penalty_B"], torch.tensor([-0.5, -1.0]))
+    torch.testing.assert_close(out["scores_B"], torch.tensor([0.5, 0.0]))
+    with pytest.raises(ValueError, match="reward.overlong_buffer.len=8"):
+        OverlongShaping(OverlongBufferConfig(enable=True, len=8), max_response_length=4)
+
+
+def test_token_rewards_put_the_score_on_the_last_valid_token():
+    out, _ = TokenRewards()(batch())
+    want = torch.zeros(6, 4)
+    want[0, 2], want[1, 1], want[2, 3], want[3, 3], want[4, 0], want[5, 2] = 1.0, 0.0, 1.0, 1.0, 0.5, 0.5
+    torch.testing.assert_close(out["token_rewards_BR"], want)
+
+
+def kl_batch():
+    old = torch.full((6, 4), -1.0)
+    ref = torch.full((6, 4), -1.0)
+    old[0] = torch.tensor([-1.0, -2.0, -0.5, -9.0])
+    ref[0] = torch.tensor([-1.5, -1.0, -0.5, 0.0])
+    return batch(old_logprobs_BR=old, ref_logprobs_BR=ref)
+
+
+def test_kl_in_reward_fixed_coefficient_hand_computed():
+    stage = KLPenalizedTokenRewards(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=KLControlConfig(kl_coef=0.1)), mesh=None)
+    out, metrics = stage(kl_batch())
+    # row 0: k1 = old - ref = [0.5, -1.0, 0.0] on its 3 valid tokens, score 1.0 on the last one
+    torch.testing.assert_close(out["token_rewards_BR"][0], torch.tensor([-0.05, 0.1, 1.0, 0.0]))
+    torch.testing.assert_close(out["token_rewards_BR"][1:], TokenRewards()(batch())[0]["token_rewards_BR"][1:])
+    m = metrics.reduce(mesh=None)
+    assert m["kl_in_reward/coef"] == pytest.approx(0.1)
+    assert m["kl_in_reward/kl"] == pytest.approx(-0.5 / MASK.sum().item())
+    assert stage.state_dict() == {"kl_ctrl": {"value": 0.1}}
+
+
+def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
+    cfg = AlgorithmConfig(use_kl_in_reward=True, kl_penalty="abs",
+                          kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=60))
+    stage = build_token_rewards(cfg, mesh=None)
+    stage(kl_batch())
+    mean_kl = 1.5 / MASK.sum().item()  # abs: 0.5 + 1.0 on row 0
+    error = min(max(mean_kl / 0.1 - 1, -0.2), 0.2)
+    assert stage.controller.value == pytest.approx(0.2 * (1 + error * 6 / 60))
+    fresh = build_token_rewards(cfg, mesh=None)
+    fresh.load_state_dict(stage.state_dict())
+    assert fresh.controller.value == stage.controller.value
+    with pytest.raises(ValueError, match="algorithm.kl_ctrl"):
+        build_token_rewards(AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", target_kl=0.0)), mesh=None)
+    with pytest.raises(ValueError, match="algorithm.kl_penalty"):
+        build_token_rewards(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k9"), mesh=None)
+
+
+def advantages(estimator: str, b: Batch, **cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    b, _ = TokenRewards()(b)
+    out = AdvantageStage(AlgorithmConfig(adv_estimator=estimator, **cfg), mesh=None)(b)
+    return out["advantages_BR"], out["returns_BR"]
+
+
+def test_every_estimator_is_wired_to_its_library_function():
+    m = MASK.float()
+    values = torch.linspace(-1, 1, 24).view(6, 4)
+    baseline = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+    tokens = TokenRewards()(batch())[0]["token_rewards_BR"]
+    expected = {
+        "grpo": grpo_outcome(SCORES, m, UID, norm_by_std=True),
+        "grpo_passk": grpo_passk(SCORES, m, UID, norm_by_std=True),
+        "rloo": rloo(SCORES, m, UID),
+        "opo": opo(SCORES, m, UID),
+        "gpg": gpg(SCORES, m, UID),  # one rank: the global alpha is the local one
+        "remax": remax(SCORES, baseline, m),
+        # one rank: global whitening is the library's own batch whitening
+        "reinforce_pp": reinforce_pp(tokens, m, gamma=0.9),
+        "reinforce_pp_baseline": reinforce_pp_baseline(SCORES, m, UID),
+    }
+    adv, ret = gae(tokens, values, m, gamma=0.9, lam=0.8)
+    expected["gae"] = (masked_whiten(adv, m), ret)
+    assert set(expected) == set(ADVANTAGE_ESTIMATORS)
+    for name, (want_adv, want_ret) in expected.items():
+        got_adv, got_ret = advantages(name, batch(values_BR=values, baseline_scores_B=baseline), gamma=0.9, lam=0.8)
+        torch.testing.assert_close(got_adv, want_adv.float(), msg=lambda s: f"{name}: {s}")
+        if name != "reinforce_pp_baseline":  # its returns are its (whitened) advantages
+            torch.testing.assert_close(got_ret, want_ret.float(), msg=lambda s: f"{name}: {s}")
+
+
+def test_global_whitening_hand_computed():
+    # REINFORCE++ with gamma 1: return-to-go is the score at every valid token; whitened over all 16 valid tokens
+    adv, ret = advantages("reinforce_pp", batch(), gamma=1.0)
+    valid = MASK > 0
+    per_token = SCORES[:, None].expand(6, 4)[valid].double()
+    mean, std = per_token.mean(), per_token.std()
+    torch.testing.assert_close(ret, SCORES[:, None] * MASK)
+    torch.testing.assert_close(adv[valid].double(), (per_token - mean) / torch.sqrt(std**2 + 1e-8), rtol=1e-5, atol=1e-6)
+
+
+def test_dr_grpo_and_std_option_defaults():
+    dr, _ = advantages("grpo", batch(), norm_adv_by_std=False)
+    # group 7 = rows 0, 1, 3 with scores 1, 0, 1: mean 2/3, no std division
+    torch.testing.assert_close(dr[:, 0][[0, 1, 3]], torch.tensor([1 / 3, -2 / 3, 1 / 3]))
+    assert dr[5].abs().sum() == 0  # singleton
+    gpg_default, _ = advantages("gpg", batch())
+    torch.testing.assert_close(gpg_default, gpg(SCORES, MASK.float(), UID, norm_by_std=False)[0])
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='ppo'"):
+        AdvantageStage(AlgorithmConfig(adv_estimator="ppo"), mesh=None)
+
+
+def test_kl_in_reward_reaches_outcome_estimators_through_the_sequence_reward():
+    cfg = AlgorithmConfig(adv_estimator="rloo", use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=KLControlConfig(kl_coef=0.1))
+    b, _ = KLPenalizedTokenRewards(cfg, mesh=None)(kl_batch())
+    out = AdvantageStage(cfg, mesh=None)(b)
+    penalised = SCORES.clone()
+    penalised[0] = 1.0 - 0.1 * (0.5 - 1.0)  # the row's score minus coef * its summed KL
+    torch.testing.assert_close(out["advantages_BR"], rloo(penalised, MASK.float(), UID)[0])
+
+
+def test_reward_manager_mixes_rule_and_reward_model_scores(tiny_model):
+    from rlspmd.models.loader import load_tokenizer
+    from rlspmd.rewards import RewardManager
+
+    tok = load_tokenizer(tiny_model, field_name="t")
+
+    class FakeRM:  # stands in for the FSDP role: adds its raw score
+        def __call__(self, b):
+            return b.set(rm_scores_B=torch.tensor([0.25, -1.0]))
+
+    resp = tok(["2 + 3 = 5 #### 5", "nope"], add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt")
+    b = Batch({"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
+              {"ground_truth": ["5", "5"], "data_source": ["arithmetic"] * 2, "extra_info": [{}, {}]})
+    cfg = RewardConfig(rule_weight=0.5, model=RewardModelConfig(path="unused", weight=2.0))
+    out = RewardManager(cfg, tok, reward_model=FakeRM()).score(b)
+    torch.testing.assert_close(out["task_scores_B"], torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(out["scores_B"], torch.tensor([0.5 + 0.5, -2.0]))
+    with pytest.raises(ValueError, match="reward.rule_weight=0"):
+        RewardManager(RewardConfig(rule_weight=0.0), tok)
+
+
+def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
+    prompt_mask = torch.ones(rows, P, dtype=torch.long)
+    prompt_mask[0, 0] = 0
+    resp_mask = torch.ones(rows, R, dtype=torch.long)
+    resp_mask[-1, -1] = 0
+    prompts = torch.arange(start, start + rows * P).view(rows, P) * prompt_mask + 99 * (1 - prompt_mask)
+    responses = torch.arange(start, start + rows * R).view(rows, R) * resp_mask + 99 * (1 - resp_mask)
+    attn = torch.cat([prompt_mask, resp_mask], 1)
+    return Batch(
+        {"prompts_BP": prompts, "prompt_mask_BP": prompt_mask, "responses_BR": responses, "response_mask_BR": resp_mask,
+         "input_ids_BL": torch.cat([prompts, responses], 1), "attention_mask_BL": attn,
+         "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0), "old_logprobs_BR": -resp_mask.float(), "uid_B": torch.arange(rows) + start},
+        {"text": [f"r{start + i}" for i in range(rows)]},
+    )
+
+
+def test_concat_rollouts_repads_prompts_left_and_responses_right():
+    a, b = rollout_part(P=3, R=2, rows=2, start=0), rollout_part(P=2, R=4, rows=1, start=10)
+    out = concat_rollouts([a, b], pad_id=99)
+    assert out["prompts_BP"].shape == (3, 3) and out["responses_BR"].shape == (3, 4) and out["input_ids_BL"].shape == (3, 7)
+    assert out["prompts_BP"][2].tolist() == [99, 99, 11] and out["prompt_mask_BP"][2].tolist() == [0, 0, 1]
+    assert out["responses_BR"][0].tolist() == [0, 1, 99, 99] and out["response_mask_BR"][0].tolist() == [1, 1, 0, 0]
+    assert out["old_logprobs_BR"][0].tolist() == [-1.0, -1.0, 0.0, 0.0]
+    assert out["input_ids_BL"][2].tolist() == [99, 99, 11, 10, 11, 12, 99]
+    assert out["position_ids_BL"][2].tolist() == [0, 0, 0, 1, 2, 3, 3]
+    torch.testing.assert_close(out["position_ids_BL"], (out["attention_mask_BL"].cumsum(-1) - 1).clamp(min=0))
+    assert out["text"] == ["r0", "r1", "r10"] and out["uid_B"].tolist() == [0, 1, 10]
+
+
+@pytest.mark.parametrize(
+    "kept_per_round, dropped_last, target, want",
+    [
+        # enough groups with signal: rank 0's surplus fills rank 1
+        ([[3, 1]], [1, 3], 4, dict(kept=[3, 1], topped_up=[0, 0], stay=[2, 1], send=[[(1, 1)], []])),
+        # a surplus nobody needs is trimmed; nothing moves
+        ([[4, 4]], [0, 0], 4, dict(kept=[2, 2], topped_up=[0, 0], stay=[2, 2], send=[[], []])),
+        # too few after the last round: each rank tops up with its own dropped groups first
+        ([[1, 0], [0, 0]], [2, 2], 4, dict(kept=[1, 0], topped_up=[1, 2], stay=[2, 2], send=[[], []])),
+        # rank 1 holds everything: half of it moves
+        ([[0, 0]], [0, 4], 4, dict(kept=[0, 0], topped_up=[0, 4], stay=[0, 2], send=[[], [(0, 2)]])),
+        # groups with signal are preferred to dropped ones even when they must move
+        ([[2, 0, 0, 0], [3, 0, 0, 1]], [3, 4, 4, 3], 8, dict(kept=[5, 0, 0, 1], topped_up=[0, 2, 0, 0], stay=[2, 2, 0, 1], send=[[(2, 2), (3, 1)], [], [], []])),
+    ],
+)
+def test_plan_groups(kept_per_round, dropped_last, target, want):
+    plan = plan_groups(kept_per_round, dropped_last, target=target)
+    assert plan.__dict__ == want
+    per_rank = target // len(dropped_last)
+    received = [0] * len(dropped_last)
+    for sends in plan.send:
+        for dst, n in sends:
+            received[dst] += n
+    assert [s + r for s, r in zip(plan.stay, received)] == [per_rank] * len(dropped_last)
+    assert math.isclose(sum(plan.kept) + sum(plan.topped_up), target)
+
+
+class FakeMesh:
+    """Stands in for a DP mesh where a constructor only asks its size."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_bad_settings_fail_early_naming_the_field(tmp_path):
+    from rlspmd.config import CriticConfig, FilterGroupsConfig
+    from rlspmd.roles.critic import Critic
+    from rlspmd.trainer.sampling import DynamicSampling
+
+    def dynamic(cfg, **kw):
+        args = dict(mesh=FakeMesh(2), train_batch_size=8, samples_per_prompt=4, pad_id=0) | kw
+        return DynamicSampling(cfg, **args)
+
+    with pytest.raises(ValueError, match="algorithm.filter_groups.gen_batch_size=4 must be >= data.train_batch_size=8"):
+        dynamic(FilterGroupsConfig(enable=True, gen_batch_size=4))
+    with pytest.raises(ValueError, match="algorithm.filter_groups.gen_batch_size=9 does not split over 2"):
+        dynamic(FilterGroupsConfig(enable=True, gen_batch_size=9))
+    with pytest.raises(ValueError, match="algorithm.filter_groups.max_rounds"):
+        dynamic(FilterGroupsConfig(enable=True, max_rounds=0))
+    with pytest.raises(ValueError, match="rollout.n >= 2"):
+        dynamic(FilterGroupsConfig(enable=True), samples_per_prompt=1)
+
+    def critic(**cfg):
+        return Critic(CriticConfig(**cfg), model_path=str(tmp_path / "missing"), dtype="float32", attn_implementation="sdpa",
+                      mesh=FakeMesh(2), device=torch.device("cpu"), samples_per_prompt=3, train_batch_size=8,
+                      max_response_length=16, total_steps=1, seed=0)
+
+    with pytest.raises(ValueError, match="critic.mini_batch_size=1 x rollout.n=3"):
+        critic(mini_batch_size=1)
+    with pytest.raises(ValueError, match="critic.mini_batch_size=6"):
+        critic(mini_batch_size=6)
+    with pytest.raises(ValueError, match="critic.loss_agg_mode='mean'"):
+        critic(mini_batch_size=4, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="critic.cliprange_value"):
+        critic(mini_batch_size=4, cliprange_value=0.0)
+    with pytest.raises(FileNotFoundError, match="actor.model.path: .*missing"):  # the critic starts from the actor
+        critic(mini_batch_size=4)
+
+
+def test_trainer_checkpoints_the_kl_controller():
+    from rlspmd.trainer.rl import RLTrainer
+
+    cfg = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.3, target_kl=0.1, horizon=10))
+    trainer, restored = RLTrainer.__new__(RLTrainer), RLTrainer.__new__(RLTrainer)  # only the algorithm stages
+    trainer.token_rewards, restored.token_rewards = build_token_rewards(cfg, mesh=None), build_token_rewards(cfg, mesh=None)
+    trainer.token_rewards(kl_batch())
+    saved = {name: c.state_dict() for name, c in trainer.stateful_components().items()}
+    assert saved["token_rewards"]["kl_ctrl"]["value"] != 0.3
+    for name, c in restored.stateful_components().items():
+        c.load_state_dict(saved[name])
+    assert restored.token_rewards.controller.value == trainer.token_rewards.controller.value
+    plain = RLTrainer.__new__(RLTrainer)
+    plain.token_rewards = TokenRewards()  # no KL in the reward: nothing to checkpoint
+    assert plain.stateful_components() == {}
+
+
+def test_settings_that_do_nothing_are_reported():
+    from rlspmd.config import Config, CriticConfig, FilterGroupsConfig, ignored_settings
+    from rlspmd.config import load_config_file
+    from conftest import ROOT
+
+    assert ignored_settings(Config()) == []
+    for name in ("ppo", "grpo", "dapo", "rloo", "reinforce_pp", "remax", "gspo"):
+        assert ignored_settings(load_config_file(ROOT / f"configs/{name}.py")) == [], name
+        assert ignored_settings(load_config_file(ROOT / f"configs/{name}.py:cpu")) == [], name
+    cfg = Config(critic=CriticConfig(warmup_steps=3), algorithm=AlgorithmConfig(kl_ctrl=KLControlConfig(kl_coef=0.5), filter_groups=FilterGroupsConfig(max_rounds=9)))
+    cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef = False, 0.1
+    messages = ignored_settings(cfg)
+    assert len(messages) == 4 and "algorithm.adv_estimator='grpo' uses no critic" in messages[0]
+    assert ignored_settings(Config(algorithm=AlgorithmConfig(adv_estimator="rloo", norm_adv_by_std=False))) == [
+        "algorithm.norm_adv_by_std=False applies to grpo and grpo_passk, not 'rloo'"]
