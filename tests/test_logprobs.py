@@ -7,8 +7,9 @@ from rlspmd.models.logprobs import chunked_logprobs, logprobs_from_logits
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("chunk", [1, 5, 1024])
-def test_chunked_equals_full(temperature, chunk):
+@pytest.mark.parametrize("chunk", [1, 5, 1024])  # 1024: one chunk, whose log p the forward keeps for the backward
+@pytest.mark.parametrize("uses", ["both", "lp", "ent"])  # an unused output reaches the backward as None
+def test_chunked_equals_full(temperature, chunk, uses):
     torch.manual_seed(0)
     B, T, H, V = 3, 7, 16, 50
     h = torch.randn(B, T, H, requires_grad=True)
@@ -16,14 +17,21 @@ def test_chunked_equals_full(temperature, chunk):
     b = torch.randn(V, requires_grad=True)
     y = torch.randint(0, V, (B, T))
     coef_lp, coef_ent = torch.randn(B, T), torch.randn(B, T)
+    if uses == "lp":
+        coef_ent = None
+    if uses == "ent":
+        coef_lp = None
+
+    def loss(lp, ent):
+        return sum((x * c).sum() for x, c in ((lp, coef_lp), (ent, coef_ent)) if c is not None)
 
     lp, ent = chunked_logprobs(h, W, y, bias=b, temperature=temperature, chunk_size=chunk)
-    ((lp * coef_lp).sum() + (ent * coef_ent).sum()).backward()
+    loss(lp, ent).backward()
     grads = [x.grad.clone() for x in (h, W, b)]
     for x in (h, W, b):
         x.grad = None
     lp2, ent2 = logprobs_from_logits(torch.nn.functional.linear(h, W, b), y, temperature=temperature)
-    ((lp2 * coef_lp).sum() + (ent2 * coef_ent).sum()).backward()
+    loss(lp2, ent2).backward()
     torch.testing.assert_close(lp, lp2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent, ent2, rtol=1e-5, atol=1e-5)
     for g, x in zip(grads, (h, W, b)):
