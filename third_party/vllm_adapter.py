@@ -168,9 +168,12 @@ class VllmBackend:
                 top_p=params.top_p,
                 top_k=top_k,
                 max_tokens=params.max_new_tokens,
+                # rollout.ignore_eos (benchmarks): EOS is never sampled, so every response has max_tokens tokens
+                min_tokens=params.max_new_tokens if params.ignore_eos else 0,
+                ignore_eos=params.ignore_eos,
                 seed=None if seeds is None else seeds[i],
                 logprobs=0,  # the sampled token's log-prob only
-                stop_token_ids=stop_token_ids,
+                stop_token_ids=[] if params.ignore_eos else stop_token_ids,
                 detokenize=False,
             )
             for i in range(len(token_ids))

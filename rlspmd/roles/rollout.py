@@ -60,7 +60,8 @@ def truncated(batch: Batch, *, eos_ids: list[int], max_response_length: int) -> 
 
 def sampling_params(cfg: RolloutConfig) -> tuple[SamplingParams, SamplingParams]:
     """(training, validation) sampling parameters."""
-    train = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=cfg.n)
+    train = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=cfg.n,
+                           ignore_eos=cfg.ignore_eos)
     val = SamplingParams(temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=1)
     return train, val
 

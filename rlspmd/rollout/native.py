@@ -82,13 +82,16 @@ def generate_tokens(
     rows = torch.arange(B, device=dev)  # original row of each decoder row
     done = torch.zeros(B, dtype=torch.bool, device=dev)  # per decoder row
     logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T)
+    suppress = params.ignore_eos and eos_ids.numel() > 0
     for t in range(T):
+        if suppress:
+            logits.index_fill_(-1, eos_ids, float("-inf"))
         tok, lp = sample_next(logits, params, generator)
         live = ~done
         tokens[rows[live], t] = tok[live]
         logprobs[rows[live], t] = lp[live]
         newly = live & torch.isin(tok, eos_ids)
-        if newly.any():
+        if not suppress and newly.any():
             lengths[rows[newly]] = t + 1
             done |= newly
             if bool(done.all()):

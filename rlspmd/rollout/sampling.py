@@ -25,6 +25,9 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     n: int = 1
+    ignore_eos: bool = False
+    """EOS (the engine's stop ids) is never sampled and never stops a row: every response has ``max_new_tokens``
+    tokens. For fixed-length benchmark workloads."""
 
     @property
     def greedy(self) -> bool:
