@@ -1,0 +1,91 @@
+"""The fixed GRPO benchmark workload: a random-init Qwen2 model and prompts of exactly 27 tokens.
+
+    python scripts/bench/grpo_workload.py                   # models/bench-256, models/bench-512, data/bench/prompts.jsonl
+
+Models (random init, seed 0, fp32, tied embeddings, vocab 8192, the tiny model's trained tokenizer and chat template):
+  bench-256  hidden 256, 4 layers, 4 heads / 2 KV heads, intermediate 688   (configs/bench/grpo_tiny.py)
+  bench-512  hidden 512, 12 layers, 8 heads / 4 KV heads, intermediate 1376 (configs/bench/grpo_small.py)
+
+Prompts: ``--num-prompts`` arithmetic questions in verl's schema (``prompt`` = one user message), each exactly
+``--prompt-tokens`` tokens once the chat template is applied with the generation prompt. Both models share the
+tokenizer, so one prompt file serves both. Everything is deterministic: the same files on every run and machine.
+The same jsonl feeds rlspmd (``data.train_files``) and TRL (``scripts/bench/trl_grpo.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ensure_model  # noqa: E402
+
+PRESETS = {"grpo_tiny": "bench-256", "grpo_small": "bench-512"}
+
+
+def prompt_of_length(tokenizer, rng: random.Random, n_tokens: int) -> tuple[str, int]:
+    """A question ``Calculate a + b - c ...`` whose chat-templated form is exactly ``n_tokens`` tokens, and its answer."""
+    for _ in range(10_000):
+        terms = [rng.randint(0, 99)]
+        ops: list[str] = []
+        while True:
+            expr = " ".join([str(terms[0])] + [f"{o} {t}" for o, t in zip(ops, terms[1:])])
+            text = f"Calculate {expr}."
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            if len(ids) == n_tokens:
+                return text, eval(expr)  # noqa: S307 - our own digits and +/-
+            if len(ids) > n_tokens:
+                break  # overshot: start again with other numbers
+            ops.append(rng.choice("+-"))
+            terms.append(rng.randint(0, 99))
+    raise RuntimeError(f"could not build a prompt of exactly {n_tokens} tokens")
+
+
+def write_prompts(model_dir: str, out: Path, *, num_prompts: int, prompt_tokens: int, seed: int = 0) -> Path:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for i in range(num_prompts):
+            text, answer = prompt_of_length(tokenizer, rng, prompt_tokens)
+            row = {
+                "data_source": "arithmetic",
+                "prompt": [{"role": "user", "content": text}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": "bench", "index": i},
+            }
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+def build(which: list[str], *, data: Path, num_prompts: int, prompt_tokens: int) -> dict[str, str]:
+    models = {name: ensure_model(None, preset=PRESETS[name]) for name in which}
+    write_prompts(next(iter(models.values())), data, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
+    return models
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--which", nargs="+", choices=sorted(PRESETS), default=sorted(PRESETS))
+    p.add_argument("--data", type=Path, default=ROOT / "data" / "bench" / "prompts.jsonl")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=27)
+    a = p.parse_args(argv)
+    models = build(a.which, data=a.data, num_prompts=a.num_prompts, prompt_tokens=a.prompt_tokens)
+    for name, path in models.items():
+        print(f"{name}: model {path}")
+    print(f"prompts: {a.data} ({a.num_prompts} x {a.prompt_tokens} tokens)")
+
+
+if __name__ == "__main__":
+    main()

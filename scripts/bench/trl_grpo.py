@@ -1,0 +1,117 @@
+"""The GRPO benchmark workload through TRL's ``GRPOTrainer`` (Hugging Face ``generate`` backend), for comparison.
+
+    pip install trl==1.16.0                      # on the CPU torch; not a dependency of rlspmd
+    python scripts/bench/grpo_workload.py        # the models and prompts
+    python scripts/bench/trl_grpo.py --model models/bench-256    # last line: JSON with sec_per_step
+
+Same workload as ``configs/bench/grpo_tiny.py`` (and ``grpo_small.py`` with ``--model models/bench-512``): the same
+model directory and prompt file; 4 prompts x 4 generations = 16 completions per step (``per_device_train_batch_size``
+counts completions in TRL); exactly 64 new tokens (``min_new_tokens = max_completion_length`` keeps EOS from being
+sampled); temperature 1.0, no top-k/top-p; KL (TRL's k3 estimator) to a frozen reference with beta 0.04; one
+optimiser step per generation (``steps_per_generation = num_iterations = 1``); AdamW at lr 1e-6, grad-norm clip 1.0;
+fp32 on CPU, one process, torch's default threads. The reward is 0 for every completion (the random model earns
+none in rlspmd either), so advantages are 0 in both frameworks.
+
+``sec_per_step`` is the median wall time between TRL's ``on_step_begin`` and ``on_step_end`` callbacks over the steps
+after the first; a step there covers generation, the reference forward, the policy forward/backward and the
+optimiser step, like rlspmd's ``timing/step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, emit  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(ROOT / "models" / "bench-256"))
+    p.add_argument("--data", default=str(ROOT / "data" / "bench" / "prompts.jsonl"))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    a = p.parse_args(argv)
+
+    import torch
+    import trl
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa")
+    dataset = load_dataset("json", data_files=a.data, split="train").select_columns(["prompt"])
+
+    def zero_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.t0)
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = GRPOConfig(
+            output_dir=out_dir,
+            per_device_train_batch_size=16,
+            num_generations=4,
+            steps_per_generation=1,
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            max_completion_length=64,
+            generation_kwargs={"min_new_tokens": 64},
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            beta=0.04,
+            learning_rate=1e-6,
+            lr_scheduler_type="constant",
+            max_grad_norm=1.0,
+            max_steps=a.steps,
+            shuffle_dataset=False,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[timer],
+        )
+        trainer.train()
+        lengths = [m.get("completions/mean_length") for m in trainer.state.log_history if "completions/mean_length" in m]
+
+    steady = timer.times[1:] or timer.times
+    sec = statistics.median(steady)
+    emit(
+        {
+            "bench": "trl_grpo",
+            "trl": trl.__version__,
+            "workload": {"model": a.model, "prompts": 4, "generations": 4, "new_tokens": 64, "beta": 0.04, "steps": a.steps},
+            "sec_per_step": sec,
+            "step_s": [round(x, 3) for x in timer.times],
+            "completion_mean_length": lengths,
+            "gen_tokens_per_step": 16 * 64,
+        },
+        a.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
