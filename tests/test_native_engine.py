@@ -113,3 +113,37 @@ def test_real_tokenizer_smollm2(smollm2_l2):
     assert isinstance(make_decoder(model), LlamaFamilyDecoder)
     assert torch.equal(tokens, hf)
     assert eos_token_ids(smollm2_l2, tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_blocked_inverse_cdf_sampling_matches_the_distribution_across_blocks():
+    """V spans several 128-token blocks (and a padded last block); -inf entries are never drawn."""
+    g = torch.Generator().manual_seed(0)
+    V = 300
+    logits = torch.randn(1, V, generator=g) * 2
+    logits[0, 5::7] = float("-inf")
+    probs = torch.softmax(logits, -1)[0]
+    draws = torch.cat([sample_next(logits.expand(5000, V), SamplingParams(temperature=1.0), g)[0] for _ in range(20)])
+    freq = torch.bincount(draws, minlength=V).float() / draws.numel()
+    assert freq[5::7].sum() == 0
+    torch.testing.assert_close(freq, probs, atol=0.004, rtol=0)
+    # the returned log-prob is the sampled token's log-softmax
+    tok, lp = sample_next(logits.expand(8, V), SamplingParams(temperature=0.7), g)
+    torch.testing.assert_close(lp, torch.log_softmax(logits / 0.7, -1)[0, tok], atol=1e-5, rtol=1e-5)
+
+
+def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):
+    tok = load_tokenizer(tiny_model, field_name="model")
+    model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(4)})
+    free = NativeEngine(OwnWeights(model), eos_ids=[], pad_id=tok.pad_token_id, max_batch_size=64, device=torch.device("cpu"))
+    p = SamplingParams(temperature=1.0, max_new_tokens=12, n=4)
+    sampled = free.generate(prompts, p, generator=torch.Generator().manual_seed(0))["responses_BR"]
+    stops = sorted(set(sampled[:, :3].flatten().tolist()))  # tokens the model does sample early: make them "EOS"
+    engine = NativeEngine(OwnWeights(model), eos_ids=stops, pad_id=tok.pad_token_id, max_batch_size=64, device=torch.device("cpu"))
+    stopped = engine.generate(prompts, p, generator=torch.Generator().manual_seed(0))
+    assert int(stopped["response_mask_BR"].sum()) < 16 * 12  # without ignore_eos these stop ids do end rows
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, n=4, ignore_eos=True),
+                          generator=torch.Generator().manual_seed(0))
+    assert int(out["response_mask_BR"].sum()) == 16 * 12
+    assert not torch.isin(out["responses_BR"], torch.tensor(stops)).any()

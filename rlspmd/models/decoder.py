@@ -144,10 +144,13 @@ def _decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_B11L) -> torch.Tensor:
     query sequences. ``mask_B11L`` is additive (0 or -inf).
     """
     B, H, _, D = q_BH1D.shape
-    KV = k_BKLD.shape[1]
-    q = q_BH1D.reshape(B, KV, H // KV, D) * D**-0.5
-    scores = torch.matmul(q, k_BKLD.transpose(-1, -2)) + mask_B11L
-    return torch.matmul(scores.softmax(-1), v_BKLD).reshape(B, H, 1, D)
+    KV, L = k_BKLD.shape[1], k_BKLD.shape[2]
+    G = H // KV
+    q = q_BH1D.reshape(B * KV, G, D)
+    # scores = mask + scale * q @ k^T in one kernel (the scale and the mask add ride on the batched matmul)
+    mask = mask_B11L.reshape(B, 1, 1, L).expand(B, KV, G, L).reshape(B * KV, G, L)
+    scores = torch.baddbmm(mask, q, k_BKLD.reshape(B * KV, L, D).transpose(-1, -2), alpha=D**-0.5)
+    return torch.bmm(scores.softmax(-1), v_BKLD.reshape(B * KV, L, D)).reshape(B, H, 1, D)
 
 
 class HFDecoder:

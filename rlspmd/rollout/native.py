@@ -83,15 +83,27 @@ def generate_tokens(
     done = torch.zeros(B, dtype=torch.bool, device=dev)  # per decoder row
     logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T)
     suppress = params.ignore_eos and eos_ids.numel() > 0
+    stops = eos_ids.numel() > 0 and not suppress
+    any_done = False  # while no row has finished (and none was dropped), rows == arange(B): plain column writes
     for t in range(T):
         if suppress:
             logits.index_fill_(-1, eos_ids, float("-inf"))
         tok, lp = sample_next(logits, params, generator)
-        live = ~done
-        tokens[rows[live], t] = tok[live]
-        logprobs[rows[live], t] = lp[live]
-        newly = live & torch.isin(tok, eos_ids)
-        if not suppress and newly.any():
+        if any_done:
+            live = ~done
+            tokens[rows[live], t] = tok[live]
+            logprobs[rows[live], t] = lp[live]
+        else:
+            live = None
+            tokens[:, t] = tok
+            logprobs[:, t] = lp
+        if not stops:
+            if t + 1 < T:
+                logits = decoder.step(tok)
+            continue
+        newly = torch.isin(tok, eos_ids) if live is None else live & torch.isin(tok, eos_ids)
+        if newly.any():
+            any_done = True
             lengths[rows[newly]] = t + 1
             done |= newly
             if bool(done.all()):

@@ -95,7 +95,7 @@ def ensure_model(path: str | None, *, preset: str) -> str:
     import build_tiny
 
     presets = {
-        "tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=512),
+        "bench-tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=512),
         "bench-256": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab_size=8192),
         "bench-512": dict(hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, intermediate_size=1376, vocab_size=8192),
     }

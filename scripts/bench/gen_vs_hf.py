@@ -52,7 +52,7 @@ def main(argv=None):
     from rlspmd.rollout.native import NativeEngine, OwnWeights
     from rlspmd.rollout.sampling import SamplingParams
 
-    path = ensure_model(a.model, preset="tiny" if a.tiny else "bench-256")
+    path = ensure_model(a.model, preset="bench-tiny" if a.tiny else "bench-256")
     tok = load_tokenizer(path, field_name="--model")
     model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="--model").eval()
     ids, mask = make_prompts(tok, a.batch)

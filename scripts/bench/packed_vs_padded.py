@@ -56,7 +56,7 @@ def main(argv=None):
     from rlspmd.models.packing import training_attn_implementation
     from rlspmd.models.policy import CausalLMPolicy
 
-    path = ensure_model(a.model, preset="tiny" if a.tiny else "bench-256")
+    path = ensure_model(a.model, preset="bench-tiny" if a.tiny else "bench-256")
     padded = CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="--model"))
     impl = training_attn_implementation("sdpa", packing=True, field_name="--model")
     packed = CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation=impl, field_name="--model"), packing=True)
