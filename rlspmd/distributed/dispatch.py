@@ -106,6 +106,8 @@ def all_to_all_objects(objs: list[Any], *, mesh: DeviceMesh) -> list[Any]:
     group, _ = _group_and_src(mesh)
     n = mesh.size()
     assert len(objs) == n, f"all_to_all_objects: {len(objs)} objects for a mesh of {n} ranks"
+    if n == 1:
+        return list(objs)
     device = _comm_device(mesh)
     payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
     send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=device)
@@ -248,36 +250,6 @@ def all_reduce_max(x: torch.Tensor, *, mesh: DeviceMesh | None) -> torch.Tensor:
         y = y.to(mesh.device_type)
         dist.all_reduce(y, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return y.to(x.device)
-
-
-def all_to_all_objects(objs: list[Any], *, mesh: DeviceMesh) -> list[Any]:
-    """Send ``objs[r]`` to the mesh's rank ``r``; returns what every rank sent to this one, in rank order.
-
-    Pickled into one byte buffer per destination and exchanged with one ``all_to_all_single`` (after one for the
-    sizes), so each payload crosses the network once, to its destination only.
-    """
-    import pickle
-
-    group, _ = _group_and_src(mesh)
-    n = mesh.size()
-    assert len(objs) == n, f"all_to_all_objects needs one object per rank ({n}), got {len(objs)}"
-    if n == 1:
-        return list(objs)
-    dev = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-    payloads = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
-    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64, device=dev)
-    recv_sizes = torch.empty_like(send_sizes)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(dev)
-    recv_sizes_l = recv_sizes.tolist()
-    recv = torch.empty(sum(recv_sizes_l), dtype=torch.uint8, device=dev)
-    dist.all_to_all_single(recv, send, recv_sizes_l, send_sizes.tolist(), group=group)
-    data = recv.cpu().numpy().tobytes()
-    out, offset = [], 0
-    for size in recv_sizes_l:
-        out.append(pickle.loads(data[offset : offset + size]))
-        offset += size
-    return out
 
 
 def all_to_all_batch(batch: Batch, dest_B: list[int], *, mesh: DeviceMesh) -> Batch:
