@@ -82,24 +82,39 @@ class LlamaFamilyDecoder:
         self.valid[:, :P] = prompt_mask_BP.bool()
         self.next_pos = prompt_mask_BP.long().sum(-1)  # position id of the next token per row
         self.length = 0  # cache slots filled (the prefill fills P)
+        # Decode-step attention mask, additive and shared by every layer: -inf at prompt padding, 0 elsewhere.
+        self.decode_mask = torch.zeros(B, L, dtype=self.k.dtype, device=dev)
+        self.decode_mask.masked_fill_(~self.valid, float("-inf"))
+        self.decode_mask[:, P:] = 0.0
+        self.rope_table = self._rope_table(L, dev)
         # Causal mask; a pad query also sees itself so no row is fully masked (SDPA would give NaN).
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         mask = (causal & self.valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
         return self._forward(prompt_ids_BP, prompt_positions(prompt_mask_BP), mask[:, None])
 
+    def _rope_table(self, L: int, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and signed sin for positions 0..L-1, computed once by the model's own rotary module, so a decode step
+        looks them up instead of recomputing them. Not for RoPE variants whose frequencies depend on the current
+        sequence length (dynamic scaling): those run the rotary module at every step, as transformers does."""
+        rotary = self.base.rotary_emb
+        if "dynamic" in str(getattr(rotary, "rope_type", "default")):
+            return None
+        dummy = torch.zeros(1, L, 1, dtype=self._params_dtype(), device=dev)
+        cos, sin = rotary(dummy, torch.arange(L, device=dev)[None])
+        return cos[0], _signed_sin(sin[0])
+
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
         pos = self.next_pos[:, None]
         self.valid[:, self.length] = True
-        # Additive mask shared by every layer: (B, 1, 1, cached) with -inf at prompt padding.
-        mask = torch.zeros(self.valid.shape[0], self.length + 1, dtype=self.k.dtype, device=self.k.device)
-        mask.masked_fill_(~self.valid[:, : self.length + 1], float("-inf"))
+        mask = self.decode_mask[:, None, None, : self.length + 1]  # (B, 1, 1, cached), a view
         self.next_pos = self.next_pos + 1
-        return self._forward(tokens_B[:, None], pos, mask[:, None, None])
+        return self._forward(tokens_B[:, None], pos, mask)
 
     def keep(self, rows: torch.Tensor) -> None:
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
         self.valid = self.valid[rows]
+        self.decode_mask = self.decode_mask[rows]
         self.next_pos = self.next_pos[rows]
 
     def _forward(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -107,8 +122,11 @@ class LlamaFamilyDecoder:
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         start, end = self.length, self.length + S
         h = F.embedding(ids_BS, base.embed_tokens.weight)
-        cos, sin = base.rotary_emb(h, pos_BS)
-        cos, sin = cos[:, None], _signed_sin(sin[:, None])
+        if self.rope_table is not None:
+            cos, sin = self.rope_table[0][pos_BS][:, None], self.rope_table[1][pos_BS][:, None]
+        else:
+            cos, sin = base.rotary_emb(h, pos_BS)
+            cos, sin = cos[:, None], _signed_sin(sin[:, None])
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
@@ -123,6 +141,8 @@ class LlamaFamilyDecoder:
             self.k[i, :, :, start:end] = k
             self.v[i, :, :, start:end] = v
             if S == 1:
+                if i == 0:  # the (B*KV, G, L) additive mask all layers share, expanded once per step
+                    mask = mask.reshape(B, 1, 1, end).expand(B, KV, H // KV, end).reshape(B * KV, H // KV, end)
                 a = _decode_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], mask)
             else:
                 a = F.scaled_dot_product_attention(
@@ -137,19 +157,18 @@ class LlamaFamilyDecoder:
         return _linear(h, self.model.get_output_embeddings()).float()
 
 
-def _decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_B11L) -> torch.Tensor:
+def _decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_NGL) -> torch.Tensor:
     """One query token per row against the cache, grouped-query heads batched per KV head (no K/V repeat).
 
     Two batched matmuls and a softmax; on CPU this beats SDPA's flash kernel, whose blocking is built for long
-    query sequences. ``mask_B11L`` is additive (0 or -inf).
+    query sequences. ``mask_NGL`` is additive (0 or -inf), already expanded to ``(B * KV, H / KV, L)``.
     """
     B, H, _, D = q_BH1D.shape
     KV, L = k_BKLD.shape[1], k_BKLD.shape[2]
     G = H // KV
     q = q_BH1D.reshape(B * KV, G, D)
     # scores = mask + scale * q @ k^T in one kernel (the scale and the mask add ride on the batched matmul)
-    mask = mask_B11L.reshape(B, 1, 1, L).expand(B, KV, G, L).reshape(B * KV, G, L)
-    scores = torch.baddbmm(mask, q, k_BKLD.reshape(B * KV, L, D).transpose(-1, -2), alpha=D**-0.5)
+    scores = torch.baddbmm(mask_NGL, q, k_BKLD.reshape(B * KV, L, D).transpose(-1, -2), alpha=D**-0.5)
     return torch.bmm(scores.softmax(-1), v_BKLD.reshape(B * KV, L, D)).reshape(B, H, 1, D)
 
 

@@ -2,11 +2,11 @@
 
 Sampling uses the inverse CDF with one uniform draw per row rather than ``torch.multinomial``, whose
 exponential-race implementation draws V random numbers per row and dominated decode time on CPU. The
-distribution is the same. The CDF is two-level: unnormalised probabilities are summed in blocks of
-``BLOCK`` tokens, one ``searchsorted`` over the block sums picks a block and a second one inside that block
-picks the token. That replaces a sequential cumulative sum over the whole vocabulary (and the separate
-log-softmax and exp passes) with one exp pass and one blocked reduction; the sampled token's log-prob is
-``z_tok - max - log Σ exp(z - max)``, from the same sums.
+distribution is the same. The CDF is two-level: probabilities (one fused softmax pass) are summed in blocks
+of ``BLOCK`` tokens, one ``searchsorted`` over the block sums picks a block and a second one inside that block
+picks the token. That replaces a sequential cumulative sum over the whole vocabulary (and separate
+log-softmax and exp passes) with one softmax pass and one blocked reduction; the sampled token's log-prob is
+the log of its probability.
 """
 
 from __future__ import annotations
@@ -49,18 +49,17 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
         logp = torch.log_softmax(z, -1)
         tok = inverse_cdf_sample(_filter(z, params.top_k, params.top_p), generator)[0]
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    tok, lse = inverse_cdf_sample(z, generator)
-    return tok, z.gather(-1, tok[:, None]).squeeze(-1) - lse
+    tok, p_tok = inverse_cdf_sample(z, generator)
+    return tok, p_tok.log()
 
 
 BLOCK = 128
 
 
 def inverse_cdf_sample(z_BV: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from ``softmax(z)`` (``-inf`` entries never drawn) and ``logsumexp(z)`` per row."""
+    """One token per row from ``softmax(z)`` (``-inf`` entries never drawn) and its probability."""
     B, V = z_BV.shape
-    m = z_BV.amax(-1, keepdim=True)
-    e = (z_BV - m).exp_()
+    e = torch.softmax(z_BV, -1)  # one fused pass (max, exp, normalise) instead of three
     pad = (-V) % BLOCK
     blocks = F.pad(e, (0, pad)).view(B, -1, BLOCK) if pad else e.view(B, -1, BLOCK)
     block_cdf = blocks.sum(-1).cumsum(-1)  # (B, V / BLOCK)
@@ -75,7 +74,7 @@ def inverse_cdf_sample(z_BV: torch.Tensor, generator: torch.Generator | None) ->
     drawn_zero = e.gather(-1, tok[:, None]).squeeze(-1) <= 0
     if bool(drawn_zero.any()):
         tok = torch.where(drawn_zero, e.argmax(-1), tok)
-    return tok, (m + total.log()).squeeze(-1)
+    return tok, e.gather(-1, tok[:, None]).squeeze(-1)
 
 
 def _filter(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
