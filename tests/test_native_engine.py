@@ -147,3 +147,25 @@ def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):
                           generator=torch.Generator().manual_seed(0))
     assert int(out["response_mask_BR"].sum()) == 16 * 12
     assert not torch.isin(out["responses_BR"], torch.tensor(stops)).any()
+
+
+def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
+    """rollout.compile_decode: the static-shape compiled step (whole-cache attention under a mask, no compaction)
+    produces the eager engine's greedy tokens, with EOS stops, for Qwen2 (q/k/v biases) and Llama."""
+    for path in (tiny_model, tiny_llama):
+        tok = load_tokenizer(path, field_name="model")
+        model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+        ids, mask = encode(tok)
+        free, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=10),
+                                     eos_ids=torch.tensor([-1]), pad_id=0, generator=None)
+        stop = int(free[1, 3])  # row 1 stops early, the others run on: finished rows stay in the compiled batch
+        prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(len(PROMPTS))})
+        outs = [
+            NativeEngine(OwnWeights(model), eos_ids=[stop], pad_id=tok.pad_token_id, max_batch_size=8,
+                         device=torch.device("cpu"), compile_decode=c).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10), generator=None)
+            for c in (False, True)
+        ]
+        assert torch.equal(outs[0]["responses_BR"], outs[1]["responses_BR"])
+        assert torch.equal(outs[0]["response_mask_BR"], outs[1]["response_mask_BR"])
+        assert int(outs[1]["response_mask_BR"][1].sum()) <= 4
+        torch.testing.assert_close(outs[1]["rollout_logprobs_BR"], outs[0]["rollout_logprobs_BR"], atol=1e-5, rtol=1e-5)

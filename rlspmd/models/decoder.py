@@ -22,9 +22,10 @@ from torch import nn
 LLAMA_FAMILY = {"llama", "qwen2", "qwen3", "mistral"}
 
 
-def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
+def make_decoder(hf_model: nn.Module, *, compile: bool = False) -> "LlamaFamilyDecoder | HFDecoder":
+    """``compile``: run the decode step through ``torch.compile`` (Llama family only; see ``compiled_decode_step``)."""
     if getattr(hf_model.config, "model_type", None) in LLAMA_FAMILY:
-        return LlamaFamilyDecoder(hf_model)
+        return LlamaFamilyDecoder(hf_model, compile=compile)
     return HFDecoder(hf_model)
 
 
@@ -58,7 +59,7 @@ def prompt_positions(prompt_mask_BP: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaFamilyDecoder:
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, *, compile: bool = False):
         cfg = hf_model.config
         self.model = hf_model
         base = hf_model.get_decoder()
@@ -68,6 +69,7 @@ class LlamaFamilyDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.n_layers = len(base.layers)
+        self.compile = compile
 
     def _params_dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
@@ -76,17 +78,29 @@ class LlamaFamilyDecoder:
         B, P = prompt_ids_BP.shape
         dev = prompt_ids_BP.device
         L = P + max_new_tokens
-        self.k = torch.empty(self.n_layers, B, self.n_kv, L, self.head_dim, dtype=self._params_dtype(), device=dev)
-        self.v = torch.empty_like(self.k)
+        self.rope_table = self._rope_table(L, dev)
+        # The compiled step attends over the whole preallocated cache (static shapes): slots not written yet are
+        # masked and opened one per step; each layer's cache is its own tensor (written in place by the step); rows
+        # are never compacted (the shapes stay fixed).
+        self.static = self.compile and self.rope_table is not None
+        self.compacts = not self.static
+        shape = (B, self.n_kv, L, self.head_dim)
+        if self.static:
+            self.k = [torch.zeros(shape, dtype=self._params_dtype(), device=dev) for _ in range(self.n_layers)]
+            self.v = [torch.zeros(shape, dtype=self._params_dtype(), device=dev) for _ in range(self.n_layers)]
+        else:
+            self.k = torch.empty(self.n_layers, *shape, dtype=self._params_dtype(), device=dev)
+            self.v = torch.empty_like(self.k)
         self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
         self.valid[:, :P] = prompt_mask_BP.bool()
         self.next_pos = prompt_mask_BP.long().sum(-1)  # position id of the next token per row
         self.length = 0  # cache slots filled (the prefill fills P)
         # Decode-step attention mask, additive and shared by every layer: -inf at prompt padding, 0 elsewhere.
-        self.decode_mask = torch.zeros(B, L, dtype=self.k.dtype, device=dev)
+        self.decode_mask = torch.zeros(B, L, dtype=self._params_dtype(), device=dev)
         self.decode_mask.masked_fill_(~self.valid, float("-inf"))
-        self.decode_mask[:, P:] = 0.0
-        self.rope_table = self._rope_table(L, dev)
+        self.decode_mask[:, P:] = float("-inf") if self.static else 0.0
+        if self.static:
+            self.params = self._params()
         # Causal mask; a pad query also sees itself so no row is fully masked (SDPA would give NaN).
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         mask = (causal & self.valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
@@ -103,7 +117,35 @@ class LlamaFamilyDecoder:
         cos, sin = rotary(dummy, torch.arange(L, device=dev)[None])
         return cos[0], _signed_sin(sin[0])
 
+    def _params(self):
+        """The weights the decode step reads, as plain tensors (inputs of the compiled step, not module state)."""
+        def w(mod):
+            return None if mod is None else mod.weight
+
+        layers = []
+        for layer in self.base.layers:
+            a, m = layer.self_attn, layer.mlp
+            layers.append((
+                layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                a.v_proj.weight, a.v_proj.bias, w(getattr(a, "q_norm", None)), w(getattr(a, "k_norm", None)),
+                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+            ))
+        head = self.model.get_output_embeddings()
+        return self.base.embed_tokens.weight, tuple(layers), self.base.norm.weight, head.weight, head.bias
+
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
+        if self.static:
+            slot = self.length
+            self.decode_mask[:, slot] = 0.0
+            self.valid[:, slot] = True
+            logits = compiled_decode_step()(
+                self.params, self.k, self.v, tokens_B, self.next_pos, torch.tensor([slot], device=tokens_B.device),
+                self.decode_mask, self.rope_table[0], self.rope_table[1], self.n_heads, self.n_kv, self.head_dim, self.eps,
+            )
+            self.length += 1
+            self.next_pos = self.next_pos + 1
+            return logits
         pos = self.next_pos[:, None]
         self.valid[:, self.length] = True
         mask = self.decode_mask[:, None, None, : self.length + 1]  # (B, 1, 1, cached), a view
@@ -138,15 +180,15 @@ class LlamaFamilyDecoder:
                 k = _rms_norm(k, attn.k_norm.weight, self.eps)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            self.k[i, :, :, start:end] = k
-            self.v[i, :, :, start:end] = v
+            self.k[i][:, :, start:end] = k
+            self.v[i][:, :, start:end] = v
             if S == 1:
                 if i == 0:  # the (B*KV, G, L) additive mask all layers share, expanded once per step
                     mask = mask.reshape(B, 1, 1, end).expand(B, KV, H // KV, end).reshape(B * KV, H // KV, end)
-                a = _decode_attention(q, self.k[i, :, :, :end], self.v[i, :, :, :end], mask)
+                a = _decode_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], mask)
             else:
                 a = F.scaled_dot_product_attention(
-                    q, self.k[i, :, :, :end], self.v[i, :, :, :end], attn_mask=mask, enable_gqa=KV != H
+                    q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask, enable_gqa=KV != H
                 )
             h = h + _linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
@@ -155,6 +197,45 @@ class LlamaFamilyDecoder:
         self.length = end
         h = _rms_norm(h[:, -1], base.norm.weight, self.eps)
         return _linear(h, self.model.get_output_embeddings()).float()
+
+
+def decode_step(params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_table, sin_table, H: int, KV: int, D: int, eps: float):
+    """One decode step with static shapes: writes this token's K/V at ``slot_1`` of each layer's preallocated cache
+    (``(B, KV, L, D)``) and attends over all ``L`` slots under ``mask_BL`` (additive: -inf at prompt padding and at
+    slots not written yet). Same arithmetic as ``LlamaFamilyDecoder._forward`` for one token; a function of its tensor
+    inputs only, which is what ``torch.compile`` wants."""
+    emb, layers, norm_w, head_w, head_b = params
+    B, L, G = tok_B.shape[0], k_caches[0].shape[2], H // KV
+    h = F.embedding(tok_B[:, None], emb)
+    cos, sin = cos_table[pos_B][:, None, None], sin_table[pos_B][:, None, None]
+    mask = mask_BL[:, None, None, :].expand(B, KV, G, L).reshape(B * KV, G, L)
+    for i, (in_w, qw, qb, kw, kb, vw, vb, qn, kn, ow, ob, post_w, gw, uw, dw) in enumerate(layers):
+        x = _rms_norm(h, in_w, eps)
+        q, k, v = F.linear(x, qw, qb).view(B, 1, H, D), F.linear(x, kw, kb).view(B, 1, KV, D), F.linear(x, vw, vb).view(B, 1, KV, D)
+        if qn is not None:
+            q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k_caches[i][:, :, slot_1] = k
+        v_caches[i][:, :, slot_1] = v
+        a = _decode_attention(q, k_caches[i], v_caches[i], mask)
+        h = h + F.linear(a.transpose(1, 2).reshape(B, 1, H * D), ow, ob)
+        x = _rms_norm(h, post_w, eps)
+        h = h + F.linear(F.silu(F.linear(x, gw)) * F.linear(x, uw), dw)
+    h = _rms_norm(h[:, -1], norm_w, eps)
+    return F.linear(h, head_w, head_b).float()
+
+
+_COMPILED_STEP = None
+
+
+def compiled_decode_step():
+    """``torch.compile(decode_step)``, built once per process; a shape that changes between calls (batch, cache
+    length) becomes dynamic after its first recompile (torch.compile's automatic-dynamic rule)."""
+    global _COMPILED_STEP
+    if _COMPILED_STEP is None:
+        _COMPILED_STEP = torch.compile(decode_step)
+    return _COMPILED_STEP
 
 
 def _decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_NGL) -> torch.Tensor:

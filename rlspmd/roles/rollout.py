@@ -288,7 +288,8 @@ def _engine(cfg: RolloutConfig, *, policy, model_path: str, dtype: torch.dtype, 
         else:  # a private copy; its initial weights are replaced by the first sync
             dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
             weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name, attn_implementation="sdpa", field_name="actor.model.path").to(device))
-        return NativeEngine(weights, eos_ids=eos_ids, pad_id=pad_id, max_batch_size=cfg.max_batch_size, device=device)
+        return NativeEngine(weights, eos_ids=eos_ids, pad_id=pad_id, max_batch_size=cfg.max_batch_size, device=device,
+                            compile_decode=cfg.compile_decode)
     from rlspmd.rollout.vllm import VllmEngine
     from third_party.vllm_adapter import VllmBackend
 

@@ -108,7 +108,7 @@ def generate_tokens(
             done |= newly
             if bool(done.all()):
                 break
-            if done.float().mean() >= compact_fraction:
+            if getattr(decoder, "compacts", True) and done.float().mean() >= compact_fraction:
                 keep = (~done).nonzero().squeeze(-1)
                 decoder.keep(keep)
                 rows, tok, done = rows[keep], tok[keep], done[keep]
@@ -118,8 +118,10 @@ def generate_tokens(
 
 
 class NativeEngine:
-    def __init__(self, weights, *, eos_ids: list[int], pad_id: int, max_batch_size: int, device: torch.device):
+    def __init__(self, weights, *, eos_ids: list[int], pad_id: int, max_batch_size: int, device: torch.device,
+                 compile_decode: bool = False):
         self.weights = weights
+        self.compile_decode = compile_decode
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
@@ -129,7 +131,7 @@ class NativeEngine:
         batch = prompts.repeat(params.n) if params.n > 1 else prompts
         outs = []
         with self.weights.model() as hf_model:
-            decoder = make_decoder(hf_model)
+            decoder = make_decoder(hf_model, compile=self.compile_decode)
             for part in batch.split(self.max_batch_size):
                 outs.append(
                     generate_tokens(
