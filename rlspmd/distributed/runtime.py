@@ -260,3 +260,34 @@ def shutdown() -> None:
             os.remove(marker)
         except OSError:
             pass
+
+
+def machine_info() -> dict:
+    """What a timing was measured on: platform, versions, cores and threads, GPU, CPU model, load average. Printed
+    with the run summary (``trainer.print_summary_json``) and by every benchmark script."""
+    import platform
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info

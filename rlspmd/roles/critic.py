@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import AggArgs, local_denominators, value_loss
+from rlspmd.algorithms import AggArgs, value_loss
 from rlspmd.algorithms.aggregation import AGG_MODES
 from rlspmd.config import CriticConfig
-from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
+from rlspmd.distributed.dispatch import MetricBuffer
 from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.engines.micro_batches import split_micro_batches
+from rlspmd.engines.micro_batches import forward_micro_batches, mini_batch_updates
 from rlspmd.models.value import load_value_model
 from rlspmd.protocol import Batch
 
@@ -75,35 +75,24 @@ class Critic:
     @torch.no_grad()
     def values(self, batch: Batch) -> Batch:
         R = batch["responses_BR"].shape[1]
-        values_BR = torch.zeros(batch["responses_BR"].shape, dtype=torch.float32, device=batch["responses_BR"].device)
-        micro = split_micro_batches(
-            batch, micro_batch_size=self.cfg.values_micro_batch_size, max_tokens=self.cfg.values_max_tokens_per_micro_batch,
-            mesh=self.mesh,
+        values_BR = forward_micro_batches(
+            batch, lambda mb: self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R),
+            micro_batch_size=self.cfg.values_micro_batch_size, max_tokens=self.cfg.values_max_tokens_per_micro_batch, mesh=self.mesh,
         )
-        for rows, mb in micro:
-            v = self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R)
-            if rows:  # zero-weight fillers only keep the ranks' FSDP collectives in step
-                values_BR[torch.tensor(rows, device=values_BR.device)] = v.float()
         return batch.set(values_BR=values_BR * batch["response_mask_BR"])
 
     def update(self, batch: Batch) -> MetricBuffer:
         cfg, metrics = self.cfg, MetricBuffer()
         dp = self.mesh.size()
-        for _epoch in range(cfg.ppo_epochs):
-            for mini in batch.split(self.local_mini_batch):
-                counts = all_reduce_sum(torch.stack(local_denominators(mini["response_mask_BR"])), mesh=self.mesh)
-                agg = AggArgs(
-                    mode=cfg.loss_agg_mode, global_tokens=int(counts[0]), global_seqs=int(counts[1]),
-                    norm_length=self.max_response_length,
-                )
-                micro = split_micro_batches(
-                    mini, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch, mesh=self.mesh
-                )
-                stats = self.engine.optimizer_step(
-                    [mb for _, mb in micro], lambda module, mb: self._loss(module, mb, agg, metrics)
-                )
-                metrics.mean("critic/grad_norm", stats["grad_norm"] / dp, 1 / dp)
-                metrics.mean("critic/vf_loss", 0.0, 1 / dp)  # one global loss per optimiser step
+        steps = mini_batch_updates(
+            self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), epochs=cfg.ppo_epochs,
+            local_mini_batch=self.local_mini_batch, micro_batch_size=cfg.micro_batch_size,
+            max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode,
+            norm_length=self.max_response_length, mesh=self.mesh,
+        )
+        for stats in steps:
+            metrics.mean("critic/grad_norm", stats["grad_norm"] / dp, 1 / dp)
+            metrics.mean("critic/vf_loss", 0.0, 1 / dp)  # one global loss per optimiser step
         mask = batch["response_mask_BR"].float()
         returns, values = batch["returns_BR"], batch["values_BR"]
         n_tok = mask.sum()

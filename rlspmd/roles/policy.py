@@ -13,11 +13,11 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty, local_denominators
+from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
-from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
+from rlspmd.distributed.dispatch import MetricBuffer
 from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.engines.micro_batches import split_micro_batches
+from rlspmd.engines.micro_batches import forward_micro_batches, mini_batch_updates
 from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.packing import training_attn_implementation
 from rlspmd.models.policy import CausalLMPolicy
@@ -34,17 +34,14 @@ def compute_logprobs(
     ``max_tokens`` forms micro-batches by token budget instead (``split_micro_batches``; collective over ``mesh``).
     """
     R = batch["responses_BR"].shape[1]
-    lp_BR = torch.zeros(batch["responses_BR"].shape, dtype=torch.float32, device=batch["responses_BR"].device)
-    ent_BR = torch.zeros_like(lp_BR)
-    for rows, mb in split_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh):
-        lp, ent = module(
+    return forward_micro_batches(
+        batch,
+        lambda mb: module(
             mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"],
             response_len=R, temperature=temperature, with_entropy=with_entropy,
-        )
-        if rows:  # zero-weight fillers (no rows) only keep the ranks' FSDP collectives in step
-            idx = torch.tensor(rows, device=lp_BR.device)
-            lp_BR[idx], ent_BR[idx] = lp.float(), ent.float()
-    return lp_BR, ent_BR
+        ),
+        micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh,
+    )
 
 
 def build_policy_module(
@@ -118,24 +115,16 @@ class Policy:
     def update(self, batch: Batch) -> MetricBuffer:
         cfg, metrics = self.cfg, MetricBuffer()
         dp = self.mesh.size()
-        for _epoch in range(cfg.ppo_epochs):
-            for mini in batch.split(self.local_mini_batch):
-                counts = all_reduce_sum(torch.stack(local_denominators(mini["response_mask_BR"])), mesh=self.mesh)
-                agg = AggArgs(
-                    mode=cfg.loss_agg_mode,
-                    global_tokens=int(counts[0]),
-                    global_seqs=int(counts[1]),
-                    norm_length=self.max_response_length,
-                )
-                micro = split_micro_batches(
-                    mini, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch, mesh=self.mesh
-                )
-                stats = self.engine.optimizer_step(
-                    [mb for _, mb in micro], lambda module, mb: self._loss(module, mb, agg, metrics)
-                )
-                metrics.mean("actor/grad_norm", stats["grad_norm"] / dp, 1 / dp)
-                metrics.sum("actor/skipped_updates", stats["skipped"] / dp)
-                metrics.mean("actor/pg_loss", 0.0, 1 / dp)  # one global loss per optimiser step
+        steps = mini_batch_updates(
+            self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), epochs=cfg.ppo_epochs,
+            local_mini_batch=self.local_mini_batch, micro_batch_size=cfg.micro_batch_size,
+            max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode,
+            norm_length=self.max_response_length, mesh=self.mesh,
+        )
+        for stats in steps:
+            metrics.mean("actor/grad_norm", stats["grad_norm"] / dp, 1 / dp)
+            metrics.sum("actor/skipped_updates", stats["skipped"] / dp)
+            metrics.mean("actor/pg_loss", 0.0, 1 / dp)  # one global loss per optimiser step
         metrics.max("actor/lr", self.engine.lr)
         return metrics
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import FSDPConfig, RewardModelConfig
 from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.engines.micro_batches import split_micro_batches
+from rlspmd.engines.micro_batches import forward_micro_batches
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.value import load_sequence_scorer
 from rlspmd.protocol import Batch
@@ -78,14 +78,10 @@ class RewardModel:
             inputs = render_conversations(self.tokenizer, batch["prompt_messages"], batch["response_text"]).to(self.device)
         else:
             inputs = batch
-        scores_B = torch.zeros(len(inputs), dtype=torch.float32, device=inputs["input_ids_BL"].device)
-        micro = split_micro_batches(
-            inputs, micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_micro_batch, mesh=self.mesh
+        scores_B = forward_micro_batches(
+            inputs, lambda mb: self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"]),
+            micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_micro_batch, mesh=self.mesh,
         )
-        for rows, mb in micro:
-            s = self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"])
-            if rows:  # zero-weight fillers only keep the ranks' FSDP collectives in step
-                scores_B[torch.tensor(rows, device=scores_B.device)] = s.float()
         return batch.set(rm_scores_B=scores_B)
 
 

@@ -45,7 +45,7 @@ from rlspmd.config import Config, ignored_settings
 from rlspmd.data.prompts import EpochSampler, PromptDataset
 from rlspmd.distributed.dispatch import MetricBuffer, balance_batch, broadcast_object, gather_batch, on_main, scatter_batch
 from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import Runtime, StopRequest
+from rlspmd.distributed.runtime import Runtime, StopRequest, machine_info
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
@@ -499,16 +499,4 @@ class RunSummary:
         (Path(output_dir) / "summary.json").write_text(json.dumps(self.as_dict(), indent=2))
 
     def json_line(self) -> str:
-        return json.dumps({"summary": self.as_dict(), "machine": _machine()})
-
-
-def _machine() -> dict:
-    import os
-    import platform
-
-    return {
-        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-    }
+        return json.dumps({"summary": self.as_dict(), "machine": machine_info()})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,31 +21,9 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing rlspmd
 
 
 def machine() -> dict:
-    import torch
+    from rlspmd.distributed.runtime import machine_info
 
-    info = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-    }
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info
+    return machine_info()
 
 
 def sync() -> None:
