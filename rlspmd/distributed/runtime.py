@@ -20,6 +20,8 @@ dead peer.
 from __future__ import annotations
 
 import datetime
+import gc
+import logging
 import os
 import random
 import signal
@@ -252,7 +254,12 @@ def spmd_main(fn):
 
 
 def shutdown() -> None:
+    """End of a clean run on every rank: wait for the peers, drop the Python objects that still hold
+    communicators (reference cycles), then destroy every process group while the interpreter is fully alive."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
     marker = _failure_marker()
     if os.path.exists(marker):
@@ -260,6 +267,17 @@ def shutdown() -> None:
             os.remove(marker)
         except OSError:
             pass
+
+
+def exit_process(code: int = 0) -> None:
+    """The last call of a program's ``__main__`` after :func:`shutdown`: flush and leave without interpreter
+    finalisation. Gloo and c10d keep native threads whose objects can outlive ``destroy_process_group``; freeing
+    them while the interpreter tears down aborts the process now and then (``terminate called without an active
+    exception``) after a run that has finished and saved everything, and torchrun then reports the job failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def machine_info() -> dict:

@@ -77,7 +77,7 @@ def worker(args) -> None:
 
     from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, RolloutConfig
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-    from rlspmd.distributed.runtime import init_distributed, shutdown
+    from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown
     from rlspmd.engines.fsdp import compute_dtype
     from rlspmd.models.loader import eos_token_ids, load_tokenizer
     from rlspmd.roles.policy import Policy
@@ -103,7 +103,7 @@ def worker(args) -> None:
     if policy is None:  # split placement, rollout ranks: serve the syncs
         rollout.fit()
         shutdown()
-        return
+        exit_process()
     times, metrics = [], []
     for _ in range(args.steps):
         if rt.device.type == "cuda":
@@ -128,6 +128,7 @@ def worker(args) -> None:
             **{k: last[k] for k in sorted(last) if k.startswith("weight_sync/")},
         }))
     shutdown()
+    exit_process()
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ import torch
 
 from rlspmd.config import CriticConfig, DistConfig, MeshConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, shutdown, spmd_main
+from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.roles.critic import Critic
 
@@ -68,3 +68,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_process()  # after a clean shutdown(): no interpreter teardown (see its docstring)

@@ -14,7 +14,7 @@ import torch
 
 from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, shutdown, spmd_main
+from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import Policy
 
@@ -80,3 +80,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_process()  # after a clean shutdown(): no interpreter teardown (see its docstring)
