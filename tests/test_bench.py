@@ -47,3 +47,21 @@ def test_grpo_bench_config_runs_the_fixed_workload_and_prints_json(tiny_model, t
 def test_micro_benchmarks_smoke(script):
     result = json.loads(run([f"scripts/bench/{script}", "--tiny"]).strip().splitlines()[-1])
     assert result["ratio"] > 0 and "machine" in result
+
+
+def test_grpo_floor_counts_the_workload_matmuls():
+    """The floor benchmark times the matmuls of exactly the workload: FLOP counts checked by hand for bench-tiny
+    (hidden 64, 2 layers, 2/1 heads of 32, intermediate 128, vocab 512): per layer q 64x64, k and v 32x64, o 64x64,
+    gate and up 128x64, down 64x128 = 36,864 weights; 2 layers = 73,728."""
+    r = json.loads(run(["scripts/bench/grpo_floor.py", "--tiny", "--trl-sec-per-step", "10"]).strip().splitlines()[-1])
+    mats, head = 73_728, 512 * 64
+    full_tokens, shared_tokens, resp = 16 * 27 + 16 * 64, 4 * 27 + 16 * 64, 16 * 64
+    assert r["full"]["tokens"] == full_tokens and r["shared_prefix"]["tokens"] == shared_tokens
+    ref = 2 * full_tokens * mats + 2 * resp * head
+    assert r["full"]["gflop"]["ref"] == pytest.approx(ref / 1e9, abs=1e-3)
+    assert r["full"]["gflop"]["update"] == pytest.approx(3 * ref / 1e9, abs=1e-3)
+    assert r["full"]["gflop"]["gen"] == pytest.approx((2 * (4 * 27 + 16 * 2) * mats + 2 * 16 * 2 * head) / 1e9, abs=1e-3)
+    for name in ("full", "shared_prefix"):
+        f = r[name]["floor_s"]
+        assert f["total"] == pytest.approx(f["gen"] + f["ref"] + f["update"], abs=1e-5)
+        assert r[name]["max_ratio"] == pytest.approx(10 / f["total"], rel=1e-2)

@@ -225,7 +225,7 @@ def report_failure(exc: BaseException) -> None:
     if first:
         text = "".join(traceback.format_exception(exc))
         sys.stderr.write(f"[rlspmd] rank {rank} failed:\n{text}")
-        sys.stderr.write(f"[rlspmd] ending the job on every rank.\n")
+        sys.stderr.write("[rlspmd] ending the job on every rank.\n")
     else:
         sys.stderr.write(f"[rlspmd] rank {rank} also failed: {type(exc).__name__}: {exc}\n")
     sys.stderr.flush()
