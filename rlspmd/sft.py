@@ -17,7 +17,7 @@ from rlspmd.config import MeshConfig, SFTConfig
 from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, quiet_libraries, seed_everything, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.protocol import Batch

@@ -23,7 +23,7 @@ import tyro
 
 from rlspmd.config import Config, load_config_file
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, set_deterministic, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown, spmd_main
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):

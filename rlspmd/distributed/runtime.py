@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from functools import wraps
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -269,7 +270,7 @@ def shutdown() -> None:
             pass
 
 
-def exit_process(code: int = 0) -> None:
+def exit_process(code: int = 0) -> NoReturn:
     """The last call of a program's ``__main__`` after :func:`shutdown`: flush and leave without interpreter
     finalisation. Gloo and c10d keep native threads whose objects can outlive ``destroy_process_group``; freeing
     them while the interpreter tears down aborts the process now and then (``terminate called without an active

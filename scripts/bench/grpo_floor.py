@@ -7,7 +7,8 @@ implementation of the step must run:
 
 - ``gen``: the prefill of the 4 distinct prompts, then 64 decode steps of 16 rows through every weight matrix of
   every layer (q, k, v, o, gate, up, down) and the LM head, in layer order (the weights stream from memory at
-  every step, as in any decoder); the faster of ``x @ W.T`` and a pre-transposed ``W`` for each shape.
+  every step, as in any decoder); at each row count (prefill, decode) the faster of ``x @ W.T`` and pre-transposed
+  weights for the whole chain.
 - ``ref``: one forward of the 16 packed sequences (prompt + 64 tokens each) through every matrix, the LM head on the
   1,024 response positions only.
 - ``update``: the same forward plus the two backward matmuls of each (input and weight gradients).
@@ -67,14 +68,15 @@ def main(argv=None):
     mats = weight_matrices(model)
     head = model.get_output_embeddings().weight.detach()
     hidden = head.shape[1]
+    mat_params = sum(w.numel() for w in mats)
     mats_t = [w.t().contiguous() for w in mats]
     head_t = head.t().contiguous()
     g = torch.Generator().manual_seed(0)
     rows = PROMPTS * SAMPLES
 
     def best_forward(n_rows: int):
-        """The faster layout (``x @ W.T`` or a pre-transposed ``W``) for a chain of matmuls over ``n_rows`` rows."""
-        xs = {k: torch.randn(n_rows, k, generator=g) for k in {w.shape[1] for w in mats} | {hidden}}
+        """The chain of matmuls over ``n_rows`` rows in its faster layout, and whether that is the pre-transposed one."""
+        xs = {k: torch.randn(n_rows, k, generator=g) for k in {w.shape[1] for w in mats}}
 
         def plain():
             for w in mats:
@@ -86,21 +88,22 @@ def main(argv=None):
 
         t_plain = measure(plain, repeats=3)["wall_s_median"]
         t_trans = measure(transposed, repeats=3)["wall_s_median"]
-        return (plain, head, False) if t_plain <= t_trans else (transposed, head_t, True)
+        return (plain, False) if t_plain <= t_trans else (transposed, True)
 
-    # Generation: prefill of the distinct prompts, then decode steps of all rows.
-    prefill, _, _ = best_forward(PROMPTS * PROMPT_TOKENS)
-    step_chain, step_head, step_head_t = best_forward(rows)
+    # Generation: prefill of the distinct prompts, then decode steps of all rows (the LM head in the chain's layout).
+    prefill, _ = best_forward(PROMPTS * PROMPT_TOKENS)
+    step_chain, step_transposed = best_forward(rows)
     x_rows = torch.randn(rows, hidden, generator=g)
 
     def gen():
         prefill()
         for _ in range(a.decode_steps):
             step_chain()
-            torch.mm(x_rows, step_head) if step_head_t else F.linear(x_rows, step_head)
+            torch.mm(x_rows, head_t) if step_transposed else F.linear(x_rows, head)
 
     def train_passes(prompt_tokens: int):
-        """(forward, forward+backward) closures over ``prompt_tokens + rows * 64`` packed tokens."""
+        """Closures over ``prompt_tokens + rows * 64`` packed tokens: the forward, the forward + backward, and the
+        decoder stack's forward + backward without the LM head; and the token count."""
         n_tok = prompt_tokens + rows * NEW_TOKENS
         n_resp = rows * NEW_TOKENS
         xs = {k: torch.randn(n_tok, k, generator=g) for k in {w.shape[1] for w in mats}}
@@ -108,14 +111,16 @@ def main(argv=None):
         h_resp = torch.randn(n_resp, hidden, generator=g)
         g_logits = torch.randn(n_resp, head.shape[0], generator=g)
 
-        def fwd():
+        def body_fwd():
             for w in mats:
                 F.linear(xs[w.shape[1]], w)
+
+        def fwd():
+            body_fwd()
             F.linear(h_resp, head)
 
         def body_fwd_bwd():
-            for w in mats:
-                F.linear(xs[w.shape[1]], w)
+            body_fwd()
             for w in reversed(mats):
                 torch.mm(gs[w.shape[0]], w)  # d input
                 torch.mm(gs[w.shape[0]].t(), xs[w.shape[1]])  # d weight
@@ -129,13 +134,12 @@ def main(argv=None):
         return fwd, fwd_bwd, body_fwd_bwd, n_tok
 
     def flops_fwd(n_tok: int) -> float:
-        return 2.0 * n_tok * sum(w.numel() for w in mats) + 2.0 * rows * NEW_TOKENS * head.numel()
+        return 2.0 * n_tok * mat_params + 2.0 * rows * NEW_TOKENS * head.numel()
 
     out = {}
     with torch.no_grad():
         gen_s = measure(gen, repeats=a.repeats)["wall_s_median"]
-        gen_flop = 2.0 * (PROMPTS * PROMPT_TOKENS + rows * a.decode_steps) * sum(w.numel() for w in mats) \
-            + 2.0 * rows * a.decode_steps * head.numel()
+        gen_flop = 2.0 * (PROMPTS * PROMPT_TOKENS + rows * a.decode_steps) * mat_params + 2.0 * rows * a.decode_steps * head.numel()
         for name, prompt_tokens in (("full", rows * PROMPT_TOKENS), ("shared_prefix", PROMPTS * PROMPT_TOKENS)):
             fwd, fwd_bwd, body_fwd_bwd, n_tok = train_passes(prompt_tokens)
             ref_s = measure(fwd, repeats=a.repeats)["wall_s_median"]

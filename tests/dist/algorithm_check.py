@@ -17,7 +17,7 @@ from rlspmd.algorithms import ADVANTAGE_ESTIMATORS
 from rlspmd.config import AlgorithmConfig, DistConfig, FilterGroupsConfig, KLControlConfig, MeshConfig
 from rlspmd.distributed.dispatch import all_gather_objects, gather_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.sampling import DynamicSampling

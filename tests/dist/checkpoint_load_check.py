@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from rlspmd.config import ActorConfig, CheckpointConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import Policy, compute_logprobs

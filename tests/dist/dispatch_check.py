@@ -15,7 +15,7 @@ from rlspmd.distributed.dispatch import (
     scatter_batch,
 )
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
 
 

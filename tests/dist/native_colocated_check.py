@@ -7,7 +7,7 @@ import torch
 
 from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.models.loader import eos_token_ids, load_causal_lm, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.rollout.native import ColocatedWeights, NativeEngine, OwnWeights

@@ -14,7 +14,7 @@ import torch
 
 from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import Policy
 

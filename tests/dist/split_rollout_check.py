@@ -11,7 +11,7 @@ import torch
 
 from rlspmd.distributed.dispatch import gather_batch
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, seed_everything, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, seed_everything, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.train import parse_args
 from rlspmd.trainer.rl import RLTrainer, build_program

@@ -20,7 +20,7 @@ import torch
 from rlspmd.config import ActorConfig, DistConfig, FSDPConfig, MeshConfig, ModelConfig, OptimConfig, RefConfig
 from rlspmd.distributed.dispatch import all_gather_objects, balance_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import Policy, Reference, compute_logprobs
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, RolloutConfig, VllmConfig
 from rlspmd.distributed.dispatch import all_gather_objects
 from rlspmd.distributed.mesh import DP, TP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch

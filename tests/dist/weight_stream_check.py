@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from rlspmd.config import DistConfig, FSDPConfig, MeshConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import init_distributed, exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.policy import CausalLMPolicy
