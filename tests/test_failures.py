@@ -138,6 +138,46 @@ def test_peer_failure_is_not_mistaken_for_a_stop_request():
     assert time.monotonic() - t0 < 20, "the surviving rank waited instead of exiting"
 
 
+
+def test_peer_failure_sigterm_delivered_to_the_watcher_thread_ends_the_process(tmp_path):
+    """The kernel may deliver torchrun's SIGTERM to any thread. When it lands on the signal-watcher thread, the main
+    thread is not woken (here it even has SIGTERM blocked, which forces that delivery); the watcher alone must end
+    the process when a peer has failed, from a thread where ``signal.signal`` is not allowed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from conftest import ROOT, free_port
+
+    port = str(free_port())
+    code = (
+        "import os, signal, sys, time\n"
+        "from rlspmd.distributed.runtime import StopRequest, _failure_marker\n"
+        "StopRequest().install()\n"
+        "open(_failure_marker(), 'w').close()  # a peer of this job has failed\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # only the watcher thread can take it\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+        "print('UNREACHABLE', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": port}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    marker = Path(tempfile.gettempdir()) / f"rlspmd-failed-{port}-{os.getpid()}"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=25)
+        assert proc.returncode != 0 and "UNREACHABLE" not in out, out
+        assert time.monotonic() - t0 < 10, "the watcher thread did not end the process"
+    finally:
+        proc.kill()
+        marker.unlink(missing_ok=True)
+
+
 # -- rewards ----------------------------------------------------------------------------------------------
 
 

@@ -177,9 +177,11 @@ class StopRequest:
 
     def _record(self, signum: int) -> None:
         if signum == signal.SIGTERM and _peer_failed():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+            # Either thread may get here first, and the watcher thread may be the only one that does: the kernel can
+            # deliver the signal to it, leaving the main thread asleep in C code. os._exit works from any thread
+            # (signal.signal, to re-raise with the default action, only from the main one).
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGTERM)
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
             sys.stderr.write(
