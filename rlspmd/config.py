@@ -345,13 +345,8 @@ class MeshConfig:
     Must include rank 0 (it reads the data and logs)."""
     rollout_ranks: str = "all"
     """Global ranks hosting the rollout engine: the actor's ranks (colocated, the hybrid engine) or ranks disjoint
-    from them (split placement: prompts, samples and weights move between the two meshes with collectives)."""
-    ref_ranks: str = "actor"
-    """Global ranks hosting the reference model; ``actor`` = the actor's ranks (the only placement the RL trainer runs)."""
-    critic_ranks: str = "actor"
-    """Global ranks hosting the critic; ``actor`` = the actor's ranks."""
-    reward_ranks: str = "actor"
-    """Global ranks hosting the reward model; ``actor`` = the actor's ranks."""
+    from them (split placement: prompts, samples and weights move between the two meshes with collectives). The
+    reference, critic and reward model always live on the actor's ranks."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout engine (consecutive ranks form a TP group)."""
 

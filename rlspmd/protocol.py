@@ -20,6 +20,15 @@ from typing import Any
 
 import torch
 
+TOKEN_ID_FIELDS = ("prompts_BP", "responses_BR", "input_ids_BL")
+"""Fields holding token ids: ``concat_padded`` pads them with the pad token; every other tensor is padded with 0."""
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-/right-padded layout: each sample counts from 0 at its first valid token; padding before
+    it gets 0 and padding after it repeats the last position (masked out either way)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
 
 class Batch:
     def __init__(self, tensors: dict[str, torch.Tensor] | None = None, objects: dict[str, list] | None = None):
@@ -114,40 +123,47 @@ class Batch:
         )
 
     @staticmethod
-    def concat_padded(batches: Iterable["Batch"]) -> "Batch":
-        """Concatenate Batches whose padded widths differ (e.g. rows gathered from several ranks).
+    def concat_padded(batches: Iterable["Batch"], *, pad_id: int = 0) -> "Batch":
+        """Concatenate Batches whose padded widths differ (generation rounds, rows gathered from several ranks).
 
-        ``_BP`` tensors are left-padded to the widest, ``_BR`` right-padded, and ``_BL`` split at each batch's prompt
-        width (``L - R``) and padded both ways, keeping ``input_ids_BL = prompts_BP ++ responses_BR``. Padding is 0
-        (masks say what is padding). Other tensors must agree beyond the batch dim.
+        Widths follow the layout above: ``_BP`` tensors are left-padded to the widest prompt, ``_BR`` tensors
+        right-padded to the widest response, and each ``_BL`` tensor is split at its batch's prompt width (``L - R``)
+        and padded both ways, keeping ``input_ids_BL = prompts_BP ++ responses_BR``. Token ids (``TOKEN_ID_FIELDS``)
+        are padded with ``pad_id``, everything else with 0 (masks say what is padding); ``position_ids_BL`` is
+        recomputed from the padded attention mask. Other tensors must agree beyond the batch dim.
         """
-        batches = [b for b in batches if len(b) or b.keys()]
+        batches = [b for b in batches if len(b)]
         if not batches:
             return Batch()
         keys = set(batches[0].tensors)
         if any(set(b.tensors) != keys for b in batches):
             raise ValueError("cannot concat Batches with different fields")
 
-        def width(b: "Batch", suffix: str) -> int | None:
-            return next((v.shape[1] for k, v in b.tensors.items() if k.endswith(suffix)), None)
+        def width(b: "Batch", suffix: str) -> int:
+            return next((v.shape[1] for k, v in b.tensors.items() if k.endswith(suffix)), 0)
 
-        P = max((width(b, "_BP") or 0) for b in batches)
-        R = max((width(b, "_BR") or 0) for b in batches)
-        PL = {k: max(b.tensors[k].shape[1] - (width(b, "_BR") or 0) for b in batches) for k in keys if k.endswith("_BL")}
+        P = max(width(b, "_BP") for b in batches)
+        R = max(width(b, "_BR") for b in batches)
+        PL = {k: max(b.tensors[k].shape[1] - width(b, "_BR") for b in batches) for k in keys if k.endswith("_BL")}
         padded = []
         for b in batches:
-            r_b = width(b, "_BR") or 0
+            r = width(b, "_BR")
             t = {}
             for k, v in b.tensors.items():
+                value = pad_id if k in TOKEN_ID_FIELDS else 0
                 if k.endswith("_BP"):
-                    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (P - v.shape[1], 0))
+                    v = _pad(v, left=P - v.shape[1], right=0, value=value)
                 elif k.endswith("_BR"):
-                    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, R - v.shape[1]))
+                    v = _pad(v, left=0, right=R - v.shape[1], value=value)
                 elif k.endswith("_BL"):
-                    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (PL[k] - (v.shape[1] - r_b), R - r_b))
+                    p = v.shape[1] - r
+                    v = torch.cat([_pad(v[:, :p], left=PL[k] - p, right=0, value=value), _pad(v[:, p:], left=0, right=R - r, value=value)], 1)
                 t[k] = v
             padded.append(Batch(t, b.objects))
-        return Batch.concat(padded)
+        out = Batch.concat(padded)
+        if "position_ids_BL" in out.tensors:
+            out.set(position_ids_BL=position_ids(out["attention_mask_BL"]))
+        return out
 
     def repeat(self, n: int) -> "Batch":
         """Each row repeated ``n`` times consecutively (row0, row0, ..., row1, row1, ...)."""
@@ -170,3 +186,14 @@ class Batch:
         parts = [f"{k}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}" for k, v in self.tensors.items()]
         parts += [f"{k}: list" for k in self.objects]
         return f"Batch(size={len(self)}, " + ", ".join(parts) + ")"
+
+
+def _pad(x: torch.Tensor, *, left: int, right: int, value) -> torch.Tensor:
+    """Pad dim 1 of ``x`` with ``value``: ``left`` columns before, ``right`` after."""
+    if not left and not right:
+        return x
+    parts = [x.new_full([x.shape[0], left, *x.shape[2:]], value)] if left else []
+    parts.append(x)
+    if right:
+        parts.append(x.new_full([x.shape[0], right, *x.shape[2:]], value))
+    return torch.cat(parts, 1)

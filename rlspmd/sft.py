@@ -16,14 +16,15 @@ import torch
 from rlspmd.config import MeshConfig, SFTConfig
 from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
-from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import exit_process, init_distributed, quiet_libraries, seed_everything, shutdown, spmd_main
+from rlspmd.distributed.mesh import DP
+from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
-from rlspmd.protocol import Batch
+from rlspmd.protocol import Batch, position_ids
 from rlspmd.roles.policy import build_policy_module
+from rlspmd.startup import parse_args, start
 from rlspmd.trainer.checkpoint import save_hf_model
-from rlspmd.trainer.logger import MetricLogger
 
 
 class SFTDataset:
@@ -61,7 +62,7 @@ class SFTDataset:
             {
                 "input_ids_BL": ids,
                 "attention_mask_BL": mask,
-                "position_ids_BL": (mask.cumsum(-1) - 1).clamp(min=0),
+                "position_ids_BL": position_ids(mask),
                 "responses_BR": ids[:, P:],
                 "response_mask_BR": mask[:, P:],
             }
@@ -76,18 +77,12 @@ def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
 
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
-    from rlspmd.train import parse_args
-
     cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
-    rt = init_distributed(cfg.dist)
-    quiet_libraries()
-    seed_everything(cfg.seed)
-    dims = ParallelDims.from_config(MeshConfig(), rt.world_size)  # SFT: one role on every rank
-    mesh = RoleMeshes(dims, rt.device.type, rt.rank).get("actor", DP)
-    if rt.is_main:
-        print(f"backend {rt.backend}, device {rt.device.type}\n{dims.layout()}", flush=True)
-    if dry_run:
-        return shutdown()
+    started = start(cfg, dist=cfg.dist, mesh=MeshConfig(), seed=cfg.seed, dry_run=dry_run)  # SFT: every rank trains
+    if started is None:
+        return
+    rt, meshes = started
+    mesh = meshes.get("actor", DP)
     dp = mesh.size()
     if cfg.data.batch_size % dp:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over {dp} DP ranks")

@@ -43,7 +43,7 @@ def test_every_algorithm_has_a_gpu_config_and_a_cpu_variant():
 
 def test_config_file_selector_picks_an_instance_or_a_function(tmp_path):
     from rlspmd.config import RolloutConfig, load_config_file
-    from rlspmd.train import parse_args
+    from rlspmd.startup import parse_args
 
     f = tmp_path / "two.py"
     f.write_text("from rlspmd.config import *\nconfig = Config()\nsmall = Config(rollout=RolloutConfig(n=2))\n"

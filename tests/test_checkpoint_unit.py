@@ -10,8 +10,8 @@ import pytest
 
 from rlspmd.config import CheckpointConfig
 from rlspmd.trainer.checkpoint import Checkpointer, complete_checkpoints, resolve_checkpoint
-from rlspmd.trainer.logger import MetricLogger
-from rlspmd.train import parse_args
+from rlspmd.metrics import MetricLogger
+from rlspmd.startup import parse_args
 
 
 def fake_checkpoint(root: Path, step: int, *, complete: bool = True) -> Path:

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT, torchrun
 from rlspmd.config import Config, load_config_file
-from rlspmd.train import parse_args
+from rlspmd.startup import parse_args
 
 
 def write(tmp_path, body: str):
@@ -69,5 +69,5 @@ def test_dry_run_split_placement_and_bad_degrees():
     bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.rollout-tp", "3"], 2, check=False)
     assert bad.returncode != 0
     assert "tensor-parallel degree 3 does not divide its 2 ranks" in bad.stderr
-    bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.critic-ranks", "0-5"], 2, check=False)
-    assert bad.returncode != 0 and "mesh.critic_ranks='0-5'" in bad.stderr
+    bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.rollout-ranks", "0-5"], 2, check=False)
+    assert bad.returncode != 0 and "mesh.rollout_ranks='0-5'" in bad.stderr

@@ -6,7 +6,7 @@ import torch
 from conftest import dist_script, load_script, torchrun
 from rlspmd.distributed.mesh import ParallelDims
 from rlspmd.config import MeshConfig
-from rlspmd.trainer.rl import check_placement
+from rlspmd.trainer.build import check_placement
 
 
 @pytest.mark.dist
@@ -106,11 +106,11 @@ def _dims(world, **ranks):
 
 def test_placement_rules():
     check_placement(_dims(4), engine="vllm")  # colocated
-    check_placement(_dims(4, actor="0-1", rollout="2-3"), engine="native")  # ref/critic/reward follow the actor
+    dims = _dims(4, actor="0-1", rollout="2-3")
+    check_placement(dims, engine="native")
+    assert dims.role_ranks["ref"] == dims.role_ranks["critic"] == dims.role_ranks["reward"] == [0, 1]  # they follow the actor
     check_placement(_dims(8, actor="0-5", rollout="6-7"), engine="native")
     bad = [
-        (_dims(4, actor="0-1", rollout="2-3", ref="2-3"), "mesh.ref_ranks"),
-        (_dims(4, actor="0-1", rollout="2-3", critic="all"), "mesh.critic_ranks"),
         (_dims(4, actor="2-3", rollout="0-1"), "must include rank 0"),
         (_dims(4, actor="0-2", rollout="2-3"), "share none with them"),
         (_dims(4, actor="0-1", rollout="2"), "ranks [3] host no role"),

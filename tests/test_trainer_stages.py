@@ -20,9 +20,9 @@ from rlspmd.algorithms import (
     rloo,
 )
 from rlspmd.config import AlgorithmConfig, KLControlConfig, OverlongBufferConfig, RewardConfig, RewardModelConfig
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.rewards.shaping import OverlongShaping, overlong_penalty
-from rlspmd.rollout.base import concat_rollouts
 from rlspmd.trainer.advantage import AdvantageStage, KLPenalizedTokenRewards, TokenRewards, build_token_rewards
 from rlspmd.trainer.sampling import plan_groups
 
@@ -62,7 +62,7 @@ def test_overlong_shaping_adds_to_scores_and_checks_its_config():
 
 
 def test_token_rewards_put_the_score_on_the_last_valid_token():
-    out, _ = TokenRewards()(batch())
+    out = TokenRewards()(batch(), MetricBuffer())
     want = torch.zeros(6, 4)
     want[0, 2], want[1, 1], want[2, 3], want[3, 3], want[4, 0], want[5, 2] = 1.0, 0.0, 1.0, 1.0, 0.5, 0.5
     torch.testing.assert_close(out["token_rewards_BR"], want)
@@ -78,10 +78,11 @@ def kl_batch():
 
 def test_kl_in_reward_fixed_coefficient_hand_computed():
     stage = KLPenalizedTokenRewards(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=KLControlConfig(kl_coef=0.1)), mesh=None)
-    out, metrics = stage(kl_batch())
+    metrics = MetricBuffer()
+    out = stage(kl_batch(), metrics)
     # row 0: k1 = old - ref = [0.5, -1.0, 0.0] on its 3 valid tokens, score 1.0 on the last one
     torch.testing.assert_close(out["token_rewards_BR"][0], torch.tensor([-0.05, 0.1, 1.0, 0.0]))
-    torch.testing.assert_close(out["token_rewards_BR"][1:], TokenRewards()(batch())[0]["token_rewards_BR"][1:])
+    torch.testing.assert_close(out["token_rewards_BR"][1:], TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"][1:])
     m = metrics.reduce(mesh=None)
     assert m["kl_in_reward/coef"] == pytest.approx(0.1)
     assert m["kl_in_reward/kl"] == pytest.approx(-0.5 / MASK.sum().item())
@@ -92,7 +93,7 @@ def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
     cfg = AlgorithmConfig(use_kl_in_reward=True, kl_penalty="abs",
                           kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=60))
     stage = build_token_rewards(cfg, mesh=None)
-    stage(kl_batch())
+    stage(kl_batch(), MetricBuffer())
     mean_kl = 1.5 / MASK.sum().item()  # abs: 0.5 + 1.0 on row 0
     error = min(max(mean_kl / 0.1 - 1, -0.2), 0.2)
     assert stage.controller.value == pytest.approx(0.2 * (1 + error * 6 / 60))
@@ -106,8 +107,8 @@ def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
 
 
 def advantages(estimator: str, b: Batch, **cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    b, _ = TokenRewards()(b)
-    out = AdvantageStage(AlgorithmConfig(adv_estimator=estimator, **cfg), mesh=None)(b)
+    b = TokenRewards()(b, MetricBuffer())
+    out = AdvantageStage(AlgorithmConfig(adv_estimator=estimator, **cfg), mesh=None)(b, MetricBuffer())
     return out["advantages_BR"], out["returns_BR"]
 
 
@@ -115,7 +116,7 @@ def test_every_estimator_is_wired_to_its_library_function():
     m = MASK.float()
     values = torch.linspace(-1, 1, 24).view(6, 4)
     baseline = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
-    tokens = TokenRewards()(batch())[0]["token_rewards_BR"]
+    tokens = TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"]
     expected = {
         "grpo": grpo_outcome(SCORES, m, UID, norm_by_std=True),
         "grpo_passk": grpo_passk(SCORES, m, UID, norm_by_std=True),
@@ -160,16 +161,17 @@ def test_dr_grpo_and_std_option_defaults():
 
 def test_kl_in_reward_reaches_outcome_estimators_through_the_sequence_reward():
     cfg = AlgorithmConfig(adv_estimator="rloo", use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=KLControlConfig(kl_coef=0.1))
-    b, _ = KLPenalizedTokenRewards(cfg, mesh=None)(kl_batch())
-    out = AdvantageStage(cfg, mesh=None)(b)
+    b = KLPenalizedTokenRewards(cfg, mesh=None)(kl_batch(), MetricBuffer())
+    out = AdvantageStage(cfg, mesh=None)(b, MetricBuffer())
     penalised = SCORES.clone()
     penalised[0] = 1.0 - 0.1 * (0.5 - 1.0)  # the row's score minus coef * its summed KL
     torch.testing.assert_close(out["advantages_BR"], rloo(penalised, MASK.float(), UID)[0])
 
 
-def test_reward_manager_mixes_rule_and_reward_model_scores(tiny_model):
+def test_reward_role_mixes_rule_and_reward_model_scores(tiny_model):
     from rlspmd.models.loader import load_tokenizer
     from rlspmd.rewards import RewardManager
+    from rlspmd.roles.reward import Reward
 
     tok = load_tokenizer(tiny_model, field_name="t")
 
@@ -181,11 +183,13 @@ def test_reward_manager_mixes_rule_and_reward_model_scores(tiny_model):
     b = Batch({"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
               {"ground_truth": ["5", "5"], "data_source": ["arithmetic"] * 2, "extra_info": [{}, {}]})
     cfg = RewardConfig(rule_weight=0.5, model=RewardModelConfig(path="unused", weight=2.0))
-    out = RewardManager(cfg, tok, reward_model=FakeRM()).score(b)
+    reward = Reward(cfg, rules=RewardManager(cfg, tok), model=FakeRM())
+    out = reward.score(b)
     torch.testing.assert_close(out["task_scores_B"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(out["scores_B"], torch.tensor([0.5 + 0.5, -2.0]))
+    assert reward.components == (("task_scores_B", "task_score"), ("rm_scores_B", "rm_score"))
     with pytest.raises(ValueError, match="reward.rule_weight=0"):
-        RewardManager(RewardConfig(rule_weight=0.0), tok)
+        Reward(RewardConfig(rule_weight=0.0), rules=RewardManager(RewardConfig(rule_weight=0.0), tok), model=None)
 
 
 def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
@@ -204,9 +208,9 @@ def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
     )
 
 
-def test_concat_rollouts_repads_prompts_left_and_responses_right():
+def test_concat_padded_repads_prompts_left_and_responses_right():
     a, b = rollout_part(P=3, R=2, rows=2, start=0), rollout_part(P=2, R=4, rows=1, start=10)
-    out = concat_rollouts([a, b], pad_id=99)
+    out = Batch.concat_padded([a, b], pad_id=99)
     assert out["prompts_BP"].shape == (3, 3) and out["responses_BR"].shape == (3, 4) and out["input_ids_BL"].shape == (3, 7)
     assert out["prompts_BP"][2].tolist() == [99, 99, 11] and out["prompt_mask_BP"][2].tolist() == [0, 0, 1]
     assert out["responses_BR"][0].tolist() == [0, 1, 99, 99] and out["response_mask_BR"][0].tolist() == [1, 1, 0, 0]
@@ -245,7 +249,7 @@ def test_plan_groups(kept_per_round, dropped_last, target, want):
 
 
 class FakeMesh:
-    """Stands in for a DP mesh where a constructor only asks its size."""
+    """Stands in for a DP mesh where a constructor only asks its size (every error here comes before a collective)."""
 
     def __init__(self, size: int):
         self._size = size
@@ -255,8 +259,8 @@ class FakeMesh:
 
 
 def test_bad_settings_fail_early_naming_the_field(tmp_path):
-    from rlspmd.config import CriticConfig, FilterGroupsConfig
-    from rlspmd.roles.critic import Critic
+    from rlspmd.config import CriticConfig, FilterGroupsConfig, ModelConfig
+    from rlspmd.trainer.build import build_critic, critic_plan
     from rlspmd.trainer.sampling import DynamicSampling
 
     def dynamic(cfg, **kw):
@@ -273,9 +277,10 @@ def test_bad_settings_fail_early_naming_the_field(tmp_path):
         dynamic(FilterGroupsConfig(enable=True), samples_per_prompt=1)
 
     def critic(**cfg):
-        return Critic(CriticConfig(**cfg), model_path=str(tmp_path / "missing"), dtype="float32", attn_implementation="sdpa",
-                      mesh=FakeMesh(2), device=torch.device("cpu"), samples_per_prompt=3, train_batch_size=8,
-                      max_response_length=16, total_steps=1, seed=0)
+        cfg = CriticConfig(**cfg)
+        plan = critic_plan(cfg, samples_per_prompt=3, train_batch_size=8, dp=2, max_response_length=16, total_steps=1)
+        return build_critic(cfg, model=ModelConfig(path=str(tmp_path / "missing")), mesh=FakeMesh(2), device=torch.device("cpu"),
+                            plan=plan, seed=0)
 
     with pytest.raises(ValueError, match="critic.mini_batch_size=1 x rollout.n=3"):
         critic(mini_batch_size=1)
@@ -287,23 +292,6 @@ def test_bad_settings_fail_early_naming_the_field(tmp_path):
         critic(mini_batch_size=4, cliprange_value=0.0)
     with pytest.raises(FileNotFoundError, match="actor.model.path: .*missing"):  # the critic starts from the actor
         critic(mini_batch_size=4)
-
-
-def test_trainer_checkpoints_the_kl_controller():
-    from rlspmd.trainer.rl import RLTrainer
-
-    cfg = AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.3, target_kl=0.1, horizon=10))
-    trainer, restored = RLTrainer.__new__(RLTrainer), RLTrainer.__new__(RLTrainer)  # only the algorithm stages
-    trainer.token_rewards, restored.token_rewards = build_token_rewards(cfg, mesh=None), build_token_rewards(cfg, mesh=None)
-    trainer.token_rewards(kl_batch())
-    saved = {name: c.state_dict() for name, c in trainer.stateful_components().items()}
-    assert saved["token_rewards"]["kl_ctrl"]["value"] != 0.3
-    for name, c in restored.stateful_components().items():
-        c.load_state_dict(saved[name])
-    assert restored.token_rewards.controller.value == trainer.token_rewards.controller.value
-    plain = RLTrainer.__new__(RLTrainer)
-    plain.token_rewards = TokenRewards()  # no KL in the reward: nothing to checkpoint
-    assert plain.stateful_components() == {}
 
 
 def test_settings_that_do_nothing_are_reported():
@@ -321,3 +309,11 @@ def test_settings_that_do_nothing_are_reported():
     assert len(messages) == 4 and "algorithm.adv_estimator='grpo' uses no critic" in messages[0]
     assert ignored_settings(Config(algorithm=AlgorithmConfig(adv_estimator="rloo", norm_adv_by_std=False))) == [
         "algorithm.norm_adv_by_std=False applies to grpo and grpo_passk, not 'rloo'"]
+
+
+@pytest.mark.dist
+def test_checkpoint_state_names_every_stateful_object_the_builder_makes(tiny_model, arithmetic_data, tmp_path):
+    from conftest import dist_script, torchrun
+
+    proc = torchrun([dist_script("roles_state_check.py"), str(tiny_model), str(arithmetic_data), str(tmp_path / "out")], 1)
+    assert "ROLES STATE OK" in proc.stdout

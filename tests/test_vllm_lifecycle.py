@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import RolloutConfig
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.roles.rollout import Rollout
 from rlspmd.rollout.lifecycle import Lifecycle, LifecycleError, State
@@ -60,6 +61,8 @@ class RecordingBackend:
 class FakeSource:
     """A weight source like ``StreamedWeights``: a fixed little 'model' the test can change."""
 
+    in_place = False
+
     def __init__(self):
         self.tensors = {"model.embed_tokens.weight": torch.ones(4, 2), "model.norm.weight": torch.ones(2)}
 
@@ -91,13 +94,13 @@ def colocated(mesh, *, sleep_level=2):
     backend = RecordingBackend(asleep=True)
     engine = VllmEngine(backend, sleeps=True, sleep_level=sleep_level, eos_ids=[1], pad_id=0, device=torch.device("cpu"))
     role = Rollout(RolloutConfig(n=2, max_response_length=3), engine=engine, weights=FakeSource(), mesh=mesh, seed=0,
-                   eos_ids=[1], device=torch.device("cpu"))
+                   device=torch.device("cpu"))
     return backend, engine, role
 
 
 def test_per_step_sequence_colocated(mesh):
     backend, engine, role = colocated(mesh)
-    role.sync_weights()  # the step's weight-sync stage
+    role.sync_weights(MetricBuffer())  # the step's weight-sync stage
     assert names(backend.calls) == ["wake_up('weights',)", "load_weights", "reset_prefix_cache"]
     assert engine.lifecycle.state is State.WEIGHTS_READY
     backend.calls.clear()
@@ -111,7 +114,9 @@ def test_per_step_sequence_colocated(mesh):
     assert names(backend.calls) == [
         "wake_up('weights',)", "load_weights", "reset_prefix_cache", "wake_up('kv_cache',)", "generate", "reset_prefix_cache", "sleep2"
     ]
-    metrics = role.sync_weights()
+    buffer = MetricBuffer()
+    role.sync_weights(buffer)
+    metrics = buffer.reduce(mesh=None)
     for key in ("timing/rollout/weight_sync", "weight_sync/loaded_bytes", "timing/rollout/wake", "timing/rollout/sleep", "timing/rollout/gen", "throughput/rollout/gen_tokens_per_s"):
         assert key in metrics, key
     assert metrics["weight_sync/loaded_bytes"] == (8 + 2) * 4
@@ -129,10 +134,10 @@ def test_first_generate_syncs_and_level1_keeps_weights(mesh):
 
 def test_update_changes_outputs(mesh):
     backend, engine, role = colocated(mesh)
-    role.sync_weights()
+    role.sync_weights(MetricBuffer())
     before = role.generate(prompts(), step=1)["responses_BR"]
     role.weights.tensors["model.norm.weight"] = torch.full((2,), 3.0)  # the actor moved
-    role.sync_weights()
+    role.sync_weights(MetricBuffer())
     after = role.generate(prompts(), step=2)["responses_BR"]
     assert not torch.equal(before, after)
 

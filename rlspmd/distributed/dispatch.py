@@ -14,7 +14,6 @@ weights (which move through ``rollout/weight_sync.py`` instead).
 
 from __future__ import annotations
 
-import math
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -172,75 +171,6 @@ def all_reduce_sum(x: torch.Tensor, *, mesh: DeviceMesh | None) -> torch.Tensor:
     if mesh is not None and mesh.size() > 1:
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=mesh.get_group())
     return y
-
-
-class MetricBuffer:
-    """Per-rank metric contributions, reduced over a mesh in one collective per reduction kind.
-
-    ``mean(name, total, count)`` reduces to Σtotal/Σcount over ranks (a global mean, not a mean of means);
-    ``max``/``min``/``sum`` reduce elementwise. Every rank of the mesh must record the same names.
-    """
-
-    def __init__(self):
-        self._mean: dict[str, list[float]] = {}
-        self._max: dict[str, float] = {}
-        self._min: dict[str, float] = {}
-        self._sum: dict[str, float] = {}
-
-    def mean(self, name: str, total: float | torch.Tensor, count: float | torch.Tensor = 1) -> None:
-        acc = self._mean.setdefault(name, [0.0, 0.0])
-        acc[0] += float(total)
-        acc[1] += float(count)
-
-    def max(self, name: str, value: float | torch.Tensor) -> None:
-        self._max[name] = max(self._max.get(name, -math.inf), float(value))
-
-    def min(self, name: str, value: float | torch.Tensor) -> None:
-        self._min[name] = min(self._min.get(name, math.inf), float(value))
-
-    def sum(self, name: str, value: float | torch.Tensor) -> None:
-        self._sum[name] = self._sum.get(name, 0.0) + float(value)
-
-    def merge(self, other: "MetricBuffer") -> "MetricBuffer":
-        """Fold another buffer's contributions into this one (names must not overlap across kinds)."""
-        for k, (total, count) in other._mean.items():
-            self.mean(k, total, count)
-        for k, v in other._max.items():
-            self.max(k, v)
-        for k, v in other._min.items():
-            self.min(k, v)
-        for k, v in other._sum.items():
-            self.sum(k, v)
-        return self
-
-    def reduce(self, *, mesh: DeviceMesh | None) -> dict[str, float]:
-        """Reduce over the mesh; every rank gets the result."""
-        group = None if mesh is None else mesh.get_group()
-        n = 1 if mesh is None else mesh.size()
-        out: dict[str, float] = {}
-        mean_keys = sorted(self._mean)
-        sum_keys = sorted(self._sum)
-        sums = torch.tensor(
-            [v for k in mean_keys for v in self._mean[k]] + [self._sum[k] for k in sum_keys], dtype=torch.float64
-        )
-        ext_keys = sorted(self._max) + sorted(self._min)
-        ext = torch.tensor([self._max[k] for k in sorted(self._max)] + [-self._min[k] for k in sorted(self._min)], dtype=torch.float64)
-        if n > 1:
-            sums, ext = sums.to(mesh.device_type), ext.to(mesh.device_type)  # NCCL reduces device tensors
-            if sums.numel():
-                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            if ext.numel():
-                dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
-            sums, ext = sums.cpu(), ext.cpu()
-        for i, k in enumerate(mean_keys):
-            total, count = sums[2 * i].item(), sums[2 * i + 1].item()
-            out[k] = total / count if count else float("nan")
-        for i, k in enumerate(sum_keys):
-            out[k] = sums[2 * len(mean_keys) + i].item()
-        n_max = len(self._max)
-        for i, k in enumerate(ext_keys):
-            out[k] = ext[i].item() if i < n_max else -ext[i].item()
-        return out
 
 
 def all_reduce_max(x: torch.Tensor, *, mesh: DeviceMesh | None) -> torch.Tensor:

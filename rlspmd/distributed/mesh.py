@@ -8,8 +8,8 @@ engines that shard weights (vLLM), with consecutive ranks forming a TP group.
 
 Roles with the same rank set and dims share one ``DeviceMesh`` (and its process groups).
 
-``ref``, ``critic`` and ``reward`` may name ``actor`` as their ranks (their default): they follow the actor.
-When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
+The RL config (``MeshConfig``) places the actor and the rollout; ``ref``, ``critic`` and ``reward`` follow the actor
+(``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
 one over both rank sets (prompts, samples and control move on it) and one over the actor's first rank plus
 the rollout ranks (weights are broadcast on it). See ``link``.
 """
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlspmd.config import MeshConfig
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
-FOLLOWERS = ("ref", "critic", "reward")  # may be placed with ``actor``: on the actor's ranks
+FOLLOWERS = ("ref", "critic", "reward")  # the RL config places them on the actor's ranks
 DP = "dp"
 TP = "tp"
 LINK = "link"
@@ -75,13 +75,10 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: MeshConfig, world_size: int) -> "ParallelDims":
-        ranks: dict[str, list[int]] = {}
-        for role in ROLES:
-            spec = getattr(cfg, f"{role}_ranks")
-            if spec.strip() == "actor" and role in FOLLOWERS:
-                ranks[role] = list(ranks["actor"])
-            else:
-                ranks[role] = parse_ranks(spec, world_size, field_name=f"mesh.{role}_ranks")
+        """The RL placements: the actor and the rollout where the config says; ``FOLLOWERS`` on the actor's ranks."""
+        actor = parse_ranks(cfg.actor_ranks, world_size, field_name="mesh.actor_ranks")
+        ranks = {"actor": actor, "rollout": parse_ranks(cfg.rollout_ranks, world_size, field_name="mesh.rollout_ranks")}
+        ranks.update({role: list(actor) for role in FOLLOWERS})
         return cls(world_size=world_size, role_ranks=ranks, role_tp={"rollout": cfg.rollout_tp})
 
     def dp_size(self, role: str) -> int:

@@ -1,4 +1,5 @@
-"""The FSDP2 training engine: the one parallelize path shared by actor, reference, critic and reward model.
+"""The FSDP2 training engine (``engines/base.py: InPlaceEngine``): the one parallelize path shared by actor,
+reference, critic and reward model.
 
 ``parallelize`` applies, in this order: activation checkpointing (``apply_ac``), then FSDP2 per decoder
 layer and at the root (``apply_fsdp``). Roles build their module (policy, value model, ...) and hand it
@@ -22,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from rlspmd.config import FSDPConfig, OptimConfig
+from rlspmd.engines.base import UpdateStats
+from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 
 
@@ -120,7 +123,7 @@ class FSDPEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
-    def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> dict[str, float]:
+    def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> UpdateStats:
         """Accumulate gradients over ``micro_batches`` (``loss_fn(module, mb).backward()`` each), clip, step.
 
         ``loss_fn`` must return the micro-batch's share of the globally-normalised loss. A non-finite
@@ -142,7 +145,7 @@ class FSDPEngine:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "skipped": float(skipped)}
+        return UpdateStats(grad_norm=grad_norm, skipped=float(skipped))
 
     @contextmanager
     def unsharded(self):
@@ -161,6 +164,16 @@ class FSDPEngine:
                 m.reshard()
                 # FSDP2 keeps the root unsharded after forward (it is gathered again for backward at once).
                 m.set_reshard_after_forward(self.reshard_after_forward and m is not self.module)
+
+    @contextmanager
+    def gathered_hf_model(self) -> Iterator[nn.Module]:
+        """The HF model inside the root module with every parameter gathered in place (``unsharded``)."""
+        with self.unsharded():
+            yield self.hf_model
+
+    def weight_stream(self, dtype: torch.dtype) -> WeightStream:
+        """The weights unit by unit as ``(HF name, full tensor)`` in ``dtype`` (``engines/weight_stream.py``)."""
+        return WeightStream(self, dtype=dtype)
 
     def offload_params(self) -> None:
         """Move the sharded parameters to host memory (a frozen role between uses); ``load_params`` brings them back.
@@ -191,3 +204,9 @@ class FSDPEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU state dict of the root module on rank 0 of the mesh; empty elsewhere."""
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """``full_state_dict`` of the HF model alone, under its own names (the role wrapper's prefix stripped)."""
+        prefix = next(name for name, m in self.module.named_modules() if m is self.hf_model)
+        prefix = f"{prefix}." if prefix else ""
+        return {k[len(prefix):]: v for k, v in self.full_state_dict().items() if k.startswith(prefix)}

@@ -1,10 +1,10 @@
-"""Scoring generated samples.
+"""Rule scoring of generated samples.
 
-``RewardManager.score`` decodes each response and calls the sample's reward function (``task_scores_B``), asks the
-reward model for its score when one is configured (``rm_scores_B``), and combines them:
-``scores_B = reward.rule_weight * task_scores_B + reward.model.weight * rm_scores_B``. A function that raises, or
-returns something that is not a finite number, stops the run with the sample's index and data_source in the
-message: a silently wrong reward wastes a whole run.
+``RewardManager.score`` decodes each response (``response_text``) and calls the sample's reward function — the user's
+``reward.function`` or the rule for its ``data_source`` — giving ``task_scores_B``. The reward role
+(``roles/reward.py``) combines it with a reward model's score. A function that raises, or returns something that is
+not a finite number, stops the run with the sample's index and data_source in the message: a silently wrong reward
+wastes a whole run.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from rlspmd.config import RewardConfig
 from rlspmd.protocol import Batch
 from rlspmd.rewards.rules import rule_for
-from rlspmd.roles.reward_model import NoRewardModel
 
 
 class RewardError(RuntimeError):
@@ -60,26 +59,18 @@ def _call(fn: Callable, response: str, ground_truth, extra_info: dict, data_sour
 
 
 class RewardManager:
-    def __init__(self, cfg: RewardConfig, tokenizer, *, reward_model=None):
+    def __init__(self, cfg: RewardConfig, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.custom = load_function(cfg.function) if cfg.function else None
-        self.reward_model = reward_model if reward_model is not None else NoRewardModel()
-        if cfg.model.path is None and cfg.rule_weight == 0:
-            raise ValueError("reward.rule_weight=0 without a reward model (reward.model.path) leaves no reward at all")
 
     def score(self, batch: Batch) -> Batch:
-        """Adds ``response_text``, ``task_scores_B`` (rule / function), ``rm_scores_B`` (with a reward model) and
-        their weighted sum ``scores_B`` (float32, on the batch's device)."""
+        """Adds ``response_text`` and ``task_scores_B`` (rule / function; 0 when ``reward.rule_weight`` is 0, which
+        leaves the reward to a reward model), float32 on the batch's device."""
         texts = self.tokenizer.batch_decode(batch["responses_BR"] * batch["response_mask_BR"], skip_special_tokens=True)
         device = batch["responses_BR"].device
         task = self._rule_scores(batch, texts) if self.cfg.rule_weight else [0.0] * len(texts)
-        batch.set(response_text=texts, task_scores_B=torch.tensor(task, dtype=torch.float32, device=device))
-        batch = self.reward_model(batch)
-        scores = self.cfg.rule_weight * batch["task_scores_B"]
-        if "rm_scores_B" in batch:
-            scores = scores + self.cfg.model.weight * batch["rm_scores_B"]
-        return batch.set(scores_B=scores)
+        return batch.set(response_text=texts, task_scores_B=torch.tensor(task, dtype=torch.float32, device=device))
 
     def _rule_scores(self, batch: Batch, texts: list[str]) -> list[float]:
         scores = []

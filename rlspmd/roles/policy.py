@@ -1,9 +1,11 @@
-"""The policy (actor) and the frozen reference: small classes over the shared FSDP2 engine.
+"""The policy (actor) and the frozen reference: small classes over a training engine (``engines/base.py``).
 
-``Policy.update`` runs PPO epochs × mini-batches × micro-batches. Loss normalisation is global: before
-each mini-batch the valid-token and sequence counts are summed over the DP mesh, every micro-batch loss
-is divided by those global counts, and gradients are summed over ranks (``engines/fsdp.py``). The
-gradient therefore does not depend on how the mini-batch is split over ranks or micro-batches.
+``Policy.update`` runs the shared PPO update loop (``roles/base.py: ppo_updates``) with the policy loss; the
+gradient does not depend on how the batch is split over ranks or micro-batches (global loss normalisation).
+
+Old log-probs: ``Policy.old_log_prob`` recomputes the behaviour policy's log-probs under the trainer's numerics, or,
+when the builder decided that the step's one update runs the behaviour policy itself (``reuse_update_logprobs``),
+leaves them to the update's own forward (detached: ratio 1, same loss and gradient, one forward fewer).
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
+from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
-from rlspmd.distributed.dispatch import MetricBuffer
-from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.engines.micro_batches import forward_micro_batches, mini_batch_updates
+from rlspmd.engines.base import TrainingEngine
+from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.packing import training_attn_implementation
 from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.protocol import Batch
+from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
+from rlspmd.roles.micro_batches import forward_micro_batches
 
 
 @torch.no_grad()
@@ -44,6 +47,12 @@ def compute_logprobs(
     )
 
 
+def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuffer) -> None:
+    """``rollout/logprob_gap``: mean |rollout - trainer| log-prob of the sampled tokens (stale weights show here)."""
+    mask = batch["response_mask_BR"].float()
+    metrics.mean("rollout/logprob_gap", ((batch["rollout_logprobs_BR"] - old_logprobs_BR).abs() * mask).sum(), mask.sum())
+
+
 def build_policy_module(
     model_path: str, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False
 ) -> CausalLMPolicy:
@@ -51,82 +60,45 @@ def build_policy_module(
     return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name), packing=packing)
 
 
-class Policy:
-    def __init__(
-        self,
-        cfg: ActorConfig,
-        *,
-        mesh: DeviceMesh,
-        device: torch.device,
-        samples_per_prompt: int,
-        train_batch_size: int,
-        temperature: float,
-        max_response_length: int,
-        total_steps: int,
-    ):
-        self.cfg = cfg
-        self.mesh = mesh
-        self.temperature = temperature
-        self.max_response_length = max_response_length
-        dp = mesh.size()
-        rows = cfg.mini_batch_size * samples_per_prompt
-        if rows % dp:
-            raise ValueError(
-                f"actor.mini_batch_size={cfg.mini_batch_size} x rollout.n={samples_per_prompt} = {rows} samples "
-                f"do not split over {dp} DP ranks"
-            )
-        self.local_mini_batch = rows // dp
-        self.single_update = cfg.ppo_epochs == 1 and cfg.mini_batch_size == train_batch_size
-        if train_batch_size % cfg.mini_batch_size:
-            raise ValueError(
-                f"data.train_batch_size={train_batch_size} is not a multiple of actor.mini_batch_size={cfg.mini_batch_size}"
-            )
-        optim_steps = total_steps * cfg.ppo_epochs * (train_batch_size // cfg.mini_batch_size)
-        if cfg.policy_loss not in POLICY_LOSSES:
-            raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
-        self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
-        if cfg.loss_agg_mode not in AGG_MODES:
-            raise ValueError(f"actor.loss_agg_mode={cfg.loss_agg_mode!r} is not one of {sorted(AGG_MODES)}")
-        if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
-            raise ValueError(f"actor.sapo_tau_pos / sapo_tau_neg must be > 0, got {cfg.sapo_tau_pos}, {cfg.sapo_tau_neg}")
-        module = build_policy_module(
-            cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-            field_name="actor.model.path", packing=cfg.model.packing,
-        )
-        self.engine = FSDPEngine(
-            module,
-            module.hf,
-            mesh=mesh,
-            device=device,
-            fsdp=cfg.fsdp,
-            optim=cfg.optim,
-            total_optim_steps=optim_steps,
-            gradient_checkpointing=cfg.model.gradient_checkpointing,
-        )
+def check_actor(cfg: ActorConfig) -> None:
+    """The policy loss settings, checked before a model loads."""
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
+    if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
+        raise ValueError(f"actor.sapo_tau_pos / sapo_tau_neg must be > 0, got {cfg.sapo_tau_pos}, {cfg.sapo_tau_neg}")
 
-    def log_prob(self, batch: Batch) -> Batch:
-        """Adds ``old_logprobs_BR``: the behaviour policy's log-probs, recomputed by the trainer's numerics."""
+
+class Policy:
+    def __init__(self, cfg: ActorConfig, *, engine: TrainingEngine, plan: UpdatePlan, temperature: float,
+                 reuse_update_logprobs: bool = False):
+        """``reuse_update_logprobs``: the step makes one update and nothing reads old log-probs before it (the builder
+        checks both), so the update's own forward provides them."""
+        check_actor(cfg)
+        assert plan.single_update or not reuse_update_logprobs, "reusing the update's log-probs needs a single update"
+        self.cfg, self.engine, self.plan = cfg, engine, plan
+        self.temperature = temperature
+        self.reuse_update_logprobs = reuse_update_logprobs
+        self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
+
+    def log_prob(self, batch: Batch) -> torch.Tensor:
+        """``(B, R)`` log-probs of the sampled tokens under the current policy (no grad)."""
         lp, _ = compute_logprobs(
             self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature,
-            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.mesh,
+            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.engine.mesh,
         )
-        return batch.set(old_logprobs_BR=lp)
+        return lp
 
-    def update(self, batch: Batch) -> MetricBuffer:
-        cfg, metrics = self.cfg, MetricBuffer()
-        dp = self.mesh.size()
-        steps = mini_batch_updates(
-            self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), epochs=cfg.ppo_epochs,
-            local_mini_batch=self.local_mini_batch, micro_batch_size=cfg.micro_batch_size,
-            max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode,
-            norm_length=self.max_response_length, mesh=self.mesh,
-        )
-        for stats in steps:
-            metrics.mean("actor/grad_norm", stats["grad_norm"] / dp, 1 / dp)
-            metrics.sum("actor/skipped_updates", stats["skipped"] / dp)
-            metrics.mean("actor/pg_loss", 0.0, 1 / dp)  # one global loss per optimiser step
-        metrics.max("actor/lr", self.engine.lr)
-        return metrics
+    def old_log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
+        if self.reuse_update_logprobs:
+            return batch
+        old = self.log_prob(batch)
+        logprob_gap(batch, old, metrics)
+        return batch.set(old_logprobs_BR=old)
+
+    def update(self, batch: Batch, metrics: MetricBuffer) -> Batch:
+        steps = ppo_updates(self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), self.plan)
+        record_updates(steps, metrics, prefix="actor", loss_name="pg_loss", engine=self.engine)
+        return batch
 
     def _loss(self, module, mb: Batch, agg: AggArgs, metrics: MetricBuffer) -> torch.Tensor:
         cfg = self.cfg
@@ -136,12 +108,11 @@ class Policy:
         )
         mask = mb["response_mask_BR"].float()
         n_tok = mask.sum()
-        if "old_logprobs_BR" in mb:
-            old_logp = mb["old_logprobs_BR"]
-        else:  # reuse_update_logprobs: the one update of the step runs the behaviour policy itself (ratio 1)
+        if self.reuse_update_logprobs:  # the one update of the step runs the behaviour policy itself (ratio 1)
             old_logp = logp.detach()
-            gap = ((mb["rollout_logprobs_BR"] - old_logp).abs() * mask).sum()
-            metrics.mean("rollout/logprob_gap", gap, n_tok)
+            logprob_gap(mb, old_logp, metrics)
+        else:
+            old_logp = mb["old_logprobs_BR"]
         pg_loss, pg_stats = self.loss_fn(
             logp,
             old_logp,
@@ -164,44 +135,54 @@ class Policy:
         metrics.mean("actor/entropy", (entropy.detach() * mask).sum(), n_tok)
         metrics.mean("actor/pg_loss", pg_loss.detach(), 0.0)
         for k, v in pg_stats.items():
-            metrics.mean(f"actor/{k}", float(v) * n_tok, n_tok)
+            metrics.mean(f"actor/{k}", v * n_tok, n_tok)
         return loss
 
 
 class Reference:
     """Frozen copy of the initial policy; adds ``ref_logprobs_BR``."""
 
-    def __init__(self, cfg: RefConfig, *, model_path: str, dtype: str, attn_implementation: str, mesh: DeviceMesh, device: torch.device, fsdp, temperature: float, packing: bool = False):
-        self.cfg = cfg
+    def __init__(self, cfg: RefConfig, *, engine: TrainingEngine, temperature: float, offload: bool):
+        """``offload``: keep the parameters in host memory between uses (the builder resolved ``ref.offload``)."""
+        self.cfg, self.engine = cfg, engine
         self.temperature = temperature
-        self.mesh = mesh
-        module = build_policy_module(
-            cfg.model_path or model_path, dtype=dtype, attn_implementation=attn_implementation, field_name="ref.model_path",
-            packing=packing,
-        )
-        self.engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=None)
-        self.offload = cfg.offload
-        if cfg.offload and (device.type != "cuda" or fsdp.cpu_offload):
-            warnings.warn("ref.offload does nothing here: the reference's parameters already live in host memory "
-                          f"(device {device.type}, fsdp.cpu_offload={fsdp.cpu_offload})", stacklevel=2)
-            self.offload = False
-        if self.offload:
+        self.offload = offload
+        if offload:
             self.engine.offload_params()
 
-    def log_prob(self, batch: Batch) -> Batch:
+    def log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         if self.offload:
             self.engine.load_params()
         lp, _ = compute_logprobs(
             self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature,
-            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.mesh,
+            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.engine.mesh,
         )
         if self.offload:
             self.engine.offload_params()
         return batch.set(ref_logprobs_BR=lp)
 
 
+def resolve_ref_offload(cfg: RefConfig, *, device: torch.device, cpu_offload: bool) -> bool:
+    """``ref.offload`` where it does something: on CUDA, unless FSDP already keeps the parameters on the host."""
+    if cfg.offload and (device.type != "cuda" or cpu_offload):
+        warnings.warn("ref.offload does nothing here: the reference's parameters already live in host memory "
+                      f"(device {device.type}, fsdp.cpu_offload={cpu_offload})", stacklevel=2)
+        return False
+    return cfg.offload
+
+
 class NoReference:
     """Stands in when no KL term needs the reference: does nothing."""
 
-    def log_prob(self, batch: Batch) -> Batch:
+    def log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
+        return batch
+
+
+class NoPolicy:
+    """The rollout-only ranks of a split placement: the policy trains elsewhere."""
+
+    def old_log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
+        return batch
+
+    def update(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch

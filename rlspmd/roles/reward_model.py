@@ -1,24 +1,20 @@
-"""Reward-model role: a frozen HF sequence classifier on the shared FSDP2 engine scores prompt + response.
+"""Reward model: a frozen HF sequence classifier on a training engine scores prompt + response (part of the reward
+role, ``roles/reward.py``).
 
 When the reward model's tokenizer or chat template differs from the actor's, the actor's token ids mean nothing
 to it: the conversation is re-rendered as text (the prompt's chat messages plus the decoded response as the
 assistant turn) with the reward model's own template and tokenizer. When both agree, the actor's
 ``input_ids_BL`` (prompt + response, as generated) are scored directly.
-
-``NoRewardModel`` stands in when ``reward.model.path`` is None: it does nothing.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.config import FSDPConfig, RewardModelConfig
-from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.engines.micro_batches import forward_micro_batches
-from rlspmd.models.loader import load_tokenizer
-from rlspmd.models.value import load_sequence_scorer
-from rlspmd.protocol import Batch
+from rlspmd.config import RewardModelConfig
+from rlspmd.engines.base import TrainingEngine
+from rlspmd.protocol import Batch, position_ids
+from rlspmd.roles.micro_batches import forward_micro_batches
 
 
 def same_tokenization(a, b) -> bool:
@@ -40,36 +36,20 @@ def render_conversations(tokenizer, prompt_messages: list[list[dict]], responses
     for i, x in enumerate(ids):
         input_ids[i, L - len(x):] = torch.tensor(x)
         mask[i, L - len(x):] = 1
-    return Batch({"input_ids_BL": input_ids, "attention_mask_BL": mask, "position_ids_BL": (mask.cumsum(-1) - 1).clamp(min=0)})
+    return Batch({"input_ids_BL": input_ids, "attention_mask_BL": mask, "position_ids_BL": position_ids(mask)})
 
 
 class RewardModel:
-    def __init__(
-        self,
-        cfg: RewardModelConfig,
-        *,
-        actor_tokenizer,
-        dtype: str,
-        attn_implementation: str,
-        mesh: DeviceMesh,
-        device: torch.device,
-        fsdp: FSDPConfig,
-        packing: bool = False,
-    ):
-        self.cfg, self.device, self.mesh = cfg, device, mesh
-        module = load_sequence_scorer(
-            cfg.path, dtype=dtype, attn_implementation=attn_implementation, field_name="reward.model.path", packing=packing
-        )
-        self.tokenizer = load_tokenizer(
-            cfg.tokenizer_path or cfg.path, field_name="reward.model.tokenizer_path", require_chat_template=False
-        )
-        self.rerender = not same_tokenization(self.tokenizer, actor_tokenizer)
-        if self.rerender and not self.tokenizer.chat_template:
+    def __init__(self, cfg: RewardModelConfig, *, engine: TrainingEngine, tokenizer, actor_tokenizer, device: torch.device):
+        """``tokenizer``: the reward model's own (its chat template renders the conversation when it differs from
+        the actor's)."""
+        self.cfg, self.engine, self.tokenizer, self.device = cfg, engine, tokenizer, device
+        self.rerender = not same_tokenization(tokenizer, actor_tokenizer)
+        if self.rerender and not tokenizer.chat_template:
             raise ValueError(
                 f"reward.model.tokenizer_path: the reward model's tokenizer ({cfg.tokenizer_path or cfg.path}) differs from "
                 "the actor's and has no chat template to render the conversation with"
             )
-        self.engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=None)
 
     @torch.no_grad()
     def __call__(self, batch: Batch) -> Batch:
@@ -80,11 +60,6 @@ class RewardModel:
             inputs = batch
         scores_B = forward_micro_batches(
             inputs, lambda mb: self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"]),
-            micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_micro_batch, mesh=self.mesh,
+            micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_micro_batch, mesh=self.engine.mesh,
         )
         return batch.set(rm_scores_B=scores_B)
-
-
-class NoRewardModel:
-    def __call__(self, batch: Batch) -> Batch:
-        return batch

@@ -1,10 +1,9 @@
 """The native rollout engine: torch-only batched sampling with a preallocated KV cache.
 
-Weights come from a ``WeightSource``. Colocated with an FSDP2 actor (``ColocatedWeights``) the engine
-gathers the actor's parameters in place for the duration of ``generate`` and reads them directly — no
-copy of the model, and always the current weights, so "weight sync" is free. ``OwnWeights`` holds a
-separate model (split placement, or a rollout dtype different from training) that ``update_weights``
-loads from a weight stream (``rollout/weight_sync.py``), the same stream the vLLM engine loads.
+The engine reads its model from ``weights``: the actor's own parameters gathered in place for the duration of
+``generate`` (``rollout/weights.py: InPlaceWeights``; no copy of the model, and always the current weights, so the
+weight sync is free), or ``OwnWeights``, a private copy (split placement, or a rollout dtype different from
+training) that ``update_weights`` loads from the weight stream, the same stream the vLLM engine loads.
 
 Finished rows stop costing compute: once a quarter of the active rows have produced EOS they are dropped
 from the batch and the KV cache is compacted (compacting at every EOS would copy the cache too often).
@@ -12,8 +11,8 @@ from the batch and the KV cache is compacted (compacting at every EOS would copy
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -24,21 +23,8 @@ from rlspmd.rollout.base import assemble_rollout
 from rlspmd.rollout.sampling import SamplingParams, sample_next
 
 
-class ColocatedWeights:
-    """The actor's FSDP2 module, gathered in place while generating."""
-
-    def __init__(self, fsdp_engine, hf_attr: str = "hf"):
-        self.engine = fsdp_engine
-        self.hf_attr = hf_attr
-
-    @contextmanager
-    def model(self) -> Iterator[nn.Module]:
-        with self.engine.unsharded() as root:
-            yield getattr(root, self.hf_attr)
-
-
 class OwnWeights:
-    """A private copy of the model, refreshed by ``load``."""
+    """The engine's private copy of the model, refreshed by ``load``."""
 
     def __init__(self, hf_model: nn.Module):
         self.hf_model = hf_model.eval().requires_grad_(False)
@@ -148,7 +134,7 @@ class NativeEngine:
         return assemble_rollout(batch, tokens, lengths, logprobs, pad_id=self.pad_id)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        if isinstance(self.weights, ColocatedWeights):
+        if not isinstance(self.weights, OwnWeights):
             raise RuntimeError("the colocated native engine reads the actor's weights in place; nothing to update")
         return self.weights.load(weights)
 

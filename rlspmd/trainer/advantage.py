@@ -3,7 +3,7 @@
 ``TokenRewards`` places each sample's score on its last response token (``token_rewards_BR``);
 ``KLPenalizedTokenRewards`` also subtracts ``coef * KL(pi_old || pi_ref)`` from every token (InstructGPT-style
 PPO, REINFORCE++), with a fixed or adaptive coefficient whose state is checkpointed through ``state_dict`` (the
-trainer checkpoints every attribute that has one).
+builder lists it in the checkpoint's trainer state).
 
 ``AdvantageStage`` maps the estimator name to the pure function in ``rlspmd.algorithms``. Outcome estimators read
 the sequence score ``token_rewards_BR.sum(-1)`` (the score itself without a KL penalty) and group samples by
@@ -38,21 +38,16 @@ from rlspmd.algorithms import (
 )
 from rlspmd.algorithms.kl import KL_ESTIMATORS
 from rlspmd.config import AlgorithmConfig
-from rlspmd.distributed.dispatch import MetricBuffer, all_reduce_sum
+from rlspmd.distributed.dispatch import all_reduce_sum
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
-
-NEEDS_CRITIC = frozenset({"gae"})
-"""Estimators that read ``values_BR`` (the trainer builds a critic for them)."""
-NEEDS_GREEDY_BASELINE = frozenset({"remax"})
-"""Estimators that read ``baseline_scores_B`` (the trainer generates a greedy response per prompt for them)."""
-
 
 class TokenRewards:
     """``token_rewards_BR``: the score on the last valid response token, 0 elsewhere. Stateless."""
 
-    def __call__(self, batch: Batch) -> tuple[Batch, MetricBuffer]:
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         token_scores = token_level_scores(batch["scores_B"], batch["response_mask_BR"].float())
-        return batch.set(token_rewards_BR=token_scores), MetricBuffer()
+        return batch.set(token_rewards_BR=token_scores)
 
 
 class KLPenalizedTokenRewards:
@@ -77,7 +72,7 @@ class KLPenalizedTokenRewards:
         else:
             raise ValueError(f"algorithm.kl_ctrl.type={c.type!r} must be 'fixed' or 'adaptive'")
 
-    def __call__(self, batch: Batch) -> tuple[Batch, MetricBuffer]:
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         mask = batch["response_mask_BR"].float()
         coef = self.controller.value
         rewards, kl = apply_kl_in_reward(
@@ -87,10 +82,9 @@ class KLPenalizedTokenRewards:
         totals = all_reduce_sum(torch.stack([kl.sum(), mask.sum(), torch.tensor(float(len(batch)), device=mask.device)]).double(), mesh=self.mesh)
         mean_kl = float(totals[0] / totals[1].clamp(min=1))
         self.controller.update(mean_kl, n_steps=int(totals[2]))
-        metrics = MetricBuffer()
         metrics.max("kl_in_reward/kl", mean_kl)
         metrics.max("kl_in_reward/coef", coef)
-        return batch.set(token_rewards_BR=rewards), metrics
+        return batch.set(token_rewards_BR=rewards)
 
     def state_dict(self) -> dict:
         return {"kl_ctrl": self.controller.state_dict()}
@@ -113,7 +107,7 @@ class AdvantageStage:
         self.cfg, self.mesh = cfg, mesh
         self.estimate = getattr(self, f"_{name}")
 
-    def __call__(self, batch: Batch) -> Batch:
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         mask = batch["response_mask_BR"].float()
         adv, ret = self.estimate(batch, batch["token_rewards_BR"], mask)
         return batch.set(advantages_BR=adv, returns_BR=ret)

@@ -361,15 +361,6 @@ def _fsync_dir(path: Path) -> None:
 # -- Hugging Face directories -------------------------------------------------------------------------------
 
 
-def hf_state_dict(engine, prefix: str = "hf.") -> dict[str, torch.Tensor]:
-    """Full state dict of the HF model inside the engine's root module, HF names (wrapper prefix stripped).
-
-    A collective over the engine's mesh; the tensors are on rank 0 of the mesh only.
-    """
-    sd = engine.full_state_dict()
-    return {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-
-
 def write_hf_dir(hf_model, state_dict: dict[str, torch.Tensor], tokenizer, source_dir: str | Path, out: str | Path,
                  *, dtype: torch.dtype | None = None) -> Path:
     """Write ``config.json``, safetensors, the tokenizer and the generation config into ``out`` (one process).
@@ -411,7 +402,7 @@ def copy_model_files(model_dir: str | Path, tokenizer_dir: str | Path, out: Path
 
 def save_hf_model(engine, tokenizer, source_dir: str | Path, out: str | Path, *, is_main: bool, dtype: torch.dtype | None = None) -> Path:
     """Gather the engine's full weights (collective) and write them as an HF directory on rank 0."""
-    sd = hf_state_dict(engine)
+    sd = engine.hf_state_dict()
     if is_main:
         write_hf_dir(engine.hf_model, sd, tokenizer, source_dir, out, dtype=dtype)
     return Path(out)

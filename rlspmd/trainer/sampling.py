@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.algorithms import zero_variance_rows
 from rlspmd.config import FilterGroupsConfig
-from rlspmd.distributed.dispatch import MetricBuffer, all_gather_objects, broadcast_object
+from rlspmd.distributed.dispatch import all_gather_objects, broadcast_object
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
-from rlspmd.rollout.base import concat_rollouts
 
 RoundFn = Callable[[int], Batch]
 """``round_fn(round_index)``: one generation round on this rank (prompts drawn, generated, scored)."""
@@ -35,8 +35,8 @@ class SingleRound:
     def __init__(self, *, train_batch_size: int):
         self.prompts_per_round = train_batch_size
 
-    def collect(self, round_fn: RoundFn) -> tuple[Batch, MetricBuffer]:
-        return round_fn(0), MetricBuffer()
+    def collect(self, round_fn: RoundFn, metrics: MetricBuffer) -> Batch:
+        return round_fn(0)
 
 
 class GreedyBaseline:
@@ -48,6 +48,17 @@ class GreedyBaseline:
     def __call__(self, prompts: Batch, batch: Batch) -> Batch:
         greedy = self.score(self.rollout.generate_greedy(prompts))
         return batch.set(baseline_scores_B=greedy["scores_B"].repeat_interleave(self.n))
+
+
+class FollowGreedy:
+    """ReMax on the rollout-only ranks of a split placement: serve the greedy generation; scoring is the actor side's."""
+
+    def __init__(self, *, rollout):
+        self.rollout = rollout
+
+    def __call__(self, prompts: Batch, batch: Batch) -> Batch:
+        self.rollout.generate_greedy(prompts)
+        return batch
 
 
 class NoBaseline:
@@ -140,10 +151,9 @@ class DynamicSampling:
         self.target, self.n, self.pad_id = train_batch_size, samples_per_prompt, pad_id
         self.metric_key = {"task_score": "task_scores_B", "score": "scores_B"}[cfg.metric]
 
-    def collect(self, round_fn: RoundFn) -> tuple[Batch, MetricBuffer]:
+    def collect(self, round_fn: RoundFn, metrics: MetricBuffer) -> Batch:
         kept: list[Batch] = []
         kept_per_round: list[list[int]] = []
-        metrics = MetricBuffer()
         for r in range(self.cfg.max_rounds):
             batch = round_fn(r)
             # Ids must stay unique when rounds are merged: shift each round's prompt ids past the previous ones'.
@@ -156,7 +166,8 @@ class DynamicSampling:
             counts = all_gather_objects((len(kept[-1]) // self.n, len(dropped) // self.n), mesh=self.mesh)
             kept_per_round.append([c[0] for c in counts])
             found = sum(map(sum, kept_per_round))
-            done = broadcast_object(found >= self.target or r + 1 == self.cfg.max_rounds, mesh=self.mesh)
+            # Over the whole world: in split placement the rollout ranks follow the rounds (``FollowRounds``).
+            done = broadcast_object(found >= self.target or r + 1 == self.cfg.max_rounds)
             if done:
                 break
         dropped_last = [c[1] for c in counts]
@@ -167,7 +178,7 @@ class DynamicSampling:
         metrics.max("sampling/groups_with_signal", found)
         metrics.max("sampling/groups_topped_up", sum(plan.topped_up))
         metrics.max("sampling/groups_moved", sum(n for sends in plan.send for _, n in sends))
-        return batch, metrics
+        return batch
 
     def _rebalance(self, kept: list[Batch], dropped: Batch, plan: GroupPlan) -> Batch:
         """This rank's selected groups, less those it sends, plus those it receives (whole groups only)."""
@@ -175,10 +186,10 @@ class DynamicSampling:
         device = dropped["responses_BR"].device
         pieces = []
         if plan.kept[me]:
-            pieces.append(concat_rollouts(kept, pad_id=self.pad_id).slice(0, n * plan.kept[me]))
+            pieces.append(Batch.concat_padded(kept, pad_id=self.pad_id).slice(0, n * plan.kept[me]))
         if plan.topped_up[me]:
             pieces.append(dropped.slice(0, n * plan.topped_up[me]))
-        selected = concat_rollouts(pieces, pad_id=self.pad_id) if pieces else None
+        selected = Batch.concat_padded(pieces, pad_id=self.pad_id) if pieces else None
         outgoing, start = {}, n * plan.stay[me]
         for dst, groups in plan.send[me]:
             outgoing[dst] = selected.slice(start, start + n * groups).to("cpu")
@@ -186,4 +197,19 @@ class DynamicSampling:
         gathered = all_gather_objects(outgoing, mesh=self.mesh)
         staying = [selected.slice(0, n * plan.stay[me])] if plan.stay[me] else []
         incoming = [g[me].to(device) for g in gathered if me in g]
-        return concat_rollouts(staying + incoming, pad_id=self.pad_id)
+        return Batch.concat_padded(staying + incoming, pad_id=self.pad_id)
+
+
+class FollowRounds:
+    """Dynamic sampling on the rollout-only ranks of a split placement: serve each round's generation until rank 0
+    broadcasts that the step has enough groups (the decision ``DynamicSampling`` takes on the actor's ranks)."""
+
+    def __init__(self, cfg: FilterGroupsConfig):
+        self.max_rounds = cfg.max_rounds
+
+    def collect(self, round_fn: RoundFn, metrics: MetricBuffer) -> Batch:
+        for r in range(self.max_rounds):
+            batch = round_fn(r)
+            if broadcast_object(None):
+                break
+        return batch

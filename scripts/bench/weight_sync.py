@@ -80,8 +80,8 @@ def worker(args) -> None:
     from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown
     from rlspmd.engines.fsdp import compute_dtype
     from rlspmd.models.loader import eos_token_ids, load_tokenizer
-    from rlspmd.roles.policy import Policy
-    from rlspmd.roles.rollout import build_rollout
+    from rlspmd.metrics import MetricBuffer
+    from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
 
     if args.engine == "vllm":
         from third_party.vllm_adapter import prepare_environment
@@ -91,29 +91,26 @@ def worker(args) -> None:
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(actor_ranks=args.actor_ranks, rollout_ranks=args.rollout_ranks), rt.world_size),
                         rt.device.type, rt.rank)
     tok = load_tokenizer(args.model, field_name="--model")
-    n_actor = rt.world_size
+    n_actor = len(meshes.dims.role_ranks["actor"])
     actor_cfg = ActorConfig(model=ModelConfig(path=args.model), mini_batch_size=n_actor, micro_batch_size=1)
     policy = None
     if meshes.hosts("actor"):
-        policy = Policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, samples_per_prompt=1, train_batch_size=n_actor,
-                        temperature=1.0, max_response_length=16, total_steps=1)
+        plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=n_actor, dp=n_actor, max_response_length=16, total_steps=1)
+        policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
     cfg = RolloutConfig(engine=args.engine, dtype=args.rollout_dtype, max_response_length=16)
-    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=args.model, compute_dtype=compute_dtype(actor_cfg.fsdp, rt.device),
+    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=args.model, compute=compute_dtype(actor_cfg.fsdp, rt.device),
                             eos_ids=eos_token_ids(args.model, tok), pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
-    if policy is None:  # split placement, rollout ranks: serve the syncs
-        rollout.fit()
-        shutdown()
-        exit_process()
     times, metrics = [], []
-    for _ in range(args.steps):
+    for _ in range(args.steps):  # every rank: in split placement the rollout ranks receive the syncs
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        metrics.append(rollout.sync_weights(policy))
+        buffer = MetricBuffer()
+        rollout.sync_weights(buffer)
+        metrics.append(buffer.reduce(mesh=None))
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    rollout.close()
     if rt.rank == 0:
         dtype = compute_dtype(actor_cfg.fsdp, rt.device) if args.rollout_dtype == "auto" else getattr(torch, args.rollout_dtype)
         n_params = sum(p.numel() for p in policy.engine.hf_model.parameters())

@@ -18,6 +18,7 @@ from rlspmd.config import AlgorithmConfig, DistConfig, FilterGroupsConfig, KLCon
 from rlspmd.distributed.dispatch import all_gather_objects, gather_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.sampling import DynamicSampling
@@ -68,7 +69,8 @@ def fake_round(rank: int, world: int, round_index: int, prompts_per_rank: int):
 def check_dynamic_sampling(dp, rank: int, world: int, *, target: int, gen: int, max_rounds: int):
     sampling = DynamicSampling(FilterGroupsConfig(enable=True, max_rounds=max_rounds, gen_batch_size=gen), mesh=dp,
                                train_batch_size=target, samples_per_prompt=N, pad_id=0)
-    batch, metrics = sampling.collect(lambda r: fake_round(rank, world, r, gen // world))
+    metrics = MetricBuffer()
+    batch = sampling.collect(lambda r: fake_round(rank, world, r, gen // world), metrics)
     m = metrics.reduce(mesh=dp)
     assert len(batch) == target // world * N, (len(batch), target, world)
     uid = batch["uid_B"]
@@ -97,8 +99,8 @@ def main():
                               kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.01, horizon=32))
         token_rewards = build_token_rewards(cfg, mesh=dp)
         local = full.slice(r * rows, (r + 1) * rows)
-        local, _ = token_rewards(local)
-        local = AdvantageStage(cfg, mesh=dp)(local)
+        local = token_rewards(local, MetricBuffer())
+        local = AdvantageStage(cfg, mesh=dp)(local, MetricBuffer())
         gathered = gather_batch(Batch({"adv": local["advantages_BR"], "ret": local["returns_BR"]}), mesh=dp)
         if r == 0:
             results[name] = {"adv": gathered["adv"], "ret": gathered["ret"], "kl_coef": token_rewards.controller.value}

@@ -18,7 +18,8 @@ from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.protocol import Batch
-from rlspmd.roles.policy import Policy, compute_logprobs
+from rlspmd.roles.policy import compute_logprobs
+from rlspmd.trainer.build import actor_plan, build_policy
 from rlspmd.trainer.checkpoint import Checkpointer
 
 TEXTS = ["Calculate 12 + 30.", "Calculate 7 - 3 + 45.", "Calculate 99 - 9."]
@@ -49,8 +50,8 @@ def main():
     rt = init_distributed(DistConfig())
     dp = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)
     cfg = ActorConfig(model=ModelConfig(path=model_dir), optim=OptimConfig(lr=1e-3), mini_batch_size=2, micro_batch_size=4)
-    policy = Policy(cfg, mesh=dp, device=rt.device, samples_per_prompt=2, train_batch_size=4, temperature=1.0,
-                    max_response_length=16, total_steps=4)
+    plan = actor_plan(cfg, samples_per_prompt=2, train_batch_size=4, dp=dp.size(), max_response_length=16, total_steps=4)
+    policy = build_policy(cfg, mesh=dp, device=rt.device, plan=plan, temperature=1.0)
     ckpt_root = Checkpointer(CheckpointConfig(), output_dir=str(ckpt.parent.parent), rank=rt.rank, world_size=rt.world_size)
     engine = policy.engine
     ckpt_root.load(ckpt, {"actor": engine}, engines={"actor": engine.param_shapes()}, components=[])

@@ -10,11 +10,12 @@ import sys
 
 import torch
 
-from rlspmd.config import CriticConfig, DistConfig, MeshConfig, OptimConfig
+from rlspmd.config import CriticConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
-from rlspmd.roles.critic import Critic
+from rlspmd.metrics import MetricBuffer
+from rlspmd.trainer.build import build_critic, critic_plan
 
 B, P, R, N_SAMPLES = 8, 6, 10, 4
 
@@ -54,11 +55,14 @@ def main():
             optim=OptimConfig(lr=0.0, grad_clip=0.0), mini_batch_size=B // N_SAMPLES, micro_batch_size=micro,
             loss_agg_mode=mode, cliprange_value=0.2,
         )
-        critic = Critic(cfg, model_path=model_dir, dtype="float32", attn_implementation="sdpa", mesh=dp, device=rt.device,
-                        samples_per_prompt=N_SAMPLES, train_batch_size=B // N_SAMPLES, max_response_length=R, total_steps=1, seed=0)
+        plan = critic_plan(cfg, samples_per_prompt=N_SAMPLES, train_batch_size=B // N_SAMPLES, dp=dp.size(), max_response_length=R,
+                           total_steps=1)
+        critic = build_critic(cfg, model=ModelConfig(path=model_dir), mesh=dp, device=rt.device, plan=plan, seed=0)
         full = global_batch(critic.engine.module.config.vocab_size)
         n = B // rt.world_size
-        metrics = critic.update(full.slice(rt.rank * n, (rt.rank + 1) * n)).reduce(mesh=dp)
+        metrics = MetricBuffer()
+        critic.update(full.slice(rt.rank * n, (rt.rank + 1) * n), metrics)
+        metrics = metrics.reduce(mesh=dp)
         grads = {k: p.grad.full_tensor() for k, p in critic.engine.module.named_parameters()}
         results[mode] = {"grads": grads, "vf_loss": metrics["critic/vf_loss"], "vf_clip_frac": metrics["critic/vf_clip_frac"]}
     if rt.rank == 0:

@@ -5,7 +5,6 @@ import torch.distributed as dist
 
 from rlspmd.config import DistConfig, MeshConfig
 from rlspmd.distributed.dispatch import (
-    MetricBuffer,
     all_gather_objects,
     all_to_all_objects,
     broadcast_object,
@@ -16,6 +15,7 @@ from rlspmd.distributed.dispatch import (
 )
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 
 
@@ -49,7 +49,7 @@ def main():
         assert back is None
 
     m = MetricBuffer()
-    m.mean("loss", total=float(r + 1) * 10, count=r + 1)  # rank r contributes (r+1)*10 over r+1 items
+    m.mean("loss", total=torch.tensor(float(r + 1) * 10), count=r + 1)  # rank r contributes (r+1)*10 over r+1 items
     m.max("max", r)
     m.min("min", r)
     m.sum("sum", 2.0)
@@ -58,9 +58,8 @@ def main():
     assert out["max"] == w - 1 and out["min"] == 0 and out["sum"] == 2.0 * w, out
 
     if w == 4:  # split placement: actor on 0-1, critic+ref on 2-3
-        dims = ParallelDims.from_config(
-            MeshConfig(actor_ranks="0-1", rollout_ranks="0-1", ref_ranks="2-3", critic_ranks="2,3", reward_ranks="2-3"), w
-        )
+        dims = ParallelDims(world_size=w, role_ranks={"actor": [0, 1], "rollout": [0, 1], "ref": [2, 3], "critic": [2, 3],
+                                                      "reward": [2, 3]})
         split = RoleMeshes(dims, "cpu", r)
         assert split.hosts("actor") == (r < 2) and split.hosts("critic") == (r >= 2)
         mine = split.get("actor", DP) if r < 2 else split.get("critic", DP)

@@ -16,7 +16,8 @@ from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, Opti
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
-from rlspmd.roles.policy import Policy
+from rlspmd.metrics import MetricBuffer
+from rlspmd.trainer.build import actor_plan, build_policy
 
 B, P, R, N_SAMPLES = 8, 6, 10, 4
 
@@ -65,11 +66,14 @@ def main():
             kl_loss_coef=0.1,
             entropy_coef=0.01,
         )
-        policy = Policy(cfg, mesh=dp, device=rt.device, samples_per_prompt=N_SAMPLES, train_batch_size=B // N_SAMPLES,
-                        temperature=0.9, max_response_length=R, total_steps=1)
+        plan = actor_plan(cfg, samples_per_prompt=N_SAMPLES, train_batch_size=B // N_SAMPLES, dp=dp.size(), max_response_length=R,
+                          total_steps=1)
+        policy = build_policy(cfg, mesh=dp, device=rt.device, plan=plan, temperature=0.9)
         full = global_batch(policy.engine.hf_model.config.vocab_size)
         n = B // rt.world_size
-        metrics = policy.update(full.slice(rt.rank * n, (rt.rank + 1) * n)).reduce(mesh=dp)
+        metrics = MetricBuffer()
+        policy.update(full.slice(rt.rank * n, (rt.rank + 1) * n), metrics)
+        metrics = metrics.reduce(mesh=dp)
         grads = {k: p.grad.full_tensor() for k, p in policy.engine.module.named_parameters()}
         key = mode if losses == ["ppo_clip"] else f"{mode}/{loss}"
         results[key] = {"grads": grads, "pg_loss": metrics["actor/pg_loss"]}

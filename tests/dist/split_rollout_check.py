@@ -1,4 +1,4 @@
-"""Two RL steps through ``build_program`` (the entry point's path); rank 0 saves each step's responses, rewards and
+"""Two RL steps through ``build_trainer`` (the entry point's path), every rank running the step; rank 0 saves each step's responses, rewards and
 metrics. Run colocated and split (actor and rollout on disjoint ranks) with the same seed and rollout DP layout:
 the outputs must match.
 
@@ -10,11 +10,11 @@ import sys
 import torch
 
 from rlspmd.distributed.dispatch import gather_batch
-from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
+from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, seed_everything, shutdown, spmd_main
 from rlspmd.protocol import Batch
-from rlspmd.train import parse_args
-from rlspmd.trainer.rl import RLTrainer, build_program
+from rlspmd.startup import parse_args
+from rlspmd.trainer.build import build_trainer
 
 
 def digit_reward(response: str, ground_truth: str, extra_info: dict, data_source: str) -> float:
@@ -29,13 +29,9 @@ def main():
     rt = init_distributed(cfg.dist)
     seed_everything(cfg.trainer.seed)
     meshes = RoleMeshes(ParallelDims.from_config(cfg.mesh, rt.world_size), rt.device.type, rt.rank)
-    program = build_program(cfg, rt, meshes)
-    if not isinstance(program, RLTrainer):
-        program.fit()  # serves the trainer's rollout calls until it closes
-        shutdown()
-        return
+    trainer = build_trainer(cfg, rt, meshes)
     seen: list[Batch] = []
-    score = program.reward.score
+    score = trainer.roles.reward.score
 
     def recording_score(batch):
         out = score(batch)
@@ -43,10 +39,13 @@ def main():
                            "rollout_logprobs_BR": out["rollout_logprobs_BR"].cpu()}))
         return out
 
-    program.reward.score = recording_score
-    steps = [program.step(step) for step in (1, 2)]
-    program.rollout.close()
-    gathered = [gather_batch(b, mesh=program.dp_mesh) for b in seen]
+    trainer.roles.reward.score = recording_score  # on the rollout-only ranks it is never given samples to score
+    steps = [trainer.step(step) for step in (1, 2)]
+    if not meshes.hosts("actor"):
+        assert not seen and steps == [{}, {}]
+        shutdown()
+        return
+    gathered = [gather_batch(b, mesh=meshes.get("actor", DP)) for b in seen]
     if rt.rank == 0:
         torch.save({"batches": [b.tensors for b in gathered], "metrics": steps}, out_path)
         print("SPLIT CHECK DONE", flush=True)

@@ -22,7 +22,9 @@ from rlspmd.distributed.dispatch import all_gather_objects, balance_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
-from rlspmd.roles.policy import Policy, Reference, compute_logprobs
+from rlspmd.metrics import MetricBuffer
+from rlspmd.roles.policy import compute_logprobs
+from rlspmd.trainer.build import actor_plan, build_policy, build_reference
 
 B, P, R, N_SAMPLES = 8, 6, 10, 4
 # Rank 0's rows are long, rank 1's short, so balancing has to move samples.
@@ -76,14 +78,14 @@ def run_update(model_dir, dp, rt, *, packing=True, max_tokens=None, balance=Fals
         kl_loss_coef=0.1,
         entropy_coef=0.01,
     )
-    policy = Policy(cfg, mesh=dp, device=rt.device, samples_per_prompt=N_SAMPLES, train_batch_size=2, temperature=0.9,
-                    max_response_length=R, total_steps=1)
+    plan = actor_plan(cfg, samples_per_prompt=N_SAMPLES, train_batch_size=2, dp=dp.size(), max_response_length=R, total_steps=1)
+    policy = build_policy(cfg, mesh=dp, device=rt.device, plan=plan, temperature=0.9)
     full = global_batch(policy.engine.hf_model.config.vocab_size)
     n = B // dp.size()
     local = full.slice(rt.rank * n, (rt.rank + 1) * n)
     info = {}
     if balance:
-        local, info = balance_batch(local, mesh=dp, chunk_rows=policy.local_mini_batch)
+        local, info = balance_batch(local, mesh=dp, chunk_rows=plan.local_mini_batch)
         info["samples"] = all_gather_objects(local["sample_B"].tolist(), mesh=dp)
     grads = []
     step = policy.engine.optimizer.step
@@ -93,7 +95,9 @@ def run_update(model_dir, dp, rt, *, packing=True, max_tokens=None, balance=Fals
         return step(*a, **k)
 
     policy.engine.optimizer.step = capture
-    metrics = policy.update(local).reduce(mesh=dp)
+    metrics = MetricBuffer()
+    policy.update(local, metrics)
+    metrics = metrics.reduce(mesh=dp)
     return {"grads": grads, "metrics": metrics, "info": info, "policy": policy, "batch": full}
 
 
@@ -132,10 +136,10 @@ def main():
     # ref.offload on CPU: warns that it does nothing, and the reference still works.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ref = Reference(RefConfig(offload=True), model_path=model_dir, dtype="float32", attn_implementation="sdpa", mesh=dp,
-                        device=rt.device, fsdp=FSDPConfig(), temperature=0.7, packing=True)
+        ref = build_reference(RefConfig(offload=True), actor=ActorConfig(model=ModelConfig(path=model_dir)), mesh=dp,
+                              device=rt.device, temperature=0.7)
     assert any("ref.offload does nothing" in str(w.message) for w in caught) and not ref.offload
-    torch.testing.assert_close(ref.log_prob(local)["ref_logprobs_BR"], ref_lp[0] * local["response_mask_BR"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref.log_prob(local, MetricBuffer())["ref_logprobs_BR"], ref_lp[0] * local["response_mask_BR"], rtol=1e-5, atol=1e-5)
 
     if rt.rank == 0:
         base = runs["padded"]

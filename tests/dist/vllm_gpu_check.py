@@ -15,8 +15,9 @@ from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown,
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
-from rlspmd.roles.policy import Policy, compute_logprobs
-from rlspmd.roles.rollout import build_rollout
+from rlspmd.metrics import MetricBuffer
+from rlspmd.roles.policy import compute_logprobs
+from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
 from third_party.vllm_adapter import VllmBackend, prepare_environment
 
 GiB = 2**30
@@ -38,13 +39,14 @@ def main():
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(rollout_tp=tp), rt.world_size), "cuda", rt.rank)
     tok = load_tokenizer(model_dir, field_name="model")
     actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=rt.world_size, micro_batch_size=4)
-    policy = Policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, samples_per_prompt=1, train_batch_size=rt.world_size,
-                    temperature=1.0, max_response_length=32, total_steps=1)
+    plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=32,
+                      total_steps=1)
+    policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
     torch.cuda.synchronize()
     used_before = VllmBackend.memory_in_use()
     cfg = RolloutConfig(engine="vllm", n=1, max_response_length=32, val_temperature=0.0,
                         vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=False))
-    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute_dtype=compute_dtype(actor_cfg.fsdp, rt.device),
+    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute=compute_dtype(actor_cfg.fsdp, rt.device),
                             eos_ids=eos_token_ids(model_dir, tok), pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
     used_asleep0 = VllmBackend.memory_in_use()
     texts = [tok.apply_chat_template([{"role": "user", "content": f"Calculate {a} + {b}."}], tokenize=False, add_generation_prompt=True)
@@ -52,7 +54,9 @@ def main():
     enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompts = Batch({"prompts_BP": enc["input_ids"], "prompt_mask_BP": enc["attention_mask"]}).to(rt.device)
 
-    metrics = rollout.sync_weights(policy)  # wake weights -> stream-load -> reset prefix cache
+    buffer = MetricBuffer()
+    rollout.sync_weights(buffer)  # wake weights -> stream-load -> reset prefix cache
+    metrics = buffer.reduce(mesh=None)
     rollout.engine.wake()
     torch.cuda.synchronize()
     used_awake = VllmBackend.memory_in_use()
@@ -71,7 +75,7 @@ def main():
     with torch.no_grad():
         for p in policy.engine.module.parameters():
             p.to_local().add_(torch.randn_like(p.to_local()) * 0.05)
-    rollout.sync_weights(policy)
+    rollout.sync_weights(MetricBuffer())
     out2 = rollout.generate_validation(prompts, step=1)
     g1 = gap(policy, out2)
     assert g1 < 0.05, f"rollout/logprob_gap {g1:.4f} after an update: the engine did not take the new weights"
@@ -86,7 +90,7 @@ def main():
     # 20 cycles: no memory drift while asleep
     drift = []
     for step in range(20):
-        rollout.sync_weights(policy)
+        rollout.sync_weights(MetricBuffer())
         rollout.generate(prompts, step=step)
         torch.cuda.synchronize()
         drift.append(VllmBackend.memory_in_use())

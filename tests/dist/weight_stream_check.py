@@ -19,7 +19,8 @@ from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.rollout.native import OwnWeights
-from rlspmd.rollout.weight_sync import WeightBridge, WeightStream
+from rlspmd.engines.weight_stream import WeightStream
+from rlspmd.rollout.weight_sync import WeightBridge
 
 
 class GatherProbe:
@@ -91,9 +92,9 @@ def main():
         # the cast happens on the shard: only bf16 crosses ranks, one gather per unit
         assert probe.input_dtypes == [torch.bfloat16] * len(stream.manifest.units), probe.input_dtypes
         assert probe.peak_live == probe.largest <= stream.manifest.max_unit_bytes, (probe.peak_live, probe.largest)
-        assert stream.stats.peak_unit_bytes == probe.largest
+        assert stream.last.peak_unit_bytes == probe.largest
         full_bytes = sum(v.numel() for k, v in ref.items() if not (tied and k == "lm_head.weight")) * 2
-        assert stream.stats.tensor_bytes == full_bytes == stream.manifest.nbytes
+        assert stream.last.tensor_bytes == full_bytes == stream.manifest.nbytes
         assert probe.largest < full_bytes / 2, "a unit must be a part of the model, not all of it"
         # names: every HF weight, tied ones once, in model order, identical on every actor rank
         expected = set(ref) - ({"lm_head.weight"} if tied else set())

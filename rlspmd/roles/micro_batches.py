@@ -1,4 +1,4 @@
-"""Micro-batches for the training engines: a fixed number of samples, or a token budget (dynamic batching).
+"""Micro-batches for the roles' passes: a fixed number of samples, or a token budget (dynamic batching).
 
 With a token budget (``max_tokens_per_micro_batch``) a rank's samples are split into token-balanced micro-batches
 whose valid tokens (``attention_mask_BL``) stay within the budget, so a micro-batch of short samples holds many and
@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import AggArgs, local_denominators
 from rlspmd.data.balance import count_micro_batches, micro_batch_plan
-from rlspmd.distributed.dispatch import all_reduce_max, all_reduce_sum
+from rlspmd.distributed.dispatch import all_reduce_max
 from rlspmd.protocol import Batch
 
 
@@ -60,22 +59,6 @@ def split_micro_batches(
     if n == 0:
         raise ValueError("a DP rank has no samples for this pass; every rank needs at least one")
     return [(rows, batch.select(rows) if rows else zero_weight_copy(batch)) for rows in parts]
-
-
-def mini_batch_updates(
-    engine, batch: Batch, loss_fn, *, epochs: int, local_mini_batch: int, micro_batch_size: int,
-    max_tokens: int | None, loss_agg_mode: str, norm_length: int, mesh: DeviceMesh,
-):
-    """The PPO update loop every trained role runs: ``epochs`` passes over ``batch``, one optimiser step per
-    mini-batch of ``local_mini_batch`` rows, its micro-batches from ``split_micro_batches``. The loss is normalised
-    over the GLOBAL mini-batch (token and sequence counts all-reduced over ``mesh``), so the gradient does not depend
-    on the DP degree or the micro-batching. ``loss_fn(module, micro_batch, agg)``; yields each step's stats."""
-    for _epoch in range(epochs):
-        for mini in batch.split(local_mini_batch):
-            counts = all_reduce_sum(torch.stack(local_denominators(mini["response_mask_BR"])), mesh=mesh)
-            agg = AggArgs(mode=loss_agg_mode, global_tokens=int(counts[0]), global_seqs=int(counts[1]), norm_length=norm_length)
-            micro = split_micro_batches(mini, micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh)
-            yield engine.optimizer_step([mb for _, mb in micro], lambda module, mb: loss_fn(module, mb, agg))
 
 
 def forward_micro_batches(batch: Batch, fn, *, micro_batch_size: int, max_tokens: int | None, mesh: DeviceMesh | None):

@@ -1,0 +1,83 @@
+"""What a role needs from a training backend, written down as ``typing.Protocol``s.
+
+A role (policy, reference, critic, reward model; ``rlspmd/roles/``) owns one engine: the role's module sharded over
+the role's DP mesh, with an optimiser when the role trains. The roles call nothing else, so a backend that offers these
+methods (FSDP2 in ``engines/fsdp.py``; megatron-core behind the same calls) slots in without touching a role:
+
+* ``module(...)``: the role module's forward on one micro-batch (a policy returns ``(logprobs_BR, entropy_BR)``, a
+  critic ``values_BR``, a reward model ``scores_B``); the engine has already applied its parallelism to it;
+* ``optimizer_step(micro_batches, loss_fn)``: one optimiser update, accumulating ``loss_fn(module, mb)`` over the
+  micro-batches (losses are normalised by the global batch, so gradients are *summed* over DP ranks);
+* ``weight_stream(dtype)``: the weights as ``(Hugging Face name, full tensor)`` for a rollout engine (collective);
+* ``state_dict`` / ``load_state_dict``: DCP-compatible training state (a ``Stateful``), ``param_shapes`` to check a
+  checkpoint against, ``hf_state_dict`` for export;
+* ``offload_params`` / ``load_params``: a frozen role's parameters to host memory between uses and back.
+
+``InPlaceEngine`` adds what the colocated native rollout engine needs to read the weights where they are (no copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Protocol, TypedDict, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class UpdateStats(TypedDict):
+    grad_norm: float
+    """Global gradient norm before clipping (non-finite: the update was skipped)."""
+    skipped: float
+    """1.0 when a non-finite norm skipped the update, else 0.0."""
+
+
+LossFn = Callable[[nn.Module, object], torch.Tensor]
+"""``loss_fn(module, micro_batch)``: the micro-batch's share of the globally normalised loss."""
+
+
+class WeightStream(Protocol):
+    """A training engine's weights for a rollout engine, re-iterable once per sync (collective on the engine's mesh)."""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def stats(self) -> dict[str, float]:
+        """What the last pass moved, as ``weight_sync/*`` metrics of this rank."""
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    mesh: DeviceMesh
+    """The DP mesh the engine shards over; its collectives run there."""
+    device: torch.device
+    module: nn.Module
+    """The role module, parallelised; call it on a micro-batch."""
+
+    def optimizer_step(self, micro_batches: Iterable, loss_fn: LossFn) -> UpdateStats: ...
+
+    @property
+    def lr(self) -> float: ...
+
+    def weight_stream(self, dtype: torch.dtype) -> WeightStream: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def param_shapes(self) -> dict[str, torch.Size]: ...
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under Hugging Face names on the mesh's first rank (empty elsewhere); collective."""
+
+    def offload_params(self) -> None:
+        """Move the (frozen) parameters to host memory until ``load_params``."""
+
+    def load_params(self) -> None: ...
+
+
+@runtime_checkable
+class InPlaceEngine(TrainingEngine, Protocol):
+    def gathered_hf_model(self) -> AbstractContextManager[nn.Module]:
+        """The full Hugging Face model, its parameters gathered in place for the duration (no copy)."""

@@ -1,0 +1,41 @@
+"""The reward role: rule / function scores (``rewards/manager.py``) and, when configured, a reward model
+(``roles/reward_model.py``), combined as ``scores_B = reward.rule_weight * task_scores_B + reward.model.weight *
+rm_scores_B``. Shaping (DAPO's overlong penalty) is a stage of its own (``rewards/shaping.py``) because validation
+reports the unshaped score.
+"""
+
+from __future__ import annotations
+
+from rlspmd.config import RewardConfig
+from rlspmd.protocol import Batch
+from rlspmd.rewards import RewardManager
+from rlspmd.roles.reward_model import RewardModel
+
+
+class Reward:
+    def __init__(self, cfg: RewardConfig, *, rules: RewardManager, model: RewardModel | None):
+        if model is None and cfg.rule_weight == 0:
+            raise ValueError("reward.rule_weight=0 without a reward model (reward.model.path) leaves no reward at all")
+        self.cfg, self.rules, self.model = cfg, rules, model
+        self.components: tuple[tuple[str, str], ...] = (("task_scores_B", "task_score"),) + (
+            (("rm_scores_B", "rm_score"),) if model is not None else ()
+        )
+        """(batch field, metric name) of the reward's parts, which the step reports as ``reward/<name>``."""
+
+    def score(self, batch: Batch) -> Batch:
+        """Adds ``response_text``, ``task_scores_B``, ``rm_scores_B`` (with a reward model) and ``scores_B``."""
+        batch = self.rules.score(batch)
+        scores = self.cfg.rule_weight * batch["task_scores_B"]
+        if self.model is not None:
+            batch = self.model(batch)
+            scores = scores + self.cfg.model.weight * batch["rm_scores_B"]
+        return batch.set(scores_B=scores)
+
+
+class NoReward:
+    """The rollout-only ranks of a split placement: their batches are empty; scoring happens on the actor's ranks."""
+
+    components: tuple[tuple[str, str], ...] = ()
+
+    def score(self, batch: Batch) -> Batch:
+        return batch

@@ -1,0 +1,75 @@
+"""The start-up every entry point shares (``rlspmd.train``, ``rlspmd.sft``): the config file and command-line
+overrides, the process groups, seeding, the role meshes and the printed layout; ``--dry-run`` ends there.
+
+``--config FILE[:NAME]``, ``--dry-run`` and ``--resume`` are read first; tyro then applies the remaining
+``--section.field`` overrides to the loaded config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+
+import tyro
+
+from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file
+from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
+from rlspmd.distributed.runtime import Runtime, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown
+
+
+def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
+    """``(config, dry_run)`` from ``--config FILE``, ``--dry-run``, ``--resume`` and tyro's ``--section.field`` overrides."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--dry-run", action="store_true")
+    has_checkpoint = "checkpoint" in {f.name for f in dataclasses.fields(config_type)}
+    if has_checkpoint:
+        pre.add_argument("--resume", default=None)
+    known, rest = pre.parse_known_args(argv)
+    if has_checkpoint and known.resume is not None:
+        rest = [*rest, "--checkpoint.resume", known.resume]
+    default = load_config_file(known.config, config_type) if known.config else config_type()
+    description = (
+        f"{prog}: --config FILE[:NAME] (a Python file defining `config`, or the object NAME), --dry-run, "
+        + ("--resume auto|none|PATH, " if has_checkpoint else "")
+        + "then overrides of any field below."
+    )
+    quiet = os.environ.get("RANK", "0") != "0"  # every rank parses the same argv; let rank 0 report problems
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
+        cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog)
+    return cfg, known.dry_run
+
+
+def flatten(cfg, prefix: str = "") -> dict[str, object]:
+    """``{"section.field": value}`` of a (nested) config dataclass."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update(flatten(v, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = v
+    return out
+
+
+def start(cfg, *, dist: DistConfig, mesh: MeshConfig, seed: int, deterministic: bool = False,
+          dry_run: bool = False) -> tuple[Runtime, RoleMeshes] | None:
+    """Process groups, seeds and meshes for ``cfg`` (the whole config, printed by ``--dry-run``). Returns None after a
+    dry run (config and layout printed, process groups closed)."""
+    rt = init_distributed(dist)
+    quiet_libraries()
+    seed_everything(seed)
+    set_deterministic(deterministic)
+    dims = ParallelDims.from_config(mesh, rt.world_size)
+    meshes = RoleMeshes(dims, rt.device.type, rt.rank)
+    if rt.is_main:
+        if dry_run:
+            print("\n".join(f"{k} = {v!r}" for k, v in flatten(cfg).items()))
+        print(f"backend {rt.backend}, device {rt.device.type}\n{dims.layout()}", flush=True)
+    if dry_run:
+        shutdown()
+        return None
+    return rt, meshes

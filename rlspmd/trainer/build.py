@@ -1,0 +1,381 @@
+"""The builder: the one place that turns a ``Config`` into what each rank runs.
+
+* **Which roles exist** follows from one rule, ``RolePlan.of(config)``: a critic for estimators that read values, a
+  reference when a KL term needs it, a reward model when one is configured, a greedy baseline for ReMax.
+* **Where they run** is checked once (``check_placement``): the reference, critic and reward model live on the actor's
+  ranks; the rollout shares them (colocated) or has ranks of its own (split).
+* **What a rank holds** (``Roles``): on the actor's ranks the real roles; on the rollout-only ranks of a split
+  placement, objects that do nothing except serve the rollout (``RolloutServer``), so every rank runs the same step.
+* Models are built, then parallelised by the engine (``engines/fsdp.py``), then handed to the role that uses them.
+  The tokenizer is loaded once.
+* **What a checkpoint holds** is named here (``Checkpointing``): the trained engines and the trainer components.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rlspmd.config import ActorConfig, Config, CriticConfig, ModelConfig, RefConfig, RolloutConfig
+from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
+from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
+from rlspmd.distributed.runtime import Runtime, StopRequest
+from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
+from rlspmd.metrics import MetricBuffer
+from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
+from rlspmd.models.value import load_sequence_scorer, load_value_model
+from rlspmd.protocol import Batch
+from rlspmd.rewards import RewardManager
+from rlspmd.rewards.shaping import NoShaping, OverlongShaping
+from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
+from rlspmd.roles.critic import Critic, NoCritic, check_critic
+from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, check_actor, resolve_ref_offload
+from rlspmd.roles.reward import NoReward, Reward
+from rlspmd.roles.reward_model import RewardModel
+from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer
+from rlspmd.rollout.native import NativeEngine, OwnWeights
+from rlspmd.rollout.weight_sync import WeightBridge
+from rlspmd.rollout.weights import BridgedWeights, InPlaceWeights, StreamedWeights
+from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
+from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_dir
+from rlspmd.trainer.prompts import NoPrompts, Prompts
+from rlspmd.trainer.report import NoReport, StepReport
+from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
+from rlspmd.trainer.state import Checkpointing, NoCheckpointing
+
+NEEDS_CRITIC = frozenset({"gae"})
+"""Estimators that read ``values_BR``."""
+NEEDS_GREEDY_BASELINE = frozenset({"remax"})
+"""Estimators that read ``baseline_scores_B`` (one greedy response per prompt, scored)."""
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """Which optional roles a run needs: the one rule, read from the config."""
+
+    critic: bool
+    reference: bool
+    reward_model: bool
+    greedy_baseline: bool
+
+    @classmethod
+    def of(cls, cfg: Config) -> "RolePlan":
+        alg = cfg.algorithm
+        return cls(
+            critic=alg.adv_estimator in NEEDS_CRITIC,
+            reference=cfg.actor.use_kl_loss or alg.use_kl_in_reward,
+            reward_model=cfg.reward.model.path is not None,
+            greedy_baseline=alg.adv_estimator in NEEDS_GREEDY_BASELINE,
+        )
+
+
+@dataclass
+class Roles:
+    """Everything one rank's step calls, in the order of the data flow. Every field is set on every rank: what a run
+    or a rank does not need is an object that leaves the batch untouched."""
+
+    prompts: Prompts | NoPrompts
+    rollout: RolloutRole
+    reward: Reward | NoReward
+    shaping: Stage | NoShaping
+    baseline: GreedyBaseline | FollowGreedy | NoBaseline
+    sampling: SingleRound | DynamicSampling | FollowRounds
+    ref: ReferenceRole
+    actor: PolicyRole
+    critic: CriticRole
+    token_rewards: Stage
+    advantage: Stage
+    balance: Stage
+    report: StepReport | NoReport
+    checkpointing: Checkpointing | NoCheckpointing
+    data_stats: dict
+    """Rank 0's dataset counts, on every rank (``train_prompts``, ``train_dropped``, ``val_prompts``)."""
+    resume_from: Path | None
+    """The checkpoint to resume from (chosen before any model loads, so a bad one fails in seconds)."""
+
+
+class Skip:
+    """A stage this rank does not run (the rollout-only ranks of a split placement hold no training data)."""
+
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
+        return batch
+
+
+class Balance:
+    """Move samples between DP ranks so each trains on about the same number of tokens (``balance_batch``)."""
+
+    def __init__(self, *, mesh, chunk_rows: int):
+        self.mesh, self.chunk_rows = mesh, chunk_rows
+
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
+        batch, stats = balance_batch(batch, mesh=self.mesh, chunk_rows=self.chunk_rows)
+        for k, v in stats.items():  # already global
+            metrics.max(k, v)
+        return batch
+
+
+def check_placement(dims: ParallelDims, *, engine: str) -> None:
+    """The placements the RL trainer runs: reference, critic and reward model on the actor's ranks (which include
+    rank 0); the rollout on the same ranks (colocated) or on ranks of its own (split); no idle ranks."""
+    actor = dims.role_ranks["actor"]
+    for role in FOLLOWERS:
+        assert dims.role_ranks[role] == actor, f"{role} must follow the actor (ParallelDims.from_config places it so)"
+    if 0 not in actor:
+        raise ValueError(f"mesh.actor_ranks must include rank 0 (it reads the data and logs); got {actor}")
+    rollout = dims.role_ranks["rollout"]
+    split = dims.disjoint("actor", "rollout")
+    if rollout != actor and not split:
+        raise ValueError(
+            f"mesh.rollout_ranks={rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)"
+        )
+    idle = sorted(set(range(dims.world_size)) - set(actor) - set(rollout))
+    if idle:
+        raise ValueError(f"ranks {idle} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
+    if split and engine == "vllm":
+        raise ValueError(
+            "rollout.engine=vllm runs colocated only: vLLM's external_launcher mode builds its process groups over the "
+            "whole torch world, so every rank must host an engine. Use rollout.engine=native for split placement"
+        )
+
+
+# -- roles on a training engine --------------------------------------------------------------------------------------
+
+
+def actor_plan(cfg: ActorConfig, *, samples_per_prompt: int, train_batch_size: int, dp: int, max_response_length: int,
+               total_steps: int) -> UpdatePlan:
+    return update_plan("actor", ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size,
+                       max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode, samples_per_prompt=samples_per_prompt,
+                       train_batch_size=train_batch_size, dp=dp, max_response_length=max_response_length, total_steps=total_steps)
+
+
+def critic_plan(cfg: CriticConfig, *, samples_per_prompt: int, train_batch_size: int, dp: int, max_response_length: int,
+                total_steps: int) -> UpdatePlan:
+    return update_plan("critic", ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size,
+                       max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode, samples_per_prompt=samples_per_prompt,
+                       train_batch_size=train_batch_size, dp=dp, max_response_length=max_response_length, total_steps=total_steps)
+
+
+def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
+                 reuse_update_logprobs: bool = False) -> Policy:
+    check_actor(cfg)
+    module = build_policy_module(
+        cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
+        field_name="actor.model.path", packing=cfg.model.packing,
+    )
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.fsdp, optim=cfg.optim,
+                        total_optim_steps=plan.optim_steps, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs)
+
+
+def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float) -> Reference:
+    m = actor.model
+    module = build_policy_module(cfg.model_path or m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                 field_name="ref.model_path", packing=m.packing)
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=actor.fsdp, optim=None)
+    offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.fsdp.cpu_offload)
+    return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
+
+
+def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int) -> Critic:
+    """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
+    check_critic(cfg)
+    module = load_value_model(
+        cfg.model_path or model.path, dtype=model.dtype, attn_implementation=model.attn_implementation, seed=seed,
+        field_name="critic.model_path" if cfg.model_path else "actor.model.path", packing=model.packing,
+    )
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.fsdp, optim=cfg.optim,
+                        total_optim_steps=plan.optim_steps, gradient_checkpointing=cfg.gradient_checkpointing)
+    return Critic(cfg, engine=engine, plan=plan)
+
+
+def build_reward_model(cfg: Config, *, tokenizer, mesh, device: torch.device) -> RewardModel:
+    rm, m = cfg.reward.model, cfg.actor.model
+    module = load_sequence_scorer(rm.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                  field_name="reward.model.path", packing=m.packing)
+    rm_tokenizer = load_tokenizer(rm.tokenizer_path or rm.path, field_name="reward.model.tokenizer_path", require_chat_template=False)
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None)
+    return RewardModel(rm, engine=engine, tokenizer=rm_tokenizer, actor_tokenizer=tokenizer, device=device)
+
+
+# -- the rollout -----------------------------------------------------------------------------------------------------
+
+
+def rollout_dtype(cfg: RolloutConfig, *, compute: torch.dtype) -> torch.dtype:
+    return compute if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+
+
+def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype: torch.dtype, sleeps: bool, tp: int, seed: int,
+                         eos_ids: list[int], pad_id: int, device: torch.device, max_model_len: int):
+    """The generation engine of one rank: native (reading ``weights`` in place when they are ``InPlaceWeights``, else a
+    private copy loaded from disk and replaced at the first sync) or vLLM (in-process, dummy weights until the first sync)."""
+    if cfg.engine == "native":
+        if not weights.in_place:
+            dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
+            weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name, attn_implementation="sdpa", field_name="actor.model.path").to(device))
+        return NativeEngine(weights, eos_ids=eos_ids, pad_id=pad_id, max_batch_size=cfg.max_batch_size, device=device,
+                            compile_decode=cfg.compile_decode)
+    from rlspmd.rollout.vllm import VllmEngine
+    from third_party.vllm_adapter import VllmBackend
+
+    v = cfg.vllm
+    backend = VllmBackend(
+        model_path, tensor_parallel_size=tp, seed=seed, dtype=dtype, max_model_len=v.max_model_len or max_model_len,
+        gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_memory_bytes=v.kv_cache_memory_bytes,
+        max_num_seqs=v.max_num_seqs, enforce_eager=v.enforce_eager, enable_prefix_caching=v.enable_prefix_caching, sleeps=sleeps,
+    )
+    return VllmEngine(backend, sleeps=sleeps, sleep_level=v.sleep_level, eos_ids=eos_ids, pad_id=pad_id, device=device)
+
+
+def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | None, model_path: str, compute: torch.dtype,
+                  eos_ids: list[int], pad_id: int, device: torch.device, seed: int, max_prompt_length: int) -> RolloutRole:
+    """The rollout role for this rank: ``Rollout`` (colocated), ``RolloutClient`` (split, actor ranks) or
+    ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). Collective: weight-stream manifests are local,
+    but a vLLM engine's construction spans the whole world."""
+    dims = meshes.dims
+    dtype = rollout_dtype(cfg, compute=compute)
+    kw = dict(model_path=model_path, dtype=dtype, tp=dims.role_tp["rollout"], eos_ids=eos_ids, pad_id=pad_id, device=device,
+              max_model_len=max_prompt_length + cfg.max_response_length)
+    if not dims.disjoint("actor", "rollout"):
+        in_place = cfg.engine == "native" and dtype == compute
+        weights = InPlaceWeights(policy.engine) if in_place else StreamedWeights(policy.engine.weight_stream(dtype))
+        engine = build_rollout_engine(cfg, weights=weights, sleeps=True, seed=seed + meshes.dp_rank("rollout"), **kw)
+        return Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device)
+    link = meshes.link("actor", "rollout")
+    bridge = WeightBridge(meshes.link("actor", "rollout", first_only=True), src=dims.role_ranks["actor"][0], device=device)
+    rollout_ranks = dims.role_ranks["rollout"]
+    if policy is not None:
+        return RolloutClient(link=link, bridge=bridge, stream=policy.engine.weight_stream(dtype), rollout_ranks=rollout_ranks,
+                             device=device)
+    weights = BridgedWeights(bridge)
+    engine = build_rollout_engine(cfg, weights=weights, sleeps=False, seed=seed + meshes.dp_rank("rollout"), **kw)
+    local = Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device, syncs_itself=False)
+    return RolloutServer(local, link=link, rollout_ranks=rollout_ranks)
+
+
+# -- the whole rank --------------------------------------------------------------------------------------------------
+
+
+def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
+    """What this rank runs. Collective over the world (every rank calls it once, in the same order)."""
+    check_placement(meshes.dims, engine=cfg.rollout.engine)
+    trainer = cfg.trainer
+    if not 0 <= trainer.stop_at_step <= trainer.total_steps:
+        raise ValueError(f"trainer.stop_at_step={trainer.stop_at_step} must be in [0, trainer.total_steps={trainer.total_steps}]")
+    plan = RolePlan.of(cfg)
+    m = cfg.actor.model
+    tokenizer = load_tokenizer(m.tokenizer_path or m.path, field_name="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
+    eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
+    compute = compute_dtype(cfg.actor.fsdp, rt.device)
+    rollout_kw = dict(meshes=meshes, model_path=m.path, compute=compute, eos_ids=eos_ids, pad_id=pad_id, device=rt.device,
+                      seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length)
+    if not meshes.hosts("actor"):
+        return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan)
+
+    mesh = meshes.get("actor", DP)
+    dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
+    tbs = cfg.data.train_batch_size
+    if tbs % dp:
+        raise ValueError(f"data.train_batch_size={tbs} does not split over {dp} DP ranks")
+    checkpointer = Checkpointer(cfg.checkpoint, output_dir=trainer.output_dir, rank=rt.rank, world_size=dp, mesh=mesh)
+    resume_from = checkpointer.prepare()
+    sampling = (
+        DynamicSampling(cfg.algorithm.filter_groups, mesh=mesh, train_batch_size=tbs, samples_per_prompt=n, pad_id=pad_id)
+        if cfg.algorithm.filter_groups.enable
+        else SingleRound(train_batch_size=tbs)
+    )
+    prompts = Prompts(cfg.data, tokenizer, mesh=mesh, device=rt.device, is_main=rt.is_main,
+                      prompts_per_round=sampling.prompts_per_round, seed=trainer.seed)
+    data_stats = broadcast_object(prompts.stats())  # over the world: rollout-only ranks follow the validation rounds
+
+    plans = dict(samples_per_prompt=n, train_batch_size=tbs, dp=dp, max_response_length=R)
+    critic: CriticRole = NoCritic()
+    critic_rows = 0
+    if plan.critic:
+        c_plan = critic_plan(cfg.critic, total_steps=trainer.total_steps, **plans)
+        critic = build_critic(cfg.critic, model=m, mesh=mesh, device=rt.device, plan=c_plan, seed=trainer.seed)
+        critic_rows = c_plan.local_mini_batch
+    a = cfg.actor
+    a_plan = actor_plan(a, total_steps=max(1, trainer.total_steps - critic.warmup_steps), **plans)
+    # One update per step and no consumer of old log-probs before it: the update's forward provides them.
+    reuse = a.reuse_update_logprobs and a_plan.single_update and not cfg.algorithm.use_kl_in_reward
+    actor = build_policy(a, mesh=mesh, device=rt.device, plan=a_plan, temperature=cfg.rollout.temperature,
+                         reuse_update_logprobs=reuse)
+    ref: ReferenceRole = (
+        build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature)
+        if plan.reference else NoReference()
+    )
+    rollout = build_rollout(cfg.rollout, policy=actor, **rollout_kw)
+    reward_model = build_reward_model(cfg, tokenizer=tokenizer, mesh=mesh, device=rt.device) if plan.reward_model else None
+    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model)
+    shaping = OverlongShaping(cfg.reward.overlong_buffer, max_response_length=R) if cfg.reward.overlong_buffer.enable else NoShaping()
+    baseline = (
+        GreedyBaseline(rollout=rollout, score=lambda b: shaping(reward.score(b)), samples_per_prompt=n)
+        if plan.greedy_baseline else NoBaseline()
+    )
+    token_rewards = build_token_rewards(cfg.algorithm, mesh=mesh)
+    # Balance within chunks that lie inside one mini-batch of the actor AND of the critic: both see the same samples.
+    balance = (Balance(mesh=mesh, chunk_rows=math.gcd(a_plan.local_mini_batch, critic_rows))
+               if trainer.balance_batch else Skip())
+    components = {"sampler": prompts.sampler} if prompts.sampler is not None else {}
+    if cfg.algorithm.use_kl_in_reward:
+        components["token_rewards"] = token_rewards  # the adaptive KL controller's coefficient
+    engines = {"actor": actor.engine, **({"critic": critic.engine} if plan.critic else {})}
+    checkpointing = Checkpointing(
+        checkpointer, engines=engines, components=components, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
+        meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": dataclasses.asdict(cfg)},
+        write_files=partial(_write_model_files, cfg, tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
+    )
+    shaping_parts = (("overlong_penalty_B", "overlong_penalty"),) if cfg.reward.overlong_buffer.enable else ()
+    return Roles(
+        prompts=prompts, rollout=rollout, reward=reward, shaping=shaping, baseline=baseline, sampling=sampling, ref=ref,
+        actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
+        balance=balance,
+        report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts),
+        checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from,
+    )
+
+
+def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan) -> Roles:
+    """Split placement, a rank that hosts only the rollout: it serves generation and the weight sync, in step with the
+    actor's ranks; nothing else happens here."""
+    data_stats = broadcast_object(None)
+    sampling = FollowRounds(cfg.algorithm.filter_groups) if cfg.algorithm.filter_groups.enable else SingleRound(train_batch_size=0)
+    return Roles(
+        prompts=NoPrompts(), rollout=rollout, reward=NoReward(), shaping=NoShaping(),
+        baseline=FollowGreedy(rollout=rollout) if plan.greedy_baseline else NoBaseline(), sampling=sampling,
+        ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), balance=Skip(),
+        report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None,
+    )
+
+
+def _write_model_files(cfg: Config, ckpt: Path, *, tokenizer, engine: FSDPEngine, mesh) -> None:
+    """Config and tokenizer for export; the actor as an HF directory with ``checkpoint.save_hf`` (collective)."""
+    model = cfg.actor.model
+    full = engine.hf_state_dict() if cfg.checkpoint.save_hf else None
+
+    def write():
+        copy_model_files(model.path, model.tokenizer_path or model.path, ckpt / "model")
+        if full is not None:
+            write_hf_dir(engine.hf_model, full, tokenizer, model.path, ckpt / "hf")
+
+    on_main(write, mesh=mesh)
+
+
+def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes):
+    """The trainer every rank runs (the rollout-only ranks of a split placement too, with their own roles)."""
+    from rlspmd.trainer.rl import RLTrainer
+
+    stop_request = StopRequest().install()
+    return RLTrainer(cfg.trainer, roles=build_roles(cfg, rt, meshes), rt=rt, stop_request=stop_request,
+                     val_batch_size=cfg.data.val_batch_size, warnings=_warnings(cfg))
+
+
+def _warnings(cfg: Config) -> list[str]:
+    from rlspmd.config import ignored_settings
+
+    return [f"warning: {message}; ignored" for message in ignored_settings(cfg)]

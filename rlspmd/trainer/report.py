@@ -1,0 +1,145 @@
+"""What a step and a run report: the step's metrics reduced over the trainer's DP ranks, validation accuracy, and the
+run summary printed at the end.
+
+``StepReport`` lives on the actor's ranks; in split placement the rollout-only ranks hold ``NoReport`` (their batches
+are empty, their rollout metrics reach the step through ``rollout.sync_weights``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.distributed.dispatch import gather_batch
+from rlspmd.distributed.runtime import machine_info
+from rlspmd.metrics import MetricBuffer
+from rlspmd.protocol import Batch
+from rlspmd.roles.rollout import truncated
+
+
+class StepReport:
+    def __init__(self, *, mesh: DeviceMesh, eos_ids: list[int], max_response_length: int,
+                 components: tuple[tuple[str, str], ...]):
+        """``components``: (batch field, metric name) of the reward's parts and shaping, reported as ``reward/<name>``."""
+        self.mesh, self.eos_ids, self.max_response_length = mesh, eos_ids, max_response_length
+        self.components = components
+        self._val: list[Batch] = []
+
+    def step(self, batch: Batch, m: MetricBuffer, seconds: dict[str, float]) -> dict[str, float]:
+        """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks."""
+        scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
+        n = len(batch)
+        m.mean("reward/mean", scores.sum(), n)
+        m.mean("reward/sq", scores.pow(2).sum(), n)
+        m.mean("acc/mean", (batch["task_scores_B"] >= 1.0).float().sum(), n)
+        for key, name in self.components:
+            m.mean(f"reward/{name}", batch[key].sum(), n)
+        lengths = mask.sum(-1)
+        m.mean("response_length/mean", lengths.sum(), n)
+        m.max("response_length/max", lengths.max())
+        clipped = truncated(batch, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
+        m.mean("response_length/clip_ratio", clipped.float().sum(), n)
+        adv, valid = batch["advantages_BR"], mask > 0
+        m.mean("adv/mean", (adv * mask).sum(), mask.sum())
+        m.max("adv/max", torch.where(valid, adv, -torch.inf).max())
+        m.min("adv/min", torch.where(valid, adv, torch.inf).min())
+        m.sum("tokens/response", mask.sum())
+        m.sum("tokens/total", batch["attention_mask_BL"].sum())
+        for k, v in seconds.items():
+            m.max(f"timing/{k}", v)
+        out = m.reduce(mesh=self.mesh)
+        out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
+        out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
+        out["throughput/gen_tokens_per_s"] = out["tokens/response"] / max(out["timing/gen"], 1e-9)
+        return out
+
+    def add_validation(self, scored: Batch, n_pad: int) -> None:
+        """One validation round's scored samples (``n_pad`` padding rows at the global end), gathered to rank 0."""
+        slim = Batch({"scores_B": scored["scores_B"].cpu(), "task_scores_B": scored["task_scores_B"].cpu()},
+                     {"data_source": scored["data_source"]})
+        gathered = gather_batch(slim, mesh=self.mesh)
+        if gathered is not None:
+            self._val.append(gathered.slice(0, len(gathered) - n_pad))
+
+    def validation(self) -> dict[str, float]:
+        """Accuracy overall and per data_source on rank 0 (empty elsewhere); starts the next validation."""
+        results, self._val = self._val, []
+        if not results:
+            return {}
+        allv = Batch.concat(results)
+        scores, task = allv["scores_B"], allv["task_scores_B"]
+        metrics = {"val/acc": float((task >= 1.0).float().mean()), "val/reward": float(scores.mean())}
+        sources = allv["data_source"]
+        for src in sorted(set(sources)):
+            sel = torch.tensor([s == src for s in sources])
+            metrics[f"val/acc/{src}"] = float((task[sel] >= 1.0).float().mean())
+        return metrics
+
+
+class NoReport:
+    """Rollout-only ranks of a split placement: nothing of their own to report."""
+
+    def step(self, batch: Batch, m: MetricBuffer, seconds: dict[str, float]) -> dict[str, float]:
+        return {}
+
+    def add_validation(self, scored: Batch, n_pad: int) -> None:
+        pass
+
+    def validation(self) -> dict[str, float]:
+        return {}
+
+
+class RunSummary:
+    """What a run did, for the end of the log and ``summary.json``: validation first -> last, step-time breakdown."""
+
+    def __init__(self):
+        self.t0 = time.time()
+        self.val: list[tuple[int, float]] = []
+        self.timings: list[dict[str, float]] = []
+        self.tokens: list[tuple[float, float]] = []  # (response tokens, all tokens) per step
+        self.last: dict[str, float] = {}
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        if "val/acc" in metrics:
+            self.val.append((step, metrics["val/acc"]))
+        t = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
+        if t:
+            self.timings.append(t)
+            self.tokens.append((metrics.get("tokens/response", 0.0), metrics.get("tokens/total", 0.0)))
+        self.last = metrics
+
+    def as_dict(self) -> dict:
+        steady = self.timings[1:] or self.timings  # the first step pays one-off warm-up costs
+        mean = {k: sum(t.get(k, 0.0) for t in steady) / len(steady) for k in (steady[0] if steady else {})}
+        out = {"wall_s": time.time() - self.t0, "steps": len(self.timings), "val_acc": self.val, "mean_step_s": mean}
+        if steady:
+            first = 1 if len(self.timings) > 1 else 0
+            tokens = self.tokens[first:]
+            gen_s = sum(t.get("gen", 0.0) for t in steady)
+            step_s = sum(t.get("step", 0.0) for t in steady)
+            out["sec_per_step"] = statistics.median(t.get("step", 0.0) for t in steady)  # median after the first step
+            out["gen_tokens_per_sec"] = sum(r for r, _ in tokens) / gen_s if gen_s > 0 else 0.0
+            out["tokens_per_sec"] = sum(a for _, a in tokens) / step_s if step_s > 0 else 0.0
+        return out
+
+    def text(self) -> str:
+        d = self.as_dict()
+        lines = [f"done: {d['steps']} steps in {d['wall_s']:.0f} s"]
+        if len(self.val) >= 2:
+            (s0, a0), (s1, a1) = self.val[0], self.val[-1]
+            lines.append(f"validation accuracy: {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points")
+        if d["mean_step_s"]:
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in d["mean_step_s"].items() if k != "step" and v >= 0.005)
+            lines.append(f"seconds per step (mean after the first): {d['mean_step_s'].get('step', 0):.2f} = {parts}")
+        return "\n".join(lines)
+
+    def write(self, output_dir: str) -> None:
+        (Path(output_dir) / "summary.json").write_text(json.dumps(self.as_dict(), indent=2))
+
+    def json_line(self) -> str:
+        return json.dumps({"summary": self.as_dict(), "machine": machine_info()})
