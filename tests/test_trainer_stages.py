@@ -54,7 +54,7 @@ def test_overlong_penalty_hand_computed():
 
 def test_overlong_shaping_adds_to_scores_and_checks_its_config():
     b = Batch({"scores_B": torch.tensor([1.0, 1.0]), "response_mask_BR": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
-    out = OverlongShaping(OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0), max_response_length=4)(b)
+    out = OverlongShaping(OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0), max_response_length=4)(b, MetricBuffer())
     torch.testing.assert_close(out["overlong_penalty_B"], torch.tensor([-0.5, -1.0]))
     torch.testing.assert_close(out["scores_B"], torch.tensor([0.5, 0.0]))
     with pytest.raises(ValueError, match="reward.overlong_buffer.len=8"):
@@ -184,7 +184,7 @@ def test_reward_role_mixes_rule_and_reward_model_scores(tiny_model):
               {"ground_truth": ["5", "5"], "data_source": ["arithmetic"] * 2, "extra_info": [{}, {}]})
     cfg = RewardConfig(rule_weight=0.5, model=RewardModelConfig(path="unused", weight=2.0))
     reward = Reward(cfg, rules=RewardManager(cfg, tok), model=FakeRM())
-    out = reward.score(b)
+    out = reward.score(b, MetricBuffer())
     torch.testing.assert_close(out["task_scores_B"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(out["scores_B"], torch.tensor([0.5 + 0.5, -2.0]))
     assert reward.components == (("task_scores_B", "task_score"), ("rm_scores_B", "rm_score"))

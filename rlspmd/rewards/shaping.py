@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from rlspmd.config import OverlongBufferConfig
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 
 
@@ -39,12 +40,12 @@ class OverlongShaping:
             raise ValueError(f"reward.overlong_buffer.penalty_factor must be >= 0, got {cfg.penalty_factor}")
         self.cfg, self.max_length = cfg, max_response_length
 
-    def __call__(self, batch: Batch) -> Batch:
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         lengths = batch["response_mask_BR"].sum(-1)
         penalty = overlong_penalty(lengths, max_length=self.max_length, buffer_len=self.cfg.len, penalty_factor=self.cfg.penalty_factor)
         return batch.set(overlong_penalty_B=penalty, scores_B=batch["scores_B"] + penalty)
 
 
 class NoShaping:
-    def __call__(self, batch: Batch) -> Batch:
+    def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch

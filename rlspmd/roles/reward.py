@@ -7,6 +7,7 @@ reports the unshaped score.
 from __future__ import annotations
 
 from rlspmd.config import RewardConfig
+from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.roles.reward_model import RewardModel
@@ -22,7 +23,7 @@ class Reward:
         )
         """(batch field, metric name) of the reward's parts, which the step reports as ``reward/<name>``."""
 
-    def score(self, batch: Batch) -> Batch:
+    def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         """Adds ``response_text``, ``task_scores_B``, ``rm_scores_B`` (with a reward model) and ``scores_B``."""
         batch = self.rules.score(batch)
         scores = self.cfg.rule_weight * batch["task_scores_B"]
@@ -37,5 +38,5 @@ class NoReward:
 
     components: tuple[tuple[str, str], ...] = ()
 
-    def score(self, batch: Batch) -> Batch:
+    def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch

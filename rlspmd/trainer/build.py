@@ -314,7 +314,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model)
     shaping = OverlongShaping(cfg.reward.overlong_buffer, max_response_length=R) if cfg.reward.overlong_buffer.enable else NoShaping()
     baseline = (
-        GreedyBaseline(rollout=rollout, score=lambda b: shaping(reward.score(b)), samples_per_prompt=n)
+        GreedyBaseline(rollout=rollout, score=lambda b, m: shaping(reward.score(b, m), m), samples_per_prompt=n)
         if plan.greedy_baseline else NoBaseline()
     )
     token_rewards = build_token_rewards(cfg.algorithm, mesh=mesh)

@@ -69,21 +69,22 @@ class RLTrainer:
         self.last_checkpoint: Path | None = None
         self.logger: MetricLogger | None = None  # opened in fit(), once the resume step is known
 
-    def rollout_round(self, step: int, round: int, t: StageTimer) -> Batch:
+    def rollout_round(self, step: int, round: int, m: MetricBuffer, t: StageTimer) -> Batch:
         """One generation round on this rank: fresh prompts -> n samples each -> scored (+ ReMax's baseline)."""
         r = self.roles
         prompts = r.prompts.next()
         with t("gen"):
             batch = r.rollout.generate(prompts, step=step, round=round)
         with t("reward"):
-            batch = r.shaping(r.reward.score(batch))
+            batch = r.reward.score(batch, m)
+            batch = r.shaping(batch, m)
         with t("baseline"):
-            return r.baseline(prompts, batch)
+            return r.baseline(prompts, batch, m)
 
     def step(self, step: int) -> dict[str, float]:
         r, m, t = self.roles, MetricBuffer(), StageTimer()
         with t("step"):
-            batch = r.sampling.collect(lambda round: self.rollout_round(step, round, t), m)
+            batch = r.sampling.collect(lambda round: self.rollout_round(step, round, m, t), m)
             with t("ref"):
                 batch = r.ref.log_prob(batch, m)
             with t("old_log_prob"):
@@ -111,7 +112,8 @@ class RLTrainer:
         r, n_val = self.roles, self.roles.data_stats["val_prompts"]
         for start in range(0, n_val, self.val_batch_size):
             prompts, n_pad = r.prompts.validation(start, min(start + self.val_batch_size, n_val))
-            r.report.add_validation(r.reward.score(r.rollout.generate_validation(prompts, step=step)), n_pad)
+            scored = r.reward.score(r.rollout.generate_validation(prompts, step=step), MetricBuffer())  # unshaped
+            r.report.add_validation(scored, n_pad)
         return r.report.validation()
 
     def fit(self) -> dict[str, float]:

@@ -28,7 +28,8 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 
 RoundFn = Callable[[int], Batch]
-"""``round_fn(round_index)``: one generation round on this rank (prompts drawn, generated, scored)."""
+"""``round_fn(round_index)``: one generation round on this rank (prompts drawn, generated, scored), its metrics in
+the step's buffer."""
 
 
 class SingleRound:
@@ -42,11 +43,13 @@ class SingleRound:
 class GreedyBaseline:
     """ReMax: the score of one greedy response per prompt, as ``baseline_scores_B`` on each of its samples."""
 
-    def __init__(self, *, rollout, score: Callable[[Batch], Batch], samples_per_prompt: int):
+    def __init__(self, *, rollout, score: Callable[[Batch, MetricBuffer], Batch], samples_per_prompt: int):
+        """``score``: the training reward (reward role, then shaping) the samples got."""
         self.rollout, self.score, self.n = rollout, score, samples_per_prompt
 
-    def __call__(self, prompts: Batch, batch: Batch) -> Batch:
-        greedy = self.score(self.rollout.generate_greedy(prompts))
+    def __call__(self, prompts: Batch, batch: Batch, metrics: MetricBuffer) -> Batch:
+        """``prompts``: the round's prompts, whose greedy responses are the baseline of ``batch``'s samples."""
+        greedy = self.score(self.rollout.generate_greedy(prompts), metrics)
         return batch.set(baseline_scores_B=greedy["scores_B"].repeat_interleave(self.n))
 
 
@@ -56,13 +59,13 @@ class FollowGreedy:
     def __init__(self, *, rollout):
         self.rollout = rollout
 
-    def __call__(self, prompts: Batch, batch: Batch) -> Batch:
+    def __call__(self, prompts: Batch, batch: Batch, metrics: MetricBuffer) -> Batch:
         self.rollout.generate_greedy(prompts)
         return batch
 
 
 class NoBaseline:
-    def __call__(self, prompts: Batch, batch: Batch) -> Batch:
+    def __call__(self, prompts: Batch, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch
 
 
