@@ -600,6 +600,9 @@ def ignored_settings(cfg: Config) -> list[str]:
     if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (ActorConfig.kl_loss_coef, ActorConfig.kl_loss_type):
         out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
     out += _ignored_policy_loss_settings(cfg.actor)
+    if alg.adv_estimator == "gdpo" and alg.use_kl_in_reward:
+        out.append("algorithm.use_kl_in_reward does not reach gdpo, which reads reward_components_BK, not the token "
+                   "rewards (use actor.use_kl_loss)")
     if alg.gdpo_reward_weights is not None and alg.adv_estimator != "gdpo":
         out.append(f"algorithm.gdpo_reward_weights is set but algorithm.adv_estimator={alg.adv_estimator!r}")
     if alg.grpo_eps != AlgorithmConfig.grpo_eps and alg.adv_estimator not in ("grpo", "grpo_passk", "gdpo"):

@@ -220,6 +220,9 @@ def test_config_validation_names_the_field():
                  actor=ActorConfig(policy_loss="gspo", loss_agg_mode="token-mean"))
     warned = "\n".join(ignored_settings(cfg))
     assert "tis_threshold is set but mode='mis'" in warned and "does not apply to the gspo policy loss" in warned
+    gdpo = Config(algorithm=AlgorithmConfig(adv_estimator="gdpo", use_kl_in_reward=True))
+    assert any("does not reach gdpo" in w for w in ignored_settings(gdpo))
+    assert any("gdpo_reward_weights is set" in w for w in ignored_settings(Config(algorithm=AlgorithmConfig(gdpo_reward_weights=[1.0]))))
 
 
 def test_bypass_needs_one_update_per_step_and_the_correction_on():

@@ -478,7 +478,7 @@ def gpg(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: 
     Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
     arXiv 2504.02546:  A_i = alpha * (s_i - mean_group) / F_norm. alpha follows verl's
     `compute_gpg_outcome_advantage`: B / max(1, number of rows with a non-zero score) (`gpg_alpha`), which for 0/1
-    rewards rescales the gradient by the share of correct samples; the paper writes B / (B - M) with M the rows of
+    rewards divides the gradient by the share of correct samples; the paper writes B / (B - M) with M the rows of
     zero-advantage groups. F_norm = 1 by default (verl's and the paper's best setting); `norm_by_std=True` uses the
     group's unbiased std + eps. A singleton group's mean is 0 (it keeps alpha * score, as in verl); a group of two or
     more equal scores gets 0. Pair with `gpg_loss`.
