@@ -72,5 +72,5 @@ def test_gdpo_reads_reward_components_and_checks_them():
     assert torch.equal(adv, ret)
     with pytest.raises(ValueError, match="needs the batch field reward_components_BK"):
         stage("gdpo", batch([2.0, 1.0, 0.0, 2.0, 1.0]))
-    with pytest.raises(ValueError, match="algorithm.gdpo_reward_weights has 3 entries but the reward manager produced 2"):
+    with pytest.raises(ValueError, match="gdpo_reward_weights has 3 entries but the reward manager produced 2"):
         stage("gdpo", batch([2.0, 1.0, 0.0, 2.0, 1.0], reward_components_BK=components), gdpo_reward_weights=[1, 1, 1])

@@ -381,7 +381,7 @@ def rloo(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor) -> tuple[Tensor
 
 @torch.no_grad()
 def reinforce_pp_baseline(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
-                          eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+                          eps: float = 1e-8) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline: subtract the group mean score, broadcast to tokens, whiten over the batch.
 
     Hu 2025, "REINFORCE++", arXiv 2501.03262 (the variant with a group baseline, for multi-sample prompts).
@@ -390,7 +390,7 @@ def reinforce_pp_baseline(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor
 
     Args:
         scores_B: (B,) outcome scores; mask_BT: (B, T); group_ids_B: (B,) integer ids in any order.
-        eps: added to the batch variance when whitening.
+        eps: added to the batch variance when whitening (verl's `masked_whiten`: 1e-8).
 
     Returns:
         `(advantages_BT, returns_BT)`, the same tensor twice, 0 at masked positions. Whitening uses this batch's

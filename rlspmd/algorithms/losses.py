@@ -219,7 +219,8 @@ def gspo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, ma
 
     n_B = m_BT.sum(dim=-1).clamp(min=1)
     log_seq_ratio_B = ((logprobs_BT.detach() - old_logprobs_BT) * m_BT).sum(dim=-1) / n_B
-    log_seq_ratio_BT = (log_seq_ratio_B.unsqueeze(-1) + logprobs_BT - logprobs_BT.detach()).clamp(max=_GSPO_LOG_RATIO_MAX)
+    log_seq_ratio_BT = log_seq_ratio_B.unsqueeze(-1) + logprobs_BT - logprobs_BT.detach()
+    log_seq_ratio_BT = log_seq_ratio_BT.clamp(max=_GSPO_LOG_RATIO_MAX)
     seq_ratio_BT = log_seq_ratio_BT.exp()
     loss_BT, clipped_BT = _ppo_surrogate(adv_BT, seq_ratio_BT, clip_low, clip_high)
 

@@ -90,8 +90,8 @@ class KLPenalizedTokenRewards:
             token_level_scores(batch["scores_B"], mask), batch["old_logprobs_BR"], batch["ref_logprobs_BR"], mask,
             coef=coef, kind=self.kind,
         )
-        per_sample = sample_mean_kl(kl, mask)
-        totals = all_reduce_sum(torch.stack([per_sample.sum().double(), torch.tensor(float(len(batch)), dtype=torch.float64, device=mask.device)]), mesh=self.mesh)
+        rows = torch.tensor(float(len(batch)), dtype=torch.float64, device=mask.device)
+        totals = all_reduce_sum(torch.stack([sample_mean_kl(kl, mask).sum().double(), rows]), mesh=self.mesh)
         mean_kl = float(totals[0] / totals[1].clamp(min=1))
         self.controller.update(mean_kl, n_steps=int(totals[1]))
         metrics = MetricBuffer()
@@ -164,8 +164,8 @@ class AdvantageStage:
 
     def _gpg(self, batch, rewards, mask):
         scores = rewards.sum(-1)
-        counts = all_reduce_sum(torch.stack([torch.tensor(float(len(batch)), dtype=torch.float64, device=scores.device),
-                                             torch.count_nonzero(scores).double()]), mesh=self.mesh)
+        rows = torch.tensor(float(len(batch)), dtype=torch.float64, device=scores.device)
+        counts = all_reduce_sum(torch.stack([rows, torch.count_nonzero(scores).double()]), mesh=self.mesh)
         alpha = gpg_alpha(num_rows=float(counts[0]), num_nonzero_scores=float(counts[1]))
         return gpg(scores, mask, batch["uid_B"], norm_by_std=False, alpha=alpha)  # F_norm = 1, the paper's best setting
 
