@@ -15,7 +15,8 @@ under both, the correction a policy loss applies and the metrics that show how f
 * `mis` (masked importance sampling / rejection; Liu et al. 2025, "When Speed Kills Stability",
   https://richardli.xyz/rl-collapse): tokens, or whole sequences, whose rho lies outside [mis_lower, mis_upper]
   leave the loss mask (`mask_BT` of every policy loss); this is verl's `rollout_rs` with the `token_k1` /
-  `seq_mean_k1` criteria;
+  `seq_mean_k1` criteria, whose band "lo_hi" bounds 1/rho = pi_rollout / pi_train, so it equals ours with
+  [mis_lower, mis_upper] = [1/hi, 1/lo] (the same band when it is symmetric, lo = 1/hi, as the defaults are);
 * `both`: truncation and rejection; `off`: weights 1, mask unchanged.
 
 The metrics are computed in every mode, so the mismatch is visible before the correction is switched on.
