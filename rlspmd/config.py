@@ -97,7 +97,9 @@ class ActorConfig:
     logprob_max_tokens_per_micro_batch: int | None = None
     """Dynamic batching for the old-log-prob forward (no grad, so it can be larger than the update's). None: off."""
     policy_loss: str = "ppo_clip"
-    """Policy loss (see ``rlspmd.algorithms.POLICY_LOSSES``)."""
+    """Policy loss (see ``rlspmd.algorithms.POLICY_LOSSES``): ppo_clip, gspo, cispo, sapo, gpg, gmpo, clip_cov,
+    kl_cov. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as
+    verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
     clip_ratio_low: float = 0.2
     """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -113,11 +115,37 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss term."""
     kl_loss_type: str = "k3"
-    """KL estimator for the loss term: k1, abs, k2 (mse), k3 (low_var_kl), or a straight-through '+' variant."""
+    """KL estimator for the loss term: k1 (kl), abs, k2 (mse), k3 (low_var_kl), or any of them with '+' (the value
+    of that estimator with k2's gradient, e.g. ``k3+``, ``low_var_kl+``, ``abs+``): verl's names."""
     sapo_tau_pos: float = 1.0
     """SAPO (``policy_loss=sapo``): gate temperature for tokens with a positive advantage."""
     sapo_tau_neg: float = 1.05
     """SAPO (``policy_loss=sapo``): gate temperature for tokens with a non-positive advantage."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov (``policy_loss=clip_cov``): fraction of a micro-batch's valid tokens, drawn at random among those
+    whose advantage-logprob covariance lies in (``clip_cov_lb``, ``clip_cov_ub``), whose gradient is removed
+    (at least one token). In (0, 1]."""
+    clip_cov_lb: float = 1.0
+    """Clip-Cov: lower bound of the covariance band that can be drawn."""
+    clip_cov_ub: float = 5.0
+    """Clip-Cov: upper bound of the covariance band that can be drawn (> ``clip_cov_lb``)."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov (``policy_loss=kl_cov``): fraction of a micro-batch's valid tokens, those of largest
+    advantage-logprob covariance, that get the penalty ``kl_cov_coef * |logp - old_logp|`` (at least one token).
+    In (0, 1]. The paper's recipes: 2e-3 for 7B models, 2e-4 for 32B."""
+    kl_cov_coef: float = 0.1
+    """KL-Cov: coefficient of the penalty on the selected tokens (verl's ``ppo_kl_coef``; the paper's recipes
+    use 1.0)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.clip_cov_ratio <= 1:
+            raise ValueError(f"actor.clip_cov_ratio={self.clip_cov_ratio} must be in (0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"actor.clip_cov_lb={self.clip_cov_lb} must be < actor.clip_cov_ub={self.clip_cov_ub}")
+        if not 0 < self.kl_cov_ratio <= 1:
+            raise ValueError(f"actor.kl_cov_ratio={self.kl_cov_ratio} must be in (0, 1]")
+        if self.kl_cov_coef < 0:
+            raise ValueError(f"actor.kl_cov_coef={self.kl_cov_coef} must be >= 0")
 
 
 @dataclass
@@ -274,13 +302,73 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Correct the policy loss for the rollout engine's probabilities differing from the trainer's.
+
+    With rho = pi_train / pi_rollout of each sampled token (``old_logprobs`` over the engine's ``rollout_logprobs``),
+    or of each sequence as the geometric mean of its token ratios: ``tis`` multiplies each token's loss by
+    min(rho, ``tis_threshold``) (truncated importance sampling), ``mis`` drops tokens or whole sequences whose rho
+    leaves [``mis_lower``, ``mis_upper``] from the loss (masked importance sampling / rejection), ``both`` does both.
+    The weights' and the mismatch's metrics (``rollout_corr/*``) are logged in every mode.
+    """
+
+    mode: Literal["auto", "off", "tis", "mis", "both"] = "auto"
+    """``auto``: ``mis`` when the rollout's numerics differ from training (the vLLM engine, a rollout dtype unlike
+    the actor's compute dtype, or asynchronous rollouts with stale weights), ``off`` for the native engine in the
+    actor's compute dtype (it samples from the trainer's own weights and kernels). Or ``off``, ``tis``, ``mis``,
+    ``both`` explicitly."""
+    level: Literal["token", "sequence"] = "sequence"
+    """The ratio per token, or per sequence as the geometric mean of its token ratios (length-normalised; verl and
+    TRL's sequence modes use the product, which drifts from 1 on long responses)."""
+    tis_threshold: float = 2.0
+    """Truncation cap of the importance weights (``tis``, ``both``); verl's default."""
+    mis_lower: float | None = None
+    """Lower end of the ratio band a token / sequence must lie in to stay (``mis``, ``both``). None: 0.999 at
+    ``sequence`` level (verl's geometric rejection preset, +-0.1%), 0.5 at ``token`` level."""
+    mis_upper: float | None = None
+    """Upper end of the band. None: 1.001 at ``sequence`` level, 2.0 at ``token`` level."""
+    metric_ratio_bound: float = 2.0
+    """c of the metric ``rollout_corr/mismatch/ratio_out_of_bound_frac``: the share of tokens whose ratio leaves
+    [1/c, c]."""
+    bypass: bool = False
+    """Use the rollout's log-probs as the old log-probs and skip the old-log-prob forward (verl's bypass mode).
+    Only with one optimiser update per step (``actor.ppo_epochs=1``, ``actor.mini_batch_size`` =
+    ``data.train_batch_size``) and the correction on: PPO's ratio is then pi_theta / pi_rollout, so its clip bounds
+    the mismatch too, and the rejection band is applied against the current policy inside the loss. Trade-off:
+    one forward fewer per step, but the clip now also spends its range on the engine mismatch."""
+
+    def __post_init__(self) -> None:
+        if not self.tis_threshold > 0:
+            raise ValueError(f"algorithm.rollout_correction.tis_threshold={self.tis_threshold} must be > 0")
+        lower, upper = self.band()
+        if not 0 < lower < upper:
+            raise ValueError(f"algorithm.rollout_correction.mis_lower / mis_upper must satisfy 0 < lower < upper, "
+                             f"got {lower}, {upper} (level {self.level!r})")
+        if not self.metric_ratio_bound > 1:
+            raise ValueError(f"algorithm.rollout_correction.metric_ratio_bound={self.metric_ratio_bound} must be > 1")
+
+    def band(self) -> tuple[float, float]:
+        """The rejection band [mis_lower, mis_upper] with the level's defaults filled in."""
+        default_lower, default_upper = (0.999, 1.001) if self.level == "sequence" else (0.5, 2.0)
+        return (default_lower if self.mis_lower is None else self.mis_lower,
+                default_upper if self.mis_upper is None else self.mis_upper)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator (see ``rlspmd.algorithms.ADVANTAGE_ESTIMATORS``): gae (PPO, needs the critic), grpo,
-    grpo_passk, rloo, reinforce_pp, reinforce_pp_baseline, remax (greedy baseline rollout), opo, gpg."""
+    grpo_passk, rloo, reinforce_pp, reinforce_pp_baseline, remax (greedy baseline rollout), opo, gpg, gdpo (several
+    reward components: needs ``reward_components_BK`` from the reward manager)."""
     norm_adv_by_std: bool = True
-    """grpo and grpo_passk: divide group-relative advantages by the group std. ``False`` with grpo is Dr.GRPO
+    """grpo, grpo_passk and gdpo: divide group-relative advantages by the group std. ``False`` with grpo is Dr.GRPO
     (``--algorithm.no-norm-adv-by-std``). GPG always uses F_norm = 1, its paper's best setting."""
+    grpo_eps: float = 1e-6
+    """epsilon added to the group std by grpo, grpo_passk and gdpo (verl's ``epsilon``); a group of one sample keeps
+    score / (1 + epsilon)."""
+    gdpo_reward_weights: list[float] | None = None
+    """gdpo: weight of each reward component (one per column of ``reward_components_BK``, in its order) in the sum
+    of the group-normalised components. None: all 1."""
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -289,11 +377,19 @@ class AlgorithmConfig:
     """Subtract ``kl_ctrl.kl_coef * KL(policy || reference)`` from every response token's reward (InstructGPT-style
     PPO, REINFORCE++). Needs the reference model. Independent of ``actor.use_kl_loss``."""
     kl_penalty: str = "k1"
-    """KL estimator for the in-reward penalty: k1, abs, k2 (mse), k3 (low_var_kl)."""
+    """KL estimator for the in-reward penalty: k1 (kl), abs, k2 (mse), k3 (low_var_kl); a '+' form gives the same
+    values (verl's names are accepted)."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    """Coefficient of the in-reward KL penalty: fixed or adaptive."""
+    """Coefficient of the in-reward KL penalty: fixed or adaptive (steered by the mean over samples of each sample's
+    mean KL, over the global batch)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance-sampling correction of the policy loss for the rollout engine's numerics, and its metrics."""
+
+    def __post_init__(self) -> None:
+        if self.grpo_eps < 0:
+            raise ValueError(f"algorithm.grpo_eps={self.grpo_eps} must be >= 0")
 
 
 @dataclass
@@ -498,6 +594,34 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append("reward.model.* is set but reward.model.path is None")
     if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (ActorConfig.kl_loss_coef, ActorConfig.kl_loss_type):
         out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
+    out += _ignored_policy_loss_settings(cfg.actor)
+    if alg.adv_estimator == "gdpo" and alg.use_kl_in_reward:
+        out.append("algorithm.use_kl_in_reward does not reach gdpo, which reads reward_components_BK, not the token "
+                   "rewards (use actor.use_kl_loss)")
+    if alg.gdpo_reward_weights is not None and alg.adv_estimator != "gdpo":
+        out.append(f"algorithm.gdpo_reward_weights is set but algorithm.adv_estimator={alg.adv_estimator!r}")
+    if alg.grpo_eps != AlgorithmConfig.grpo_eps and alg.adv_estimator not in ("grpo", "grpo_passk", "gdpo"):
+        out.append(f"algorithm.grpo_eps applies to grpo, grpo_passk and gdpo, not {alg.adv_estimator!r}")
+    rc = alg.rollout_correction
+    if rc.mode in ("off", "mis") and rc.tis_threshold != RolloutCorrectionConfig.tis_threshold:
+        out.append(f"algorithm.rollout_correction.tis_threshold is set but mode={rc.mode!r} does not truncate")
+    if rc.mode in ("off", "tis") and (rc.mis_lower, rc.mis_upper) != (None, None):
+        out.append(f"algorithm.rollout_correction.mis_lower / mis_upper are set but mode={rc.mode!r} rejects nothing")
+    return out
+
+
+def _ignored_policy_loss_settings(actor: ActorConfig) -> list[str]:
+    out, loss = [], actor.policy_loss
+    if loss in ("gspo", "sapo", "gmpo") and actor.loss_agg_mode != "seq-mean-token-mean":
+        out.append(f"actor.loss_agg_mode={actor.loss_agg_mode!r} does not apply to the {loss} policy loss, which "
+                   f"aggregates seq-mean-token-mean as verl does (it still applies to the KL and entropy terms)")
+    if loss != "clip_cov" and (actor.clip_cov_ratio, actor.clip_cov_lb, actor.clip_cov_ub) != (
+            ActorConfig.clip_cov_ratio, ActorConfig.clip_cov_lb, ActorConfig.clip_cov_ub):
+        out.append(f"actor.clip_cov_* are set but actor.policy_loss={loss!r}")
+    if loss != "kl_cov" and (actor.kl_cov_ratio, actor.kl_cov_coef) != (ActorConfig.kl_cov_ratio, ActorConfig.kl_cov_coef):
+        out.append(f"actor.kl_cov_* are set but actor.policy_loss={loss!r}")
+    if loss != "sapo" and (actor.sapo_tau_pos, actor.sapo_tau_neg) != (ActorConfig.sapo_tau_pos, ActorConfig.sapo_tau_neg):
+        out.append(f"actor.sapo_tau_* are set but actor.policy_loss={loss!r}")
     return out
 
 

@@ -15,6 +15,7 @@ from rlspmd.algorithms import (
     agg_loss,
     apply_kl_in_reward,
     kl_penalty,
+    sample_mean_kl,
     local_denominators,
 )
 
@@ -104,16 +105,25 @@ K3 = [math.exp(-0.5) - 0.5, math.e - 2.0]
 K3_GRAD = [1 - math.exp(-0.5), 1 - math.e]
 EXPECTED = {  # kind: (value, d value / d logp)
     "k1": ([0.5, -1.0], [1.0, 1.0]),
+    "kl": ([0.5, -1.0], [1.0, 1.0]),  # verl's name for k1
     "abs": ([0.5, 1.0], [1.0, -1.0]),
     "k2": ([0.125, 0.5], [0.5, -1.0]),
     "mse": ([0.125, 0.5], [0.5, -1.0]),
     "k3": (K3, K3_GRAD),
     "low_var_kl": (K3, K3_GRAD),
-    # Straight-through: value of the base estimator, gradient of k2 (= d).
+    # Straight-through: value of the base estimator, gradient of k2 (= d), for every name verl accepts with "+".
     "k1+": ([0.5, -1.0], [0.5, -1.0]),
+    "kl+": ([0.5, -1.0], [0.5, -1.0]),
+    "abs+": ([0.5, 1.0], [0.5, -1.0]),
     "k2+": ([0.125, 0.5], [0.5, -1.0]),
+    "mse+": ([0.125, 0.5], [0.5, -1.0]),
     "k3+": (K3, [0.5, -1.0]),
+    "low_var_kl+": (K3, [0.5, -1.0]),
 }
+
+
+def test_kl_names_are_verls():
+    assert set(KL_ESTIMATORS) == set(EXPECTED)
 
 
 @pytest.mark.parametrize("kind", sorted(KL_ESTIMATORS))
@@ -145,6 +155,20 @@ def test_apply_kl_in_reward():
     rewards, kl = apply_kl_in_reward(scores, t([LOGP]), t([REF]), t([[1, 0]]), coef=0.1, kind="k1")
     assert_close(rewards, t([[-0.05, 1.0]]))
     assert_close(kl, t([[0.5, 0.0]]))
+
+
+def test_sample_mean_kl_weighs_every_sample_alike():
+    # Row 0: KL 0.5, -1.0, 3.0 on valid tokens 0 and 2 (position 1 is a tool-token hole): mean (0.5 + 3) / 2 = 1.75.
+    # Row 1: a single valid token with KL 0.25. Row 2: no valid token -> 0.
+    # The controller's KL (verl's) is the mean of these over samples, (1.75 + 0.25 + 0) / 3 = 2/3, not the
+    # per-token mean (0.5 + 3 + 0.25) / 3 = 1.25.
+    kl = t([[0.5, -1.0, 3.0], [0.25, 7.0, 7.0], [9.0, 9.0, 9.0]])
+    mask = t([[1, 0, 1], [1, 0, 0], [0, 0, 0]])
+    per_sample = sample_mean_kl(kl, mask)
+    assert_close(per_sample, t([1.75, 0.25, 0.0]))
+    assert per_sample.mean().item() == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="same 2-D shape"):
+        sample_mean_kl(kl, mask[:2])
 
 
 # ---------------------------------------------------------------------------------------------------------------

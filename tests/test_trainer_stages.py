@@ -9,6 +9,7 @@ import torch
 from rlspmd.algorithms import (
     ADVANTAGE_ESTIMATORS,
     gae,
+    gdpo,
     gpg,
     grpo_outcome,
     grpo_passk,
@@ -85,7 +86,8 @@ def test_kl_in_reward_fixed_coefficient_hand_computed():
     torch.testing.assert_close(out["token_rewards_BR"][1:], TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"][1:])
     m = metrics.reduce(mesh=None)
     assert m["kl_in_reward/coef"] == pytest.approx(0.1)
-    assert m["kl_in_reward/kl"] == pytest.approx(-0.5 / MASK.sum().item())
+    # verl's controller KL: the mean over the 6 samples of each sample's mean KL (row 0: -0.5 / 3, others 0)
+    assert m["kl_in_reward/kl"] == pytest.approx(-0.5 / 3 / 6)
     assert stage.state_dict() == {"kl_ctrl": {"value": 0.1}}
 
 
@@ -94,7 +96,7 @@ def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
                           kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.2, target_kl=0.1, horizon=60))
     stage = build_token_rewards(cfg, mesh=None)
     stage(kl_batch(), MetricBuffer())
-    mean_kl = 1.5 / MASK.sum().item()  # abs: 0.5 + 1.0 on row 0
+    mean_kl = 1.5 / 3 / 6  # abs: 0.5 + 1.0 over row 0's 3 tokens; the mean over 6 samples of per-sample means
     error = min(max(mean_kl / 0.1 - 1, -0.2), 0.2)
     assert stage.controller.value == pytest.approx(0.2 * (1 + error * 6 / 60))
     fresh = build_token_rewards(cfg, mesh=None)
@@ -116,6 +118,7 @@ def test_every_estimator_is_wired_to_its_library_function():
     m = MASK.float()
     values = torch.linspace(-1, 1, 24).view(6, 4)
     baseline = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
+    components = torch.stack([SCORES, (SCORES > 0.7).float()], -1)
     tokens = TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"]
     expected = {
         "grpo": grpo_outcome(SCORES, m, UID, norm_by_std=True),
@@ -123,7 +126,8 @@ def test_every_estimator_is_wired_to_its_library_function():
         "rloo": rloo(SCORES, m, UID),
         "opo": opo(SCORES, m, UID),
         "gpg": gpg(SCORES, m, UID),  # one rank: the global alpha is the local one
-        "remax": remax(SCORES, baseline, m),
+        "remax": remax(tokens, baseline, m),
+        "gdpo": gdpo(components, m, UID),  # one rank: global whitening is the library's own
         # one rank: global whitening is the library's own batch whitening
         "reinforce_pp": reinforce_pp(tokens, m, gamma=0.9),
         "reinforce_pp_baseline": reinforce_pp_baseline(SCORES, m, UID),
@@ -132,9 +136,10 @@ def test_every_estimator_is_wired_to_its_library_function():
     expected["gae"] = (masked_whiten(adv, m), ret)
     assert set(expected) == set(ADVANTAGE_ESTIMATORS)
     for name, (want_adv, want_ret) in expected.items():
-        got_adv, got_ret = advantages(name, batch(values_BR=values, baseline_scores_B=baseline), gamma=0.9, lam=0.8)
+        got_adv, got_ret = advantages(name, batch(values_BR=values, baseline_scores_B=baseline,
+                                                  reward_components_BK=components), gamma=0.9, lam=0.8)
         torch.testing.assert_close(got_adv, want_adv.float(), msg=lambda s: f"{name}: {s}")
-        if name != "reinforce_pp_baseline":  # its returns are its (whitened) advantages
+        if name not in ("reinforce_pp_baseline", "gdpo"):  # their returns are their (whitened) advantages
             torch.testing.assert_close(got_ret, want_ret.float(), msg=lambda s: f"{name}: {s}")
 
 
@@ -152,7 +157,7 @@ def test_dr_grpo_and_std_option_defaults():
     dr, _ = advantages("grpo", batch(), norm_adv_by_std=False)
     # group 7 = rows 0, 1, 3 with scores 1, 0, 1: mean 2/3, no std division
     torch.testing.assert_close(dr[:, 0][[0, 1, 3]], torch.tensor([1 / 3, -2 / 3, 1 / 3]))
-    assert dr[5].abs().sum() == 0  # singleton
+    torch.testing.assert_close(dr[5], 0.5 * MASK[5].float())  # a singleton keeps its score (verl)
     gpg_default, _ = advantages("gpg", batch())
     torch.testing.assert_close(gpg_default, gpg(SCORES, MASK.float(), UID, norm_by_std=False)[0])
     with pytest.raises(ValueError, match="algorithm.adv_estimator='ppo'"):

@@ -6,13 +6,18 @@ tool / observation tokens. Where a quantity must be global (loss denominators, w
 the function takes it as an argument and the trainer does the one all-reduce that produces it.
 
 A config string selects an implementation through the registries:
-`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`, `AGG_MODES`.
+`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`, `AGG_MODES`. Rollout correction (importance weights
+pi_train / pi_rollout, truncation and rejection, mismatch metrics) is in `rollout_correction.py`; its weights and
+mask go into any policy loss through `weights_BT` / `mask_BT`.
 """
 
 from rlspmd.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
     gae,
+    gdpo,
+    gdpo_combine,
     gpg,
+    gpg_alpha,
     grpo_outcome,
     grpo_passk,
     masked_moments,
@@ -32,40 +37,59 @@ from rlspmd.algorithms.kl import (
     FixedKLController,
     apply_kl_in_reward,
     kl_penalty,
+    sample_mean_kl,
 )
 from rlspmd.algorithms.losses import (
+    MICRO_BATCH_LOCAL_LOSSES,
     POLICY_LOSS_OPTIONS,
     POLICY_LOSSES,
     cispo,
+    clip_cov,
     entropy_bonus,
     gmpo,
     gpg_loss,
     gspo,
+    kl_cov,
     ppo_clip,
     sapo,
     value_loss,
+)
+from rlspmd.algorithms.rollout_correction import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    RolloutCorrection,
+    rollout_correction,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
     "KL_ESTIMATORS",
+    "MICRO_BATCH_LOCAL_LOSSES",
     "POLICY_LOSSES",
     "POLICY_LOSS_OPTIONS",
     "AdaptiveKLController",
     "AggArgs",
     "FixedKLController",
+    "RolloutCorrection",
     "agg_loss",
     "apply_kl_in_reward",
     "cispo",
+    "clip_cov",
     "entropy_bonus",
     "gae",
+    "gdpo",
+    "gdpo_combine",
     "gmpo",
     "gpg",
+    "gpg_alpha",
     "gpg_loss",
     "grpo_outcome",
     "grpo_passk",
     "gspo",
+    "kl_cov",
     "kl_penalty",
     "local_denominators",
     "masked_moments",
@@ -76,6 +100,8 @@ __all__ = [
     "reinforce_pp_baseline",
     "remax",
     "rloo",
+    "rollout_correction",
+    "sample_mean_kl",
     "sapo",
     "token_level_scores",
     "value_loss",

@@ -5,15 +5,21 @@ these tensors). `mask_BT` is 1.0 for response tokens that count and 0.0 for padd
 inside a multi-turn response; such holes are skipped by the recursions below, never treated as episode ends.
 
 Every estimator returns `(advantages_BT, returns_BT)` with 0 at masked positions, and runs without autograd
-(advantages are constants of the policy loss). The group estimators (GRPO, RLOO, OPO, GPG, ...) take
+(advantages are constants of the policy loss). The group estimators (GRPO, RLOO, OPO, GPG, GDPO, ...) take
 `group_ids_B`, an integer id per row naming the prompt it answers; rows may come in any order and a group's rows
-need not be adjacent. A group whose scores are all equal, singletons included, carries no learning signal and gets
-exactly 0 advantage. For these outcome estimators `returns_BT` is the advantage itself (there is no critic to fit).
+need not be adjacent. For these outcome estimators `returns_BT` is the advantage itself (there is no critic to fit).
 
-Whitening: none of the estimators here whitens except REINFORCE++ (whose definition includes it). PPO with GAE
-whitens advantages across the GLOBAL batch in the trainer: `masked_moments` on each rank, one all-reduce, then
-`masked_whiten(..., moments=global_moments)`. The same works for the REINFORCE++ variants: whiten their
-`returns_BT` / raw advantages with global moments instead of the local whitening they apply.
+Groups follow verl (`verl/trainer/ppo/core_algos.py`) so that a user switching gets the same numbers:
+* a group holding a single sample has mean 0 and std 1, so it keeps its score (GRPO: score / (1 + eps) with the std
+  division, the raw score without; RLOO, OPO, REINFORCE++-baseline and GPG: the raw score);
+* a group of two or more samples whose scores are all equal gets exactly 0. verl computes (s - mean) / (0 + eps)
+  there, which is 0 up to the mean's last-bit rounding error divided by eps; we make it exactly 0.
+
+Whitening: none of the estimators here whitens except the REINFORCE++ variants and GDPO (whose definitions
+include it). PPO with GAE whitens advantages across the GLOBAL batch in the trainer: `masked_moments` on each rank,
+one all-reduce, then `masked_whiten(..., moments=global_moments)`. The same works for the others: whiten the
+REINFORCE++ `returns_BT` / centred scores and `gdpo_combine`'s output with global moments instead of the local
+whitening the library functions apply.
 """
 
 from __future__ import annotations
@@ -68,13 +74,14 @@ def _group_reduce(x_B: Tensor, inv_B: Tensor, num_groups: int, op: str) -> Tenso
 
 
 def _group_stats(s_B: Tensor, inv_B: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-group (count, mean, unbiased std); std of a singleton is defined as 1 (its deviation is 0 anyway)."""
+    """Per-group (count, mean, unbiased std) with verl's convention for a group of one: mean 0 and std 1, so the
+    singleton keeps its score (`compute_grpo_outcome_advantage` in verl's core_algos.py)."""
     n_G = _group_sum(torch.ones_like(s_B), inv_B, num_groups)
     mean_G = _group_sum(s_B, inv_B, num_groups) / n_G
     dev_B = s_B - mean_G[inv_B]
     var_G = _group_sum(dev_B * dev_B, inv_B, num_groups) / (n_G - 1).clamp(min=1)
-    std_G = torch.where(n_G > 1, var_G.sqrt(), torch.ones_like(var_G))
-    return n_G, mean_G, std_G
+    single_G = n_G == 1
+    return n_G, torch.where(single_G, 0.0, mean_G), torch.where(single_G, 1.0, var_G.sqrt())
 
 
 def _zero_variance(s_B: Tensor, inv_B: Tensor, num_groups: int) -> Tensor:
@@ -85,21 +92,30 @@ def _zero_variance(s_B: Tensor, inv_B: Tensor, num_groups: int) -> Tensor:
     return (max_G == min_G)[inv_B]
 
 
+def _degenerate(s_B: Tensor, inv_B: Tensor, num_groups: int, n_G: Tensor) -> Tensor:
+    """Rows of a group of two or more samples whose scores are all equal: exactly 0 advantage."""
+    return _zero_variance(s_B, inv_B, num_groups) & (n_G > 1)[inv_B]
+
+
 def _broadcast(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
     return adv_B.unsqueeze(-1) * mask_BT.to(adv_B.dtype)
 
 
 @torch.no_grad()
-def zero_variance_rows(scores_B: Tensor, group_ids_B: Tensor) -> Tensor:
-    """Which rows belong to a group whose scores are all equal (singleton groups included).
+def zero_variance_rows(scores_B: Tensor, group_ids_B: Tensor, *, include_singletons: bool = True) -> Tensor:
+    """Which rows belong to a group whose scores are all equal.
 
-    Such groups give every group-relative estimator a zero advantage; DAPO's dynamic sampling drops them and
-    GPG counts them (its M). Args: scores_B (B,), group_ids_B (B,) integer ids in any order.
-    Returns: (B,) bool.
+    Groups of two or more such rows give every group-relative estimator a zero advantage; DAPO's dynamic sampling
+    drops them. A group of one is "all equal" too and is included by default; verl's dynamic sampling keeps
+    singletons (they keep their score as advantage, see the module docstring): pass `include_singletons=False`
+    for that. Args: scores_B (B,), group_ids_B (B,) integer ids in any order. Returns: (B,) bool.
     """
     s_B = _as_float(scores_B)
     inv_B, num_groups = _groups(group_ids_B, s_B.shape[0])
-    return _zero_variance(s_B, inv_B, num_groups)
+    if include_singletons:
+        return _zero_variance(s_B, inv_B, num_groups)
+    n_G = _group_sum(torch.ones_like(s_B), inv_B, num_groups)
+    return _degenerate(s_B, inv_B, num_groups, n_G)
 
 
 @torch.no_grad()
@@ -257,6 +273,15 @@ def reinforce_pp(token_rewards_BT: Tensor, mask_BT: Tensor, *, gamma: float) -> 
 # Outcome estimators (one scalar score per sequence, broadcast to its tokens)
 
 
+def _group_normalise(s_B: Tensor, inv_B: Tensor, num_groups: int, *, norm_by_std: bool, eps: float) -> Tensor:
+    """(s - group mean) [/ (group std + eps)] per row, verl's singleton convention, exact 0 for all-equal groups."""
+    n_G, mean_G, std_G = _group_stats(s_B, inv_B, num_groups)
+    adv_B = s_B - mean_G[inv_B]
+    if norm_by_std:
+        adv_B = adv_B / (std_G[inv_B] + eps)
+    return torch.where(_degenerate(s_B, inv_B, num_groups, n_G), 0.0, adv_B)
+
+
 @torch.no_grad()
 def grpo_outcome(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: bool = True,
                  eps: float = 1e-6) -> tuple[Tensor, Tensor]:
@@ -264,18 +289,19 @@ def grpo_outcome(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm
 
     Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
     arXiv 2402.03300. `norm_by_std=False` drops the division, which is Dr.GRPO (Liu et al. 2025, "Understanding
-    R1-Zero-Like Training: A Critical Perspective", arXiv 2503.20783).
+    R1-Zero-Like Training: A Critical Perspective", arXiv 2503.20783). Matches verl's
+    `compute_grpo_outcome_advantage` (core_algos.py).
 
-    The std is the UNBIASED one (divides by n - 1, `torch.std`'s default), as in the GRPO reference
-    implementations. Singleton groups get 0 (their mean is their score; std is taken as 1). Groups whose scores
-    are all equal get exactly 0.
+    The std is the UNBIASED one (divides by n - 1, `torch.std`'s default), as in verl. A singleton group has mean 0
+    and std 1: its advantage is score / (1 + eps), or the raw score with `norm_by_std=False`. A group of two or
+    more whose scores are all equal gets exactly 0.
 
     Args:
         scores_B: (B,) outcome score per sequence.
         mask_BT: (B, T) response mask.
         group_ids_B: (B,) integer prompt id per row, any order.
         norm_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
-        eps: added to the std.
+        eps: added to the std (`algorithm.grpo_eps`).
 
     Returns:
         `(advantages_BT, returns_BT)`, the same tensor twice, 0 at masked positions.
@@ -283,12 +309,7 @@ def grpo_outcome(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm
     _check_B("scores_B", scores_B, mask_BT)
     s_B = _as_float(scores_B)
     inv_B, num_groups = _groups(group_ids_B, s_B.shape[0])
-    _, mean_G, std_G = _group_stats(s_B, inv_B, num_groups)
-    adv_B = s_B - mean_G[inv_B]
-    if norm_by_std:
-        adv_B = adv_B / (std_G[inv_B] + eps)
-    adv_B = torch.where(_zero_variance(s_B, inv_B, num_groups), 0.0, adv_B)
-    adv_BT = _broadcast(adv_B, mask_BT)
+    adv_BT = _broadcast(_group_normalise(s_B, inv_B, num_groups, norm_by_std=norm_by_std, eps=eps), mask_BT)
     return adv_BT, adv_BT
 
 
@@ -299,11 +320,11 @@ def grpo_passk(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, eps: f
 
     Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives using Reinforcement Learning",
     arXiv 2503.19595: for the pass@k objective with k = group size, the leave-one-out control variate leaves a
-    gradient only on the group's maximum, weighted by max - second max.
+    gradient only on the group's maximum, weighted by max - second max. verl: `compute_grpo_passk_outcome_advantage`.
 
     The best row is the first row (in batch order) holding the group maximum; with a tie the gap is 0, so the
-    whole group gets 0. Singleton groups get 0 (no second best). With `norm_by_std` the gap is divided by the
-    group's unbiased std + eps.
+    whole group gets 0. With `norm_by_std` the gap is divided by the group's unbiased std + eps. A singleton group
+    has no second best and gets 0 (verl raises an error there instead; a run with one sample per prompt keeps going).
 
     Args:
         scores_B: (B,) outcome scores; mask_BT: (B, T); group_ids_B: (B,) integer ids in any order.
@@ -337,7 +358,8 @@ def rloo(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor) -> tuple[Tensor
 
     Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback
     in LLMs", arXiv 2402.14740 (after Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!").
-    Singleton groups (no other sample) and all-equal groups get 0.
+    verl: `compute_rloo_outcome_advantage`. A singleton group (no other sample) keeps its raw score; a group of two
+    or more equal scores gets 0.
 
     Args:
         scores_B: (B,) outcome scores; mask_BT: (B, T); group_ids_B: (B,) integer ids in any order.
@@ -350,24 +372,25 @@ def rloo(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor) -> tuple[Tensor
     inv_B, num_groups = _groups(group_ids_B, s_B.shape[0])
     n_G = _group_sum(torch.ones_like(s_B), inv_B, num_groups)
     sum_G = _group_sum(s_B, inv_B, num_groups)
+    # A singleton's "others" sum to exactly 0 (its group sum is its score), so it keeps its score.
     others_mean_B = (sum_G[inv_B] - s_B) / (n_G[inv_B] - 1).clamp(min=1)
-    adv_B = torch.where(_zero_variance(s_B, inv_B, num_groups), 0.0, s_B - others_mean_B)
+    adv_B = torch.where(_degenerate(s_B, inv_B, num_groups, n_G), 0.0, s_B - others_mean_B)
     adv_BT = _broadcast(adv_B, mask_BT)
     return adv_BT, adv_BT
 
 
 @torch.no_grad()
 def reinforce_pp_baseline(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
-                          eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+                          eps: float = 1e-8) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline: subtract the group mean score, broadcast to tokens, whiten over the batch.
 
     Hu 2025, "REINFORCE++", arXiv 2501.03262 (the variant with a group baseline, for multi-sample prompts).
-    All-equal and singleton groups have a centred score of 0 before whitening (whitening then shifts them
-    by the batch mean like every other token).
+    verl: `compute_reinforce_plus_plus_baseline_outcome_advantage`. A singleton group's mean is 0, so its centred
+    score is its raw score; all-equal groups centre to 0; whitening then shifts every token by the batch mean.
 
     Args:
         scores_B: (B,) outcome scores; mask_BT: (B, T); group_ids_B: (B,) integer ids in any order.
-        eps: added to the batch variance when whitening.
+        eps: added to the batch variance when whitening (verl's `masked_whiten`: 1e-8).
 
     Returns:
         `(advantages_BT, returns_BT)`, the same tensor twice, 0 at masked positions. Whitening uses this batch's
@@ -380,25 +403,33 @@ def reinforce_pp_baseline(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor
 
 
 @torch.no_grad()
-def remax(scores_B: Tensor, baseline_scores_B: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor]:
-    """ReMax: the score minus the score of the greedy response to the same prompt, broadcast to tokens.
+def remax(token_rewards_BT: Tensor, baseline_scores_B: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor]:
+    """ReMax: the reward-to-go at every token minus the score of the greedy response to the same prompt.
 
     Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large
-    Language Models", arXiv 2310.10505. The caller generates the greedy rollout and scores it.
+    Language Models", arXiv 2310.10505; verl's `compute_remax_outcome_advantage`:
+        G_t = sum over valid tokens t' >= t of r_t',   A_t = G_t - b,
+    where r are the per-token rewards (the score on the last valid token, minus a per-token KL penalty when KL is in
+    the reward) and b the greedy response's score. Rewards at masked positions (padding, tool tokens) never count,
+    and both outputs are 0 there (verl leaves the reward-to-go at a tool-token hole non-zero; it never reaches a
+    loss). The caller generates the greedy rollout and scores it.
 
     Args:
-        scores_B: (B,) scores of the sampled responses.
+        token_rewards_BT: (B, T) per-token rewards.
         baseline_scores_B: (B,) score of the greedy response for each row's prompt.
         mask_BT: (B, T) response mask.
 
     Returns:
-        `(advantages_BT, returns_BT)`, the same tensor twice, 0 at masked positions.
+        `(advantages_BT, returns_BT)`: A and G, both 0 at masked positions.
     """
-    _check_B("scores_B", scores_B, mask_BT)
+    _check_BT("token_rewards_BT", token_rewards_BT, mask_BT)
     _check_B("baseline_scores_B", baseline_scores_B, mask_BT)
-    adv_B = _as_float(scores_B) - _as_float(baseline_scores_B)
-    adv_BT = _broadcast(adv_B, mask_BT)
-    return adv_BT, adv_BT
+    valid_BT = mask_BT > 0
+    rewards_BT = torch.where(valid_BT, _as_float(token_rewards_BT), 0.0)
+    returns_BT = torch.where(valid_BT, rewards_BT.flip(-1).cumsum(-1).flip(-1), 0.0)
+    baseline_B1 = _as_float(baseline_scores_B).to(returns_BT.dtype).unsqueeze(-1)
+    adv_BT = torch.where(valid_BT, returns_BT - baseline_B1, 0.0)
+    return adv_BT, returns_BT
 
 
 @torch.no_grad()
@@ -407,8 +438,9 @@ def opo(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor) -> tuple[Tensor,
 
     Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585: for sequence-level rewards the
     variance-optimal baseline weights each sample by its gradient norm, approximated by its length. `l_j` is the
-    number of valid tokens of row j (tool tokens do not count). A group whose lengths are all 0 falls back to the
-    plain mean; all-equal and singleton groups get 0.
+    number of valid tokens of row j (tool tokens do not count). verl: `compute_opo_outcome_advantage`. A singleton
+    group's baseline is 0 (it keeps its raw score); a group whose lengths are all 0 falls back to the plain mean
+    (verl divides 0 by 0 there); a group of two or more equal scores gets 0.
 
     Args:
         scores_B: (B,) outcome scores; mask_BT: (B, T); group_ids_B: (B,) integer ids in any order.
@@ -422,29 +454,37 @@ def opo(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor) -> tuple[Tensor,
     len_B = (mask_BT > 0).sum(dim=-1).to(s_B.dtype)
     weighted_G = _group_sum(len_B * s_B, inv_B, num_groups)
     total_len_G = _group_sum(len_B, inv_B, num_groups)
-    _, mean_G, _ = _group_stats(s_B, inv_B, num_groups)
+    n_G, mean_G, _ = _group_stats(s_B, inv_B, num_groups)
     baseline_G = torch.where(total_len_G > 0, weighted_G / total_len_G.clamp(min=1), mean_G)
-    adv_B = torch.where(_zero_variance(s_B, inv_B, num_groups), 0.0, s_B - baseline_G[inv_B])
+    baseline_G = torch.where(n_G == 1, 0.0, baseline_G)
+    adv_B = torch.where(_degenerate(s_B, inv_B, num_groups, n_G), 0.0, s_B - baseline_G[inv_B])
     adv_BT = _broadcast(adv_B, mask_BT)
     return adv_BT, adv_BT
+
+
+def gpg_alpha(*, num_rows: int | float, num_nonzero_scores: int | float) -> float:
+    """GPG's scaling factor as verl computes it: alpha = B / max(1, number of non-zero scores).
+
+    Pass counts summed over DP ranks for a global alpha (`AdvantageStage` does one all-reduce).
+    """
+    return float(num_rows) / max(1.0, float(num_nonzero_scores))
 
 
 @torch.no_grad()
 def gpg(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: bool = False, eps: float = 1e-6,
         alpha: float | None = None) -> tuple[Tensor, Tensor]:
-    """GPG (Group Policy Gradient): group-mean baseline scaled by the valid-sample factor alpha.
+    """GPG (Group Policy Gradient): group-mean baseline scaled by alpha.
 
     Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
-    arXiv 2504.02546:  A_i = alpha * (s_i - mean_group) / F_norm,  alpha = B / (B - M),
-    where B is the number of rows and M the number of rows whose advantage is 0 because their group's scores are
-    all equal (all right / all wrong; singletons included). Such rows add nothing to the gradient but still count in
-    the loss's denominator; alpha rescales the rest so the gradient is not shrunk by them (the paper's "accurate
-    gradient estimation"). F_norm = 1 by default (the paper's best setting); `norm_by_std=True` uses the group's
-    unbiased std + eps. Pair with `gpg_loss`.
+    arXiv 2504.02546:  A_i = alpha * (s_i - mean_group) / F_norm. alpha follows verl's
+    `compute_gpg_outcome_advantage`: B / max(1, number of rows with a non-zero score) (`gpg_alpha`), which for 0/1
+    rewards divides the gradient by the share of correct samples; the paper writes B / (B - M) with M the rows of
+    zero-advantage groups. F_norm = 1 by default (verl's and the paper's best setting); `norm_by_std=True` uses the
+    group's unbiased std + eps. A singleton group's mean is 0 (it keeps alpha * score, as in verl); a group of two or
+    more equal scores gets 0. Pair with `gpg_loss`.
 
-    alpha is computed over the rows given here. When advantages are computed per DP rank, compute a global alpha
-    from all-reduced counts (`zero_variance_rows(...).sum()` and B on each rank) and pass it as `alpha`.
-    If every row is degenerate (B == M) alpha is 1 (all advantages are 0 anyway).
+    alpha is computed over the rows given here. When advantages are computed per DP rank, sum B and the non-zero
+    count over the ranks and pass `alpha=gpg_alpha(...)` of the totals.
 
     Args:
         scores_B: (B,) outcome scores; mask_BT: (B, T); group_ids_B: (B,) integer ids in any order.
@@ -459,16 +499,70 @@ def gpg(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: 
     s_B = _as_float(scores_B)
     B = s_B.shape[0]
     inv_B, num_groups = _groups(group_ids_B, B)
-    _, mean_G, std_G = _group_stats(s_B, inv_B, num_groups)
-    degenerate_B = _zero_variance(s_B, inv_B, num_groups)
-    adv_B = s_B - mean_G[inv_B]
-    if norm_by_std:
-        adv_B = adv_B / (std_G[inv_B] + eps)
-    adv_B = torch.where(degenerate_B, 0.0, adv_B)
+    adv_B = _group_normalise(s_B, inv_B, num_groups, norm_by_std=norm_by_std, eps=eps)
     if alpha is None:
-        num_valid = B - int(degenerate_B.sum())
-        alpha = B / num_valid if num_valid > 0 else 1.0
+        alpha = gpg_alpha(num_rows=B, num_nonzero_scores=int(torch.count_nonzero(s_B)))
     adv_BT = _broadcast(alpha * adv_B, mask_BT)
+    return adv_BT, adv_BT
+
+
+@torch.no_grad()
+def gdpo_combine(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
+                 weights_K: Tensor | list[float] | tuple[float, ...] | None = None, norm_by_std: bool = True,
+                 eps: float = 1e-6) -> Tensor:
+    """GDPO before its batch whitening: Σ_k w_k * GRPO-normalised component k, broadcast to the valid tokens.
+
+    See `gdpo`. Each column of `components_BK` is group-normalised on its own exactly as `grpo_outcome` does
+    (same singleton and all-equal rules), then the columns are summed with `weights_K`.
+
+    Returns:
+        (B, T) combined advantage, 0 at masked positions, not yet whitened.
+    """
+    if components_BK.dim() != 2 or components_BK.shape[0] != mask_BT.shape[0] or components_BK.shape[1] == 0:
+        raise ValueError(f"components_BK must have shape ({mask_BT.shape[0]}, K) with K >= 1 to match mask_BT "
+                         f"{tuple(mask_BT.shape)}, got {tuple(components_BK.shape)}")
+    c_BK = _as_float(components_BK)
+    K = c_BK.shape[1]
+    w_K = torch.ones(K, dtype=c_BK.dtype, device=c_BK.device) if weights_K is None else \
+        torch.as_tensor(weights_K, dtype=c_BK.dtype, device=c_BK.device)
+    if w_K.shape != (K,):
+        raise ValueError(f"weights_K has {w_K.numel()} entries but components_BK has {K} reward components")
+    inv_B, num_groups = _groups(group_ids_B, c_BK.shape[0])
+    combined_B = torch.zeros(c_BK.shape[0], dtype=c_BK.dtype, device=c_BK.device)
+    for k in range(K):
+        combined_B += w_K[k] * _group_normalise(c_BK[:, k], inv_B, num_groups, norm_by_std=norm_by_std, eps=eps)
+    return _broadcast(combined_B, mask_BT)
+
+
+@torch.no_grad()
+def gdpo(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
+         weights_K: Tensor | list[float] | tuple[float, ...] | None = None, norm_by_std: bool = True,
+         eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """GDPO: several reward components, each group-normalised, then weighted, summed and whitened over the batch.
+
+    Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
+    Optimization", arXiv 2601.05242. With K rewards r_k per sample (correctness, format, length, ...):
+        A_k,i = (r_k,i - mean_group(r_k)) / (std_group(r_k) + eps)        (GRPO on each reward alone)
+        S_i   = Σ_k w_k A_k,i
+        A_i,t = whiten(S) over the valid tokens of the batch                 (as the authors' verl-GDPO does)
+    Normalising each reward in its group before summing keeps combinations that GRPO on the summed reward would
+    collapse to the same advantage apart; the final whitening keeps the scale independent of K.
+
+    Args:
+        components_BK: (B, K) one column per reward component, the same K and order on every rank.
+        mask_BT: (B, T) response mask.
+        group_ids_B: (B,) integer prompt id per row, any order.
+        weights_K: (K,) weight of each component; default all 1.
+        norm_by_std: divide each component by its group std (False: Dr.GRPO-style centring only).
+        eps: added to each group std.
+
+    Returns:
+        `(advantages_BT, returns_BT)`, the same tensor twice, 0 at masked positions. Whitened over THIS batch's
+        valid tokens (eps 1e-8 on the variance); across DP ranks whiten `gdpo_combine` with all-reduced
+        `masked_moments` instead (`AdvantageStage` does).
+    """
+    adv_BT = masked_whiten(gdpo_combine(components_BK, mask_BT, group_ids_B, weights_K=weights_K,
+                                        norm_by_std=norm_by_std, eps=eps), mask_BT)
     return adv_BT, adv_BT
 
 
@@ -482,7 +576,9 @@ ADVANTAGE_ESTIMATORS = {
     "remax": remax,
     "opo": opo,
     "gpg": gpg,
+    "gdpo": gdpo,
 }
 """Config name -> estimator. Signatures differ by family: `gae(rewards_BT, values_BT, mask_BT)`,
-`reinforce_pp(token_rewards_BT, mask_BT)`, `remax(scores_B, baseline_scores_B, mask_BT)`, and the group
-estimators `(scores_B, mask_BT, group_ids_B)`; options are keyword-only."""
+`reinforce_pp(token_rewards_BT, mask_BT)`, `remax(token_rewards_BT, baseline_scores_B, mask_BT)`,
+`gdpo(components_BK, mask_BT, group_ids_B)`, and the group estimators `(scores_B, mask_BT, group_ids_B)`; options
+are keyword-only."""

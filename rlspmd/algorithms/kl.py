@@ -4,13 +4,17 @@ All estimators are per token, from the log-probabilities of the SAMPLED tokens u
 the reference (`ref_logprobs_BT`); with x ~ pi and r = pi_ref(x) / pi(x) (Schulman 2020, "Approximating KL
 Divergence", http://joschu.net/blog/kl-approx.html):
 
-| kind                  | value                       | note                                               |
-|-----------------------|-----------------------------|----------------------------------------------------|
-| `k1`                  | log pi - log pi_ref         | unbiased for KL(pi || pi_ref), can be negative     |
-| `abs`                 | abs(log pi - log pi_ref)    |                                                    |
-| `k2`, alias `mse`     | 0.5 (log pi - log pi_ref)^2 | biased, low variance, >= 0                         |
-| `k3`, alias `low_var_kl` | r - log r - 1            | unbiased, >= 0; clamped to [-10, 10]               |
-| `k1+`, `k2+`, `k3+`   | value of k1 / k2 / k3       | gradient of k2 (straight-through)                  |
+| kind                           | value                       | note                                     |
+|--------------------------------|-----------------------------|------------------------------------------|
+| `k1`, alias `kl`               | log pi - log pi_ref         | unbiased for KL(pi || pi_ref), can be < 0 |
+| `abs`                          | abs(log pi - log pi_ref)    |                                          |
+| `k2`, alias `mse`              | 0.5 (log pi - log pi_ref)^2 | biased, low variance, >= 0               |
+| `k3`, alias `low_var_kl`       | r - log r - 1               | unbiased, >= 0; clamped to [-10, 10]     |
+| any of the above + `+`         | value of that kind          | gradient of k2 (straight-through)        |
+
+The names are verl's (`kl_penalty` in `verl/trainer/ppo/core_algos.py`), so a config written for verl's
+`kl_loss_type` / `kl_penalty` works unchanged: `kl`, `abs`, `mse`, `low_var_kl`, `k1`..`k3` and every `+` form
+(`kl+`, `abs+`, `mse+`, `low_var_kl+`, `k1+`, `k2+`, `k3+`).
 
 Why the "+" variants: used as a LOSS, the gradient of an unbiased KL *value* estimate is generally not an unbiased
 estimate of the KL *gradient* (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL",
@@ -56,16 +60,19 @@ def _with_k2_gradient(estimator: Callable[[Tensor, Tensor], Tensor]) -> Callable
     return straight_through
 
 
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+_BASE_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k1": _k1,
+    "kl": _k1,
     "abs": _abs,
     "k2": _k2,
     "mse": _k2,
     "k3": _k3,
     "low_var_kl": _k3,
-    "k1+": _with_k2_gradient(_k1),
-    "k2+": _with_k2_gradient(_k2),
-    "k3+": _with_k2_gradient(_k3),
+}
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    **_BASE_ESTIMATORS,
+    **{f"{name}+": _with_k2_gradient(fn) for name, fn in _BASE_ESTIMATORS.items()},
 }
 """Config name -> per-token estimator `(logprobs_BT, ref_logprobs_BT) -> kl_BT` (see the module docstring)."""
 
@@ -76,7 +83,7 @@ def kl_penalty(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, *, kind: str) -> Te
     Args:
         logprobs_BT: (B, T) log pi(x_t) of the sampled tokens (carries gradient when used as a loss).
         ref_logprobs_BT: (B, T) log pi_ref(x_t), a constant.
-        kind: a key of `KL_ESTIMATORS`: `k1`, `abs`, `k2`/`mse`, `k3`/`low_var_kl`, `k1+`, `k2+`, `k3+`.
+        kind: a key of `KL_ESTIMATORS`: `k1`/`kl`, `abs`, `k2`/`mse`, `k3`/`low_var_kl`, or any of them with `+`.
 
     Returns:
         (B, T) per-token estimate, NOT masked or aggregated: aggregate with `agg_loss` (KL loss) or
@@ -108,11 +115,26 @@ def apply_kl_in_reward(token_scores_BT: Tensor, logprobs_BT: Tensor, ref_logprob
         kind: estimator, see `kl_penalty` (the "+" kinds give the same values as their base kind here).
 
     Returns:
-        `(token_rewards_BT, kl_BT)`: the penalised rewards and the masked per-token KL (its masked mean over the
-        global batch is what `AdaptiveKLController.update` expects). Computed without autograd.
+        `(token_rewards_BT, kl_BT)`: the penalised rewards and the masked per-token KL (`sample_mean_kl` of it,
+        averaged over the global batch, is what `AdaptiveKLController.update` expects). Computed without autograd.
     """
     kl_BT = kl_penalty(logprobs_BT, ref_logprobs_BT, kind=kind) * (mask_BT > 0)
     return token_scores_BT - coef * kl_BT, kl_BT
+
+
+@torch.no_grad()
+def sample_mean_kl(kl_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """Each sample's mean KL over its valid tokens, (B,); 0 for a row without valid tokens.
+
+    The adaptive controller's current KL is the mean of these over the samples of the global batch (sum them and
+    count the rows over DP ranks), as verl's `apply_kl_penalty` (ray_trainer.py) computes it: every sample weighs
+    the same whatever its length. (verl divides by count + 1e-8; we divide by max(count, 1).)
+    """
+    if kl_BT.shape != mask_BT.shape or mask_BT.dim() != 2:
+        raise ValueError(f"kl_BT {tuple(kl_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must have the same 2-D shape")
+    valid_BT = mask_BT > 0
+    total_B = torch.where(valid_BT, kl_BT, 0.0).sum(dim=-1)
+    return total_B / valid_BT.sum(dim=-1).clamp(min=1).to(total_B.dtype)
 
 
 class FixedKLController:
@@ -151,7 +173,8 @@ class AdaptiveKLController:
         """Update the coefficient after a step.
 
         Args:
-            current_kl: the step's mean per-token KL over the global batch (same on every rank).
+            current_kl: the step's KL over the global batch (same on every rank): the mean over samples of each
+                sample's masked mean KL (`sample_mean_kl`), as verl computes it.
             n_steps: how many samples (sequences) the step consumed, as in the paper's batch-size increment.
         """
         error = min(max(float(current_kl) / self.target_kl - 1.0, -0.2), 0.2)

@@ -7,10 +7,12 @@ builder lists it in the checkpoint's trainer state).
 
 ``AdvantageStage`` maps the estimator name to the pure function in ``rlspmd.algorithms``. Outcome estimators read
 the sequence score ``token_rewards_BR.sum(-1)`` (the score itself without a KL penalty) and group samples by
-``uid_B``. All of a prompt's samples live on one DP rank, so group statistics are local and exact. What must be
-global is made global with one all-reduce on the DP mesh, so the result does not depend on the number of ranks:
-whitening (GAE and the REINFORCE++ variants: ``masked_moments`` summed over ranks) and GPG's alpha (counts of
-rows and of zero-variance rows summed over ranks).
+``uid_B``; ReMax reads the per-token rewards (its reward-to-go); GDPO reads ``reward_components_BK``, one column per
+reward component. All of a prompt's samples live on one DP rank, so group statistics are local and exact. What must
+be global is made global with one all-reduce on the DP mesh, so the result does not depend on the number of ranks:
+whitening (GAE, the REINFORCE++ variants and GDPO: ``masked_moments`` summed over ranks), GPG's alpha (counts of
+rows and of non-zero scores summed over ranks) and the adaptive KL controller's current KL (per-sample mean KLs and
+the number of samples summed over ranks). Numbers follow verl's (``verl/trainer/ppo/core_algos.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from rlspmd.algorithms import (
     FixedKLController,
     apply_kl_in_reward,
     gae,
+    gdpo_combine,
     gpg,
+    gpg_alpha,
     grpo_outcome,
     grpo_passk,
     masked_moments,
@@ -33,8 +37,8 @@ from rlspmd.algorithms import (
     reinforce_pp,
     remax,
     rloo,
+    sample_mean_kl,
     token_level_scores,
-    zero_variance_rows,
 )
 from rlspmd.algorithms.kl import KL_ESTIMATORS
 from rlspmd.config import AlgorithmConfig
@@ -53,8 +57,10 @@ class TokenRewards:
 class KLPenalizedTokenRewards:
     """``token_rewards_BR = token_level_scores - coef * KL_t`` with KL from the behaviour policy's log-probs.
 
-    The controller sees the step's mean per-token KL over the GLOBAL batch (one all-reduce) and the global
-    number of samples, so its coefficient is identical on every rank.
+    The controller sees the step's KL as verl's ``apply_kl_penalty`` computes it, the mean over samples of each
+    sample's mean KL over its valid tokens, over the GLOBAL batch (one all-reduce of the per-sample sum and the
+    number of samples), and the global number of samples, so its coefficient is identical on every rank. That KL is
+    also the logged ``kl_in_reward/kl``.
     """
 
     def __init__(self, cfg: AlgorithmConfig, *, mesh: DeviceMesh | None):
@@ -79,9 +85,10 @@ class KLPenalizedTokenRewards:
             token_level_scores(batch["scores_B"], mask), batch["old_logprobs_BR"], batch["ref_logprobs_BR"], mask,
             coef=coef, kind=self.kind,
         )
-        totals = all_reduce_sum(torch.stack([kl.sum(), mask.sum(), torch.tensor(float(len(batch)), device=mask.device)]).double(), mesh=self.mesh)
+        rows = torch.tensor(float(len(batch)), dtype=torch.float64, device=mask.device)
+        totals = all_reduce_sum(torch.stack([sample_mean_kl(kl, mask).sum().double(), rows]), mesh=self.mesh)
         mean_kl = float(totals[0] / totals[1].clamp(min=1))
-        self.controller.update(mean_kl, n_steps=int(totals[2]))
+        self.controller.update(mean_kl, n_steps=int(totals[1]))
         metrics.max("kl_in_reward/kl", mean_kl)
         metrics.max("kl_in_reward/coef", coef)
         return batch.set(token_rewards_BR=rewards)
@@ -104,6 +111,8 @@ class AdvantageStage:
         name = cfg.adv_estimator
         if name not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"algorithm.adv_estimator={name!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        if cfg.grpo_eps < 0:
+            raise ValueError(f"algorithm.grpo_eps={cfg.grpo_eps} must be >= 0")
         self.cfg, self.mesh = cfg, mesh
         self.estimate = getattr(self, f"_{name}")
 
@@ -122,10 +131,12 @@ class AdvantageStage:
         return self.whiten(adv, mask), ret
 
     def _grpo(self, batch, rewards, mask):
-        return grpo_outcome(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std)
+        return grpo_outcome(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std,
+                            eps=self.cfg.grpo_eps)
 
     def _grpo_passk(self, batch, rewards, mask):
-        return grpo_passk(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std)
+        return grpo_passk(rewards.sum(-1), mask, batch["uid_B"], norm_by_std=self.cfg.norm_adv_by_std,
+                          eps=self.cfg.grpo_eps)
 
     def _rloo(self, batch, rewards, mask):
         return rloo(rewards.sum(-1), mask, batch["uid_B"])
@@ -143,12 +154,25 @@ class AdvantageStage:
         return adv, adv
 
     def _remax(self, batch, rewards, mask):
-        return remax(rewards.sum(-1), batch["baseline_scores_B"], mask)
+        return remax(rewards, batch["baseline_scores_B"], mask)  # reward-to-go of the (KL-penalised) token rewards
 
     def _gpg(self, batch, rewards, mask):
-        scores, uid = rewards.sum(-1), batch["uid_B"]
-        degenerate = zero_variance_rows(scores, uid).sum()
-        counts = all_reduce_sum(torch.stack([torch.tensor(len(batch), device=degenerate.device), degenerate]).double(), mesh=self.mesh)
-        valid = float(counts[0] - counts[1])
-        alpha = float(counts[0]) / valid if valid > 0 else 1.0
-        return gpg(scores, mask, uid, norm_by_std=False, alpha=alpha)  # F_norm = 1, the paper's best setting
+        scores = rewards.sum(-1)
+        rows = torch.tensor(float(len(batch)), dtype=torch.float64, device=scores.device)
+        counts = all_reduce_sum(torch.stack([rows, torch.count_nonzero(scores).double()]), mesh=self.mesh)
+        alpha = gpg_alpha(num_rows=float(counts[0]), num_nonzero_scores=float(counts[1]))
+        return gpg(scores, mask, batch["uid_B"], norm_by_std=False, alpha=alpha)  # F_norm = 1, the paper's best setting
+
+    def _gdpo(self, batch, rewards, mask):
+        if "reward_components_BK" not in batch:
+            raise ValueError("algorithm.adv_estimator='gdpo' needs the batch field reward_components_BK (B, K): one "
+                             "column per reward component, from the reward manager")
+        components = batch["reward_components_BK"]
+        weights = self.cfg.gdpo_reward_weights
+        if weights is not None and len(weights) != components.shape[1]:
+            raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} entries but the reward manager "
+                             f"produced {components.shape[1]} reward components (reward_components_BK)")
+        combined = gdpo_combine(components, mask, batch["uid_B"], weights_K=weights,
+                                norm_by_std=self.cfg.norm_adv_by_std, eps=self.cfg.grpo_eps)
+        adv = self.whiten(combined, mask)
+        return adv, adv

@@ -161,7 +161,7 @@ def critic_plan(cfg: CriticConfig, *, samples_per_prompt: int, train_batch_size:
 
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
-                 reuse_update_logprobs: bool = False) -> Policy:
+                 reuse_update_logprobs: bool = False, seed: int = 0) -> Policy:
     check_actor(cfg)
     module = build_policy_module(
         cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
@@ -169,7 +169,7 @@ def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePl
     )
     engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.fsdp, optim=cfg.optim,
                         total_optim_steps=plan.optim_steps, gradient_checkpointing=cfg.model.gradient_checkpointing)
-    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs)
+    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs, seed=seed)
 
 
 def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float) -> Reference:
@@ -304,7 +304,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     # One update per step and no consumer of old log-probs before it: the update's forward provides them.
     reuse = a.reuse_update_logprobs and a_plan.single_update and not cfg.algorithm.use_kl_in_reward
     actor = build_policy(a, mesh=mesh, device=rt.device, plan=a_plan, temperature=cfg.rollout.temperature,
-                         reuse_update_logprobs=reuse)
+                         reuse_update_logprobs=reuse, seed=trainer.seed)
     ref: ReferenceRole = (
         build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature)
         if plan.reference else NoReference()
