@@ -529,6 +529,11 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append("reward.model.* is set but reward.model.path is None")
     if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (ActorConfig.kl_loss_coef, ActorConfig.kl_loss_type):
         out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
+    for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if section.engine == "fsdp" and section.megatron != MegatronConfig():
+            out.append(f"{role}.megatron.* is set but {role}.engine=fsdp")
+        if section.engine == "megatron" and section.fsdp != FSDPConfig():
+            out.append(f"{role}.fsdp.* is set but {role}.engine=megatron")
     return out
 
 

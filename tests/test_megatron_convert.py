@@ -170,3 +170,16 @@ def test_front_pack_moves_valid_tokens_first():
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -3:]
     assert torch.equal(fp.resp_pos_BR, positions)
     assert fp.resp_pos_BR[0, :2].tolist() == [2, 3]  # tokens 7, 8 sit at indices 2, 3 of the packed row
+
+
+def test_engine_fields_parse_and_unused_sections_are_reported():
+    from rlspmd.config import ActorConfig, Config, FSDPConfig, MegatronConfig, ignored_settings
+    from rlspmd.train import parse_args
+
+    cfg, _ = parse_args(["--actor.engine", "megatron", "--actor.megatron.tp", "2", "--critic.engine", "megatron",
+                         "--algorithm.adv-estimator", "gae"])
+    assert cfg.actor.engine == "megatron" and cfg.actor.megatron.tp == 2 and cfg.critic.engine == "megatron"
+    assert ignored_settings(cfg) == []
+    assert "actor.megatron.* is set but actor.engine=fsdp" in ignored_settings(Config(actor=ActorConfig(megatron=MegatronConfig(tp=2))))
+    wasted = Config(actor=ActorConfig(engine="megatron", fsdp=FSDPConfig(cpu_offload=True)))
+    assert "actor.fsdp.* is set but actor.engine=megatron" in ignored_settings(wasted)

@@ -79,7 +79,7 @@ def run_single(out: Path, models: list[Path]) -> dict:
 def test_one_rank_matches_fsdp_and_resumes_exactly(tiny_model, tmp_path):
     """Qwen2 (GQA, qkv bias, tied embeddings) and an untied Llama: forward and one update equal FSDP's; the critic's
     values equal ``ValueModel``'s; 2 updates + save + load + 1 update is bit-identical to 3 updates; the checkpoint
-    reads back under the HF names export uses."""
+    reads back under the HF names export uses; an HF directory written from the engine gives its log-probs."""
     llama = untied_llama(tmp_path)
     r = run_single(tmp_path, [tiny_model, llama])
     for model in (tiny_model, llama):
@@ -90,6 +90,8 @@ def test_one_rank_matches_fsdp_and_resumes_exactly(tiny_model, tmp_path):
     assert r["values"]["fsdp"].abs().max() > 1e-3
     assert_same_state(r["resume"]["straight"], r["resume"]["resumed"], what="resume")
     assert r["resume"]["straight"]["step"]["hf.model.norm.weight"] == 3
+    e = r["hf_export"]
+    torch.testing.assert_close(e["hf_dir"][0], e["engine"][0], rtol=0, atol=1e-5)
     exported, engine = r["export"]["read"], r["export"]["engine"]
     assert sorted(exported) == sorted(engine) and all(torch.equal(exported[k], engine[k]) for k in engine)
 

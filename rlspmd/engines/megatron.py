@@ -339,6 +339,8 @@ class MegatronEngine:
         from third_party import megatron_adapter as ma  # lazily: megatron-core is optional
 
         self.ma, self.kind, self.mesh, self.device, self.optim_cfg = ma, kind, mesh, device, optim
+        self.model_dir = model_dir
+        self._hf_skeleton: nn.Module | None = None
         self.arch = mc.megatron_arch(json.loads((model_dir / "config.json").read_text()), field_name=str(model_dir))
         mc.check_parallel(self.arch, tp=cfg.tp, pp=cfg.pp, field_prefix=field_prefix)
         self.groups = g = build_groups(mesh, tp=cfg.tp, pp=cfg.pp, field_prefix=field_prefix)
@@ -612,6 +614,18 @@ class MegatronEngine:
         if main and self.kind == "policy" and self.arch.tie_embeddings:
             out[self._root("lm_head.weight")] = out[self._root("model.embed_tokens.weight")]
         return out
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The HF causal LM of this architecture on the meta device (no memory): what ``save_pretrained(state_dict=
+        ...)`` needs to write an HF directory from ``full_state_dict`` (``rlspmd.trainer.checkpoint.save_hf_model``)."""
+        assert self.kind == "policy", "only a policy exports as an HF causal LM"
+        if self._hf_skeleton is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            with torch.device("meta"):
+                self._hf_skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(self.model_dir)))
+        return self._hf_skeleton
 
     def weight_stream(self, *, dtype: torch.dtype) -> "MegatronWeightStream":
         assert self.kind == "policy", "only a policy's weights go to the rollout"

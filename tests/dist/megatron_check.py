@@ -5,8 +5,9 @@ usage: megatron_check.py MODE OUT_DIR MODEL_DIR [MODEL_DIR ...]
 * ``single`` (1 rank): per model, log-probs/entropy of both engines; one update (PPO clip + k3 KL + entropy bonus,
   through ``mini_batch_updates``, 2-row micro-batches, clipping active): grad norm, AdamW's first moment (0.1 x the
   clipped gradient) and the updated weights, all under HF names. Values of the critic (value head seeded alike).
-  For the first model: 3 updates straight vs 2 updates + DCP save + load into a fresh engine + 1 update, and the
-  export read-back of the saved checkpoint (as ``scripts/export_hf.py`` reads it).
+  For the first model: 3 updates straight vs 2 updates + DCP save + load into a fresh engine + 1 update, the
+  export read-back of the saved checkpoint (as ``scripts/export_hf.py`` reads it), and an HF directory written with
+  the trainer's ``save_hf_model``, loaded back as an HF model.
 * ``parallel`` (2 ranks, each with its own half of the batch): the FSDP engine over both ranks, megatron with
   ``tp=2`` and megatron with ``dp=2``, the same update; the TP engine's weight stream; the TP engine's checkpoint.
 * ``reshard`` (1 rank): a ``tp=1`` megatron engine loads the ``parallel`` run's TP checkpoint.
@@ -27,9 +28,11 @@ from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown,
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.engines.megatron import build_megatron_engine
 from rlspmd.engines.micro_batches import mini_batch_updates
+from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.value import load_value_model
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import build_policy_module
+from rlspmd.trainer.checkpoint import save_hf_model
 
 B, P, R = 8, 6, 10
 TEMPERATURE = 0.9
@@ -152,6 +155,10 @@ def single(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
     dcp.load({"actor": resumed}, checkpoint_id=str(ckpt))
     update(resumed, batches[2], mesh)
     results["resume"] = {"straight": train_state(straight), "resumed": train_state(resumed)}
+    # An HF directory written from the engine (the trainer's save_hf_model) reproduces its log-probs.
+    hf_dir = save_hf_model(straight, load_tokenizer(first, field_name="m"), first, out_dir / "hf", is_main=True)
+    exported = fsdp_policy(str(hf_dir), mesh, rt)
+    results["hf_export"] = {"engine": forward(straight, batch), "hf_dir": forward(exported, batch)}
     # What scripts/export_hf.py reads: the actor's HF-named weights, unsharded.
     request = {"actor.model." + k: torch.empty_like(v) for k, v in saved_full.items()}
     dcp.load(request, checkpoint_id=str(ckpt))
