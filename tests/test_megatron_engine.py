@@ -76,6 +76,7 @@ def run_single(out: Path, models: list[Path]) -> dict:
 
 @needs_megatron
 @pytest.mark.dist
+@pytest.mark.slow
 def test_one_rank_matches_fsdp_and_resumes_exactly(tiny_model, tmp_path):
     """Qwen2 (GQA, qkv bias, tied embeddings) and an untied Llama: forward and one update equal FSDP's; the critic's
     values equal ``ValueModel``'s; 2 updates + save + load + 1 update is bit-identical to 3 updates; the checkpoint
@@ -98,6 +99,7 @@ def test_one_rank_matches_fsdp_and_resumes_exactly(tiny_model, tmp_path):
 
 @needs_megatron
 @pytest.mark.dist
+@pytest.mark.slow
 def test_tensor_and_data_parallel_match_fsdp_and_reshard(tiny_model, tmp_path):
     """2 ranks, each with its own half of the batch: megatron tp=2 and megatron dp=2 equal FSDP on 2 ranks; the tp=2
     weight stream yields every HF tensor in full (the same on both ranks); its checkpoint loads exactly at tp=1."""

@@ -704,7 +704,8 @@ def build_megatron_engine(
     ``mesh``: the role's mesh (its ranks; the trainer's DP view); ``cfg``: the role's ``megatron`` section;
     ``field_name`` / ``field_prefix`` name the config fields in errors. Collective over the mesh's ranks."""
     if gradient_checkpointing:
-        raise ValueError(f"{field_prefix}: gradient_checkpointing is not supported by the megatron engine yet")
+        role = field_prefix.split(".")[0]
+        raise ValueError(f"{role}: gradient_checkpointing=True is not supported with {role}.engine=megatron yet")
     model_dir = check_model_dir(model_path, field_name=field_name)
     return MegatronEngine(kind, model_dir, mesh=mesh, device=device, cfg=cfg, optim=optim,
                           total_optim_steps=total_optim_steps, dtype=dtype, seed=seed, field_prefix=field_prefix)
