@@ -173,7 +173,7 @@ class RLTrainer:
         """A non-finite loss or gradient norm: the engine has already skipped that update (every rank agrees,
         the norm is global); ``skip`` counts it, ``stop`` ends the run naming the step."""
         skipped = {k: v for k, v in metrics.items() if k.endswith("skipped_updates") and v > 0}
-        if skipped and self.cfg.trainer.nan_policy == "stop":
+        if skipped and self.cfg.nan_policy == "stop":
             bad = {k: v for k, v in metrics.items() if ("loss" in k or "grad_norm" in k) and not math.isfinite(v)}
             raise FloatingPointError(
                 f"step {step}: non-finite loss or gradient norm ({bad or skipped}) and trainer.nan_policy=stop; "
