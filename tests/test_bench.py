@@ -78,7 +78,7 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     by = {}
     for x in lines:
         by.setdefault(x.get("bench") or x.get("benchmark"), []).append(x)
-    for phase in ("build", "attention", "rlspmd", "trl", "generation", "q15"):
+    for phase in ("build", "attention", "rlspmd", "trl", "generation", "tests", "q15"):
         (status,) = by[f"gpu_suite/{phase}"]
         assert status["returncode"] == 0 and not status["timed_out"], status
         assert (out / f"{phase}.log").is_file()
@@ -109,6 +109,8 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     assert ratio["ratio"] == (None if "skipped" in trl else pytest.approx(trl["sec_per_step"] / q05["sec_per_step"]))
     gens = {(x["workload"]["batch"], x["workload"]["new_tokens"]): x for x in by["gen_vs_hf"]}
     assert set(gens) == {(8, 8), (4, 8)} and all(g["ratio"] > 0 for g in gens.values())
+    (tests,) = by["gpu_tests"]
+    assert tests["failed"] == 0 and (tests["passed"] > 0 or not torch.cuda.is_available())
     (summary,) = by["gpu_suite/summary"]
     targets = summary["targets"]
     assert targets["gen_tokens_per_s_256x256"]["value"] == gens[(8, 8)]["native"]["tokens_per_s"]

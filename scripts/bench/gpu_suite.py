@@ -15,6 +15,8 @@ traps SIGTERM to checkpoint, so the kill is SIGKILL), in this order:
   trl         TRL's GRPOTrainer on the same model and prompts (``trl_grpo.py``); says so when TRL is absent
   grpo_vs_trl the step-time ratio
   generation  native engine (eager and CUDA graphs) vs HF ``generate`` at 256 x 256 and 64 x 256 (``gen_vs_hf.py``)
+  tests       the ``gpu``-marked tests of the CUDA paths (``gpu_tests.py``: kernels vs the per-sample path, CUDA-graph
+              decoding vs eager, no host syncs), as one JSON line
   q15         the same GRPO step on the 1.3 B model, for MFU at a larger size (built in this phase)
   summary     every target of issue 12 with its measured value
 
@@ -62,6 +64,7 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
             ("trl", ["scripts/bench/trl_grpo.py", "--model", model, "--data", data, "--prompts", "4", "--generations", "2",
                      "--new-tokens", "16", "--per-device-batch", "8", "--grad-accum", "1", "--steps", "2"], 600),
             ("generation", ["scripts/bench/gen_vs_hf.py", "--model", model, "--sizes", "8x8,4x8", "--repeats", "1"], 300),
+            ("tests", ["scripts/bench/gpu_tests.py"], 300),
             ("q15", ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py:smoke", "--profile-step", "0"], 600),
         ]
     return [
@@ -72,6 +75,7 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
                  "--new-tokens", "256", "--per-device-batch", "32", "--grad-accum", "8", "--bf16", "--steps", "3"], 100),
         ("generation", ["scripts/bench/gen_vs_hf.py", "--model", "models/bench-q05", "--dtype", "bfloat16",
                         "--sizes", "256x256,64x256", "--repeats", "1"], 80),
+        ("tests", ["scripts/bench/gpu_tests.py"], 90),
         ("q15", ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py", "--profile-step", "0",
                  "--build", "grpo_q15"], 120),  # its model is built inside its own time limit
     ]
