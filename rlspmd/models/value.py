@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
 from rlspmd.models.loader import DTYPES, check_model_dir
-from rlspmd.models.packing import pack, packed_hidden_states, packed_kernel, training_attn_implementation
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel, training_attn_implementation
 from rlspmd.models.policy import response_hidden
 
 HEAD_PREFIXES = ("value_head.", "score.")
@@ -43,10 +43,13 @@ class ValueModel(nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int) -> torch.Tensor:
+    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int,
+                counts: TokenCounts | None = None) -> torch.Tensor:
+        """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only)."""
         if self.packing:  # valid tokens only (rlspmd.models.packing); 0 at padded response positions
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.value_head.weight.dtype)
-            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len)
+            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len,
+                          counts=counts)
             hidden_TH = packed_hidden_states(self.hf, packed)
             values_N = _scalar_head(self.value_head, hidden_TH.index_select(0, packed.target_pos_N - 1))
             return packed.scatter_responses(values_N)
@@ -125,10 +128,10 @@ class SequenceScorer(nn.Module):
                 f"(a *ForSequenceClassification model with num_labels=1)"
             )
 
-    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL) -> torch.Tensor:
+    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, counts: TokenCounts | None = None) -> torch.Tensor:
         if self.packing:  # the last valid token of each sample ends its segment of the pack
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.hf.score.weight.dtype)
-            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel)
+            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, counts=counts)
             hidden_TH = packed_hidden_states(self.backbone, packed)
             return _scalar_head(self.hf.score, hidden_TH[packed.cu_seqlens[1:].long() - 1])
         hidden = self.backbone(

@@ -159,7 +159,9 @@ class StaticDecoder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()  # one pool for every batch size: graphs never replay concurrently
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other threads of the process (NCCL's watchdog polls its events) may keep calling CUDA during
+        # the capture; "global" would turn their calls into capture errors
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self._step(s, eos_ids, rules)
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
