@@ -106,13 +106,18 @@ class LlamaFamilyDecoder:
         mask = (causal & prompt_mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)
         return self._forward(prompt_ids_BP, prompt_positions(prompt_mask_BP), mask[:, None])
 
+    @property
+    def static_rope(self) -> bool:
+        """RoPE frequencies that do not depend on the sequence length (all but dynamic scaling): a table serves."""
+        return "dynamic" not in str(getattr(self.base.rotary_emb, "rope_type", "default"))
+
     def rope_table_for(self, L: int, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and signed sin for positions 0..L-1, computed once by the model's own rotary module, so a decode step
         looks them up instead of recomputing them. Not for RoPE variants whose frequencies depend on the current
         sequence length (dynamic scaling): those run the rotary module at every step, as transformers does."""
-        rotary = self.base.rotary_emb
-        if "dynamic" in str(getattr(rotary, "rope_type", "default")):
+        if not self.static_rope:
             return None
+        rotary = self.base.rotary_emb
         dummy = torch.zeros(1, L, 1, dtype=self._params_dtype(), device=dev)
         cos, sin = rotary(dummy, torch.arange(L, device=dev)[None])
         return cos[0], _signed_sin(sin[0])

@@ -107,9 +107,7 @@ class StaticDecoder:
     @staticmethod
     def supports(hf_model: nn.Module) -> bool:
         """Llama-family models whose RoPE is a fixed table (the step looks cos/sin up by position)."""
-        if hf_model.config.model_type not in LLAMA_FAMILY:
-            return False
-        return LlamaFamilyDecoder(hf_model).rope_table_for(1, torch.device("cpu")) is not None
+        return hf_model.config.model_type in LLAMA_FAMILY and LlamaFamilyDecoder(hf_model).static_rope
 
     @torch.inference_mode()
     def generate(
