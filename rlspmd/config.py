@@ -221,7 +221,8 @@ class RolloutConfig:
     (model, sampling and bookkeeping, no host sync) captured in one CUDA graph per batch size and replayed for every
     token, finished rows checked every 16 tokens, prefill as one forward. Graphs are captured at the start of each
     generation, while the weights are gathered in place, and released at its end. Same greedy tokens as eager
-    decoding (tested). No effect on CPU or for other architectures (they decode eagerly). False: eager decoding."""
+    decoding (tested on CPU for the uncaptured step; the captured graphs by a ``gpu``-marked test, not yet run on a
+    GPU). No effect on CPU or for other architectures (they decode eagerly). False: eager decoding."""
     ignore_eos: bool = False
     """Training rollouts never sample EOS, so every response has exactly ``max_response_length`` tokens (a fixed
     workload for benchmarks, like vLLM's ``ignore_eos`` + ``min_tokens``). Validation is unaffected."""

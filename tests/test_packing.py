@@ -83,7 +83,7 @@ def test_packed_with_activation_checkpointing_same_gradients(tiny_model):
         torch.testing.assert_close(b[3][name], g, rtol=1e-5, atol=1e-7)
 
 
-def test_pack_unpack_and_locate():
+def test_pack_unpack_and_response_positions():
     ids = torch.tensor([[0, 0, 5, 6, 7, 0], [0, 8, 9, 1, 2, 3]])
     am = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]])
     pos = (am.cumsum(-1) - 1).clamp(min=0)
