@@ -32,9 +32,15 @@ class ModelConfig:
     """Recompute each decoder layer's activations in the backward pass (activation checkpointing): less activation
     memory for about one more forward of compute. Gradients are unchanged."""
     packing: bool = True
-    """Remove padding: run each micro-batch's valid tokens as one packed sequence with per-sample boundaries
-    (flash-attn varlen on CUDA when installed, per-sample SDPA otherwise). Same results as the padded forward, less
-    compute. Needs ``attn_implementation`` ``sdpa`` or ``flash_attention_2``."""
+    """Remove padding: run each micro-batch's valid tokens as one packed sequence with per-sample boundaries (the
+    attention kernel is ``attn_kernel``). Same results as the padded forward, less compute. Needs
+    ``attn_implementation`` ``sdpa`` or ``flash_attention_2``."""
+    attn_kernel: Literal["auto", "flash_attn", "varlen", "flex", "sdpa_loop"] = "auto"
+    """Packed attention kernel (``packing`` with ``attn_implementation=sdpa``): ``flash_attn`` (flash-attn's varlen
+    kernel; CUDA, bf16/fp16, needs the package), ``varlen`` (torch's ``varlen_attn``, FlashAttention-2 in libtorch;
+    CUDA sm80+, bf16/fp16), ``flex`` (compiled FlexAttention with a document-causal block mask; CUDA), ``sdpa_loop``
+    (one SDPA call per sample; any device). ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the
+    device and compute dtype, else sdpa_loop (what CPU uses). One that cannot run here stops the run at start-up."""
 
 
 @dataclass
@@ -259,12 +265,18 @@ class RolloutConfig:
     max_batch_size: int = 256
     """Most sequences the native engine decodes at once on one rank."""
     compile_decode: bool = False
-    """Native engine: run the decode step through ``torch.compile`` (Llama-family models). The compiled step has
-    static shapes (it attends over the whole preallocated KV cache under a mask, and finished rows are not compacted
-    away), so it compiles once per batch-size/length pattern; the first generations pay the compile time. Same
-    tokens as the eager step (tested on CPU). On a 2-core CPU it is no faster than eager (measured 1.11 s vs 1.02 s
-    per 64 x 128 generation); it is meant for GPUs, where per-kernel launch overhead dominates decoding, and has not
-    been measured there. CUDA graphs are not used: the step writes the cache in place."""
+    """Native engine: run the static-shape decode step (``cuda_graphs``' step: it attends over the whole preallocated
+    KV cache under a mask, finished rows stay in the batch) through ``torch.compile`` (Llama-family models); with
+    ``cuda_graphs`` on CUDA the compiled step is what the graphs capture. The first generations pay the compile time.
+    Same tokens as the eager step (tested on CPU). On a 2-core CPU it is no faster than eager (measured 1.11 s vs
+    1.02 s per 64 x 128 generation)."""
+    cuda_graphs: bool = True
+    """Native engine on CUDA (Llama-family models with a static RoPE table): a static KV cache, the decode step
+    (model, sampling and bookkeeping, no host sync) captured in one CUDA graph per batch size and replayed for every
+    token, finished rows checked every 16 tokens, prefill as one forward. Graphs are captured at the start of each
+    generation, while the weights are gathered in place, and released at its end. Same greedy tokens as eager
+    decoding (tested on CPU for the uncaptured step; the captured graphs by a ``gpu``-marked test, not yet run on a
+    GPU). No effect on CPU or for other architectures (they decode eagerly). False: eager decoding."""
     ignore_eos: bool = False
     """Training rollouts never sample EOS, so every response has exactly ``max_response_length`` tokens (a fixed
     workload for benchmarks, like vLLM's ``ignore_eos`` + ``min_tokens``). Validation is unaffected."""

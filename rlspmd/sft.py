@@ -18,9 +18,10 @@ from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
 from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main
-from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
+from rlspmd.models.packing import check_attn_kernel
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.startup import parse_args, start
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     dp = mesh.size()
     if cfg.data.batch_size % dp:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over {dp} DP ranks")
+    m = cfg.model
+    kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing, device=rt.device,
+                               dtype=compute_dtype(cfg.fsdp, rt.device), field_name="model.attn_kernel")
+    if rt.is_main:
+        print(f"packed attention kernel: {kernel}", flush=True)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, field_name="model.tokenizer_path")
     data = sampler = None
     if rt.is_main:
@@ -94,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         sampler = EpochSampler(len(data.examples), d.batch_size, seed=cfg.seed, shuffle=d.shuffle)
         print(f"SFT examples: {len(data.examples)} (dropped {data.n_dropped} over data.max_length)", flush=True)
     module = build_policy_module(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="model.path",
-                                 packing=cfg.model.packing)
+                                 packing=cfg.model.packing, attn_kernel=cfg.model.attn_kernel)
     engine = FSDPEngine(
         module, module.hf, mesh=mesh, device=rt.device, fsdp=cfg.fsdp, optim=cfg.optim,
         total_optim_steps=cfg.total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         stats = engine.optimizer_step(batch.split(cfg.micro_batch_size), loss_fn)
         losses.append(float(all_reduce_sum(torch.stack(mb_losses).sum(), mesh=mesh)))
         if step % cfg.log_every == 0 or step == cfg.total_steps:
-            logger.log(step, {"sft/loss": sum(losses) / len(losses), "sft/grad_norm": stats["grad_norm"], "sft/lr": engine.lr})
+            logger.log(step, {"sft/loss": sum(losses) / len(losses), "sft/grad_norm": float(stats["grad_norm"]), "sft/lr": engine.lr})
             losses = []
         elif rt.is_main and logger.bar is not None:
             logger.bar.update(1)

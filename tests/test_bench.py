@@ -65,3 +65,71 @@ def test_grpo_floor_counts_the_workload_matmuls():
         f = r[name]["floor_s"]
         assert f["total"] == pytest.approx(f["gen"] + f["ref"] + f["update"], abs=1e-5)
         assert r[name]["max_ratio"] == pytest.approx(10 / f["total"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
+    """``gpu_suite.py --smoke``: every phase runs end to end on tiny shapes (on CPU here), each benchmark prints one
+    JSON line, and the figures follow from the measured fields (MFU inputs checked by hand for bench-tiny)."""
+    out = tmp_path / "suite"
+    stdout = run(["scripts/bench/gpu_suite.py", "--smoke", "--out-dir", str(out)], timeout=1500)
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    assert lines == [json.loads(x) for x in (out / "gpu_suite.jsonl").read_text().splitlines()]
+    by = {}
+    for x in lines:
+        by.setdefault(x.get("bench") or x.get("benchmark"), []).append(x)
+    for phase in ("build", "attention", "rlspmd", "trl", "generation", "tests", "q15"):
+        (status,) = by[f"gpu_suite/{phase}"]
+        assert status["returncode"] == 0 and not status["timed_out"], status
+        assert (out / f"{phase}.log").is_file()
+    kernels = {x["kernel"]: x for x in by["attn_kernel"]}
+    assert set(kernels) == {"sdpa_loop", "varlen", "flex", "flash_attn"} and kernels["sdpa_loop"]["fwd_bwd_ms"] > 0
+    import torch
+
+    if not torch.cuda.is_available():  # CPU: the CUDA kernels say why they did not run
+        assert all(kernels[k]["skipped"] for k in ("varlen", "flex", "flash_attn"))
+    q05, q15 = sorted(by["grpo_stages"], key=lambda x: x["config"])
+    assert q05["config"] == "configs/bench/grpo_q05.py:smoke" and q05["steps_done"] == 2
+    # bench-tiny: hidden 64, 2 layers, 2 / 1 heads of 32, intermediate 128, vocab 512 (tied); per layer q 64x64 + 64,
+    # k and v 32x64 + 32, o 64x64, MLP 3 x 64x128, two norms of 64: 37,120; 2 layers + embedding 32,768 + final norm 64
+    assert q05["n_params"] == 2 * 37_120 + 32_768 + 64 == 107_072
+    assert q05["tokens_per_step"] == 4 * 2 * (27 + 16)  # 4 prompts x 2 samples, 27-token prompts, 16 new tokens
+    s = q05["stages_s"]
+    assert s["step"] >= s["gen"] + s["ref"] + s["update"] > 0
+    assert q05["tflops"]["update"] == pytest.approx(6 * 107_072 * 344 / s["update"] / 1e12)
+    assert q05["tflops"]["ref"] == pytest.approx(2 * 107_072 * 344 / s["ref"] / 1e12)
+    assert q05["gen_tokens_per_s"] == pytest.approx(4 * 2 * 16 / s["gen"])
+    if q05["device"] == "cpu":  # no dense-bf16 peak, memory counter or kernels to report on CPU
+        assert q05["mfu"] is None and q05["peak_mem_gib"] is None
+        assert set(q05["gpu_busy"]) == {"update", "ref"} and q05["gpu_busy"]["update"]["busy"] is None
+    assert q15["config"] == "configs/bench/grpo_q15.py:smoke" and q15["gpu_busy"] is None  # --profile-step 0
+    (trl,) = by["trl_grpo"]
+    assert "skipped" in trl or trl["sec_per_step"] > 0
+    (ratio,) = by["grpo_vs_trl"]
+    assert ratio["ratio"] == (None if "skipped" in trl else pytest.approx(trl["sec_per_step"] / q05["sec_per_step"]))
+    gens = {(x["workload"]["batch"], x["workload"]["new_tokens"]): x for x in by["gen_vs_hf"]}
+    assert set(gens) == {(8, 8), (4, 8)} and all(g["ratio"] > 0 for g in gens.values())
+    (tests,) = by["gpu_tests"]
+    assert tests["failed"] == 0 and (tests["passed"] > 0 or not torch.cuda.is_available())
+    (summary,) = by["gpu_suite/summary"]
+    targets = summary["targets"]
+    assert targets["gen_tokens_per_s_256x256"]["value"] == gens[(8, 8)]["native"]["tokens_per_s"]
+    assert targets["gen_ratio_vs_hf_64x256"]["value"] == gens[(4, 8)]["ratio"]
+    assert targets["grpo_vs_trl"]["target"] == 4.0 and summary["elapsed_s"] > 0
+
+
+def test_gpu_suite_kills_a_phase_that_runs_over_its_limit(tmp_path):
+    """A phase past its time limit is killed with its whole process group (children included) and reported."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from gpu_suite import run_phase
+
+    marker = tmp_path / "child_survived"
+    child = f"import time; time.sleep(4); open({str(marker)!r}, 'w').write('x')"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); print('started', flush=True); time.sleep(60)"
+    lines, status = run_phase("sleepy", ["-c", code], 2.0, tmp_path)
+    assert status["timed_out"] and status["seconds"] < 30 and lines == []
+    assert "started" in (tmp_path / "sleepy.log").read_text()
+    import time
+
+    time.sleep(5)
+    assert not marker.exists()  # the grandchild went down with the group

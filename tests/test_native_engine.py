@@ -1,4 +1,5 @@
-"""The native engine: greedy equals HF `generate`; EOS/max-token stopping; sampling filters; the rollout layout."""
+"""The native engine: greedy equals HF `generate`; EOS/max-token stopping; sampling filters; the rollout layout; the
+static-shape decoder (CUDA graphs on GPUs; its step runs uncaptured on CPU) gives the eager engine's tokens."""
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch
 from rlspmd.models.decoder import HFDecoder, LlamaFamilyDecoder, make_decoder
 from rlspmd.models.loader import eos_token_ids, load_causal_lm, load_tokenizer
 from rlspmd.protocol import Batch
+from rlspmd.rollout.cuda_graphs import StaticDecoder, static_decoder
 from rlspmd.rollout.native import NativeEngine, OwnWeights, generate_tokens
 from rlspmd.rollout.sampling import SamplingParams, _filter, sample_next
 
@@ -150,8 +152,8 @@ def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):
 
 
 def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
-    """rollout.compile_decode: the static-shape compiled step (whole-cache attention under a mask, no compaction)
-    produces the eager engine's greedy tokens, with EOS stops, for Qwen2 (q/k/v biases) and Llama."""
+    """rollout.compile_decode: the static decoder's step through torch.compile (whole-cache attention under a mask,
+    no compaction) produces the eager engine's greedy tokens, with EOS stops, for Qwen2 (q/k/v biases) and Llama."""
     for path in (tiny_model, tiny_llama):
         tok = load_tokenizer(path, field_name="model")
         model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
@@ -169,3 +171,106 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
         assert torch.equal(outs[0]["response_mask_BR"], outs[1]["response_mask_BR"])
         assert int(outs[1]["response_mask_BR"][1].sum()) <= 4
         torch.testing.assert_close(outs[1]["rollout_logprobs_BR"], outs[0]["rollout_logprobs_BR"], atol=1e-5, rtol=1e-5)
+
+
+def _engines(model, tok, *, eos, max_batch_size, device):
+    """The eager engine and the CUDA-graph engine (``rollout.cuda_graphs``)."""
+    return tuple(NativeEngine(OwnWeights(model), eos_ids=eos, pad_id=tok.pad_token_id, max_batch_size=max_batch_size,
+                              device=device, cuda_graphs=graphs) for graphs in (False, True))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_static_decode_step_gives_the_eager_tokens_on_cpu(fixture, request):
+    """The CUDA-graph step (static KV cache, device-side sampling and stop bookkeeping, stop checks every k tokens) run
+    without capture: greedy tokens, lengths and log-probs equal the eager decoder's with EOS stops (rows finish at
+    different steps; finished rows stay in the static batch), for two batch sizes (3 + 1 rows) on one decoder."""
+    path = request.getfixturevalue(fixture)
+    tok = load_tokenizer(path, field_name="model")
+    model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    free, _, _ = generate_tokens(make_decoder(model), ids, mask, params, eos_ids=torch.tensor([-1]), pad_id=0, generator=None)
+    eos = torch.tensor([int(free[1, 3])])  # row 1 stops at step 3, the others later or never
+    static = StaticDecoder(model, capture=False, check_every=4)
+    kw = dict(eos_ids=eos, pad_id=tok.pad_token_id, generator=None)
+    lengths = []
+    for rows in (slice(0, 3), slice(3, 4)):
+        a = generate_tokens(make_decoder(model), ids[rows], mask[rows], params, **kw)
+        b = generate_tokens(static, ids[rows], mask[rows], params, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        torch.testing.assert_close(b[2], a[2], atol=1e-5, rtol=1e-5)
+        lengths += b[1].tolist()
+    assert len(static.states) == 2 and lengths[1] <= 4 < max(lengths)  # rows finish at different steps
+    # the engine picks it only where asked: CPU keeps the eager decoder, compile_decode the static one
+    assert static_decoder(model, device=torch.device("cpu"), cuda_graphs=True, compile=False) is None
+    assert isinstance(static_decoder(model, device=torch.device("cpu"), cuda_graphs=False, compile=True), StaticDecoder)
+
+
+def test_static_decoder_samples_the_eager_draws_on_cpu(tiny_model):
+    """Sampling (temperature + top-k, and plain; EOS suppressed): the static decoder takes every step's uniform draws
+    from the generator up front; on CPU those are the numbers the eager decoder draws step by step, so with the same
+    seed the tokens and log-probs are the same."""
+    tok = load_tokenizer(tiny_model, field_name="model")
+    model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    eos = torch.tensor(eos_token_ids(tiny_model, tok))
+    for p in (SamplingParams(temperature=0.8, top_k=50, max_new_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)):
+        a, b = (generate_tokens(dec, ids, mask, p, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(7))
+                for dec in (make_decoder(model), StaticDecoder(model, capture=False)))
+        assert torch.equal(a[0], b[0]) and b[1].tolist() == [10] * 4
+        torch.testing.assert_close(b[2], a[2], atol=1e-5, rtol=1e-5)
+        assert not torch.isin(b[0], eos).any()
+
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_cuda_graph_decoding_equals_eager_decoding(fixture, request):
+    """On CUDA: greedy tokens from the captured graphs == the eager engine's (float32, TF32 off: no near-tie flips),
+    with EOS stops and two batch sizes (two graphs, one pool); in bf16 the graphs replay exactly what the same step
+    computes uncaptured; a replayed generation makes no host sync between stop checks; sampling is reproducible from
+    the generator."""
+    path = request.getfixturevalue(fixture)
+    dev = torch.device("cuda")
+    tok = load_tokenizer(path, field_name="model")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval().to(dev)
+    ids, mask = (x.to(dev) for x in encode(tok))
+    free, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=40),
+                                 eos_ids=torch.tensor([-1], device=dev), pad_id=0, generator=None)
+    stop = int(free[1, 3])
+    prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(len(PROMPTS), device=dev)})
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    eager, graphs = _engines(model, tok, eos=[stop], max_batch_size=3, device=dev)
+    a, b = eager.generate(prompts, params, generator=None), graphs.generate(prompts, params, generator=None)
+    assert graphs.take_times()["capture_s"] > 0  # graphs were captured (two batch sizes: 3 and 1)
+    assert torch.equal(a["responses_BR"], b["responses_BR"]) and torch.equal(a["response_mask_BR"], b["response_mask_BR"])
+    torch.testing.assert_close(b["rollout_logprobs_BR"], a["rollout_logprobs_BR"], atol=1e-4, rtol=1e-4)
+
+    bf16 = load_causal_lm(path, dtype="bfloat16", attn_implementation="sdpa", field_name="model").eval().to(dev)
+    eos = torch.tensor([stop], device=dev)
+    runs = []
+    for capture in (False, True):
+        dec = StaticDecoder(bf16, capture=capture)
+        runs.append(dec.generate(ids, mask, params, eos_ids=eos, pad_id=tok.pad_token_id, generator=None))
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+
+    dec = StaticDecoder(bf16, capture=True)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+    first = dec.generate(ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(3))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # captured already: the generation below replays without host syncs
+    try:
+        again = dec.generate(ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id,
+                             generator=torch.Generator(dev).manual_seed(3))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(x, y) for x, y in zip(first, again))
+    other = dec.generate(ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(4))
+    assert not torch.equal(first[0], other[0])

@@ -1,5 +1,7 @@
 """Packed (padding-free) forwards equal padded ones: log-probs, entropies, gradients; the registered attention
-implementation still serves padded forwards and generation; varlen attention equals per-sample attention."""
+implementation still serves padded forwards and generation; every packed-attention kernel equals the per-sample
+path (CPU: sdpa_loop and FlexAttention's forward; CUDA kernels forward and backward in the ``gpu`` tests); start-up
+checks of ``model.attn_kernel`` name the field."""
 
 import pytest
 import torch
@@ -8,10 +10,16 @@ import torch.nn.functional as F
 from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.packing import (
     PACKED_ATTENTION,
+    PackedAttention,
+    TokenCounts,
+    check_attn_kernel,
     cu_seqlens_from_position_ids,
+    document_causal_block_mask,
+    kernel_problem,
     pack,
+    resolve_attn_kernel,
+    sdpa_loop_attention,
     training_attn_implementation,
-    varlen_attention_torch,
 )
 from rlspmd.models.policy import CausalLMPolicy
 
@@ -27,9 +35,10 @@ def rollout_layout(vocab: int, prompt_lens, response_lens, P: int, R: int, seed:
     return ids, am, (am.cumsum(-1) - 1).clamp(min=0), rm
 
 
-def load(path, packing: bool):
+def load(path, packing: bool, attn_kernel: str = "auto", dtype: str = "float32"):
     attn = training_attn_implementation("sdpa", packing=packing, field_name="attn")
-    return CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation=attn, field_name="model"), packing=packing)
+    hf = load_causal_lm(path, dtype=dtype, attn_implementation=attn, field_name="model")
+    return CausalLMPolicy(hf, packing=packing, attn_kernel=attn_kernel)
 
 
 def grads_of(module, ids, am, pos, rm, R, temperature):
@@ -74,29 +83,34 @@ def test_packed_with_activation_checkpointing_same_gradients(tiny_model):
         torch.testing.assert_close(b[3][name], g, rtol=1e-5, atol=1e-7)
 
 
-def test_pack_unpack_and_locate():
+def test_pack_unpack_and_response_positions():
     ids = torch.tensor([[0, 0, 5, 6, 7, 0], [0, 8, 9, 1, 2, 3]])
     am = torch.tensor([[0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 1, 1]])
     pos = (am.cumsum(-1) - 1).clamp(min=0)
-    p = pack(ids, am, pos)
+    p = pack(ids, am, pos, response_len=3)
     assert p.input_ids_1T.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3]]
     assert p.position_ids_1T.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]
     assert p.cu_seqlens.tolist() == [0, 3, 8] and p.cu_seqlens.dtype == torch.int32 and p.max_seqlen == 5
+    assert p.attention.lengths == (3, 5) and p.attention.kernel == "sdpa_loop"
     assert torch.equal(p.unpack(p.input_ids_1T[0]), ids * am)
-    sel = torch.zeros_like(am, dtype=torch.bool)
-    sel[0, 4], sel[1, 1] = True, True
-    assert p.locate(sel).tolist() == [2, 3]
+    # response columns 3..5: row 0 holds 6, 7 (columns 3, 4), row 1 holds 1, 2, 3: packed positions 1, 2 and 5, 6, 7
+    assert p.target_pos_N.tolist() == [1, 2, 5, 6, 7]
+    assert p.response_rows_N.tolist() == [0, 0, 1, 1, 1] and p.response_cols_N.tolist() == [0, 1, 0, 1, 2]
+    assert p.scatter_responses(p.input_ids_1T[0, p.target_pos_N].float()).tolist() == [[6, 7, 0], [1, 2, 3]]
+    assert TokenCounts.of(am, 3) == TokenCounts((3, 5), (2, 3))
+    q = pack(ids, am, pos, response_len=3, counts=TokenCounts((3, 5), (2, 3)))  # host counts given: same pack
+    assert q.target_pos_N.tolist() == p.target_pos_N.tolist() and q.cu_seqlens.tolist() == [0, 3, 8]
     assert cu_seqlens_from_position_ids(p.position_ids_1T).tolist() == [0, 3, 8]
     assert cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2], [0, 1, 0]])).tolist() == [0, 3, 5, 6]
 
 
-def test_varlen_attention_equals_per_sample_attention():
+def test_sdpa_loop_attention_equals_per_sample_attention():
     torch.manual_seed(0)
     lengths, H, KV, D = [5, 1, 9, 3], 4, 2, 8
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q = torch.randn(sum(lengths), H, D, requires_grad=True)
     k, v = torch.randn(sum(lengths), KV, D, requires_grad=True), torch.randn(sum(lengths), KV, D, requires_grad=True)
-    out = varlen_attention_torch(q, k, v, cu, max(lengths), scale=0.3)
+    out = sdpa_loop_attention(q, k, v, lengths, scale=0.3)
     ref = []
     for s, n in zip(cu[:-1].tolist(), lengths):
         qs, ks, vs = (x[s : s + n].transpose(0, 1)[None] for x in (q, k, v))
@@ -148,10 +162,10 @@ def test_sliding_window_longer_than_samples_is_rejected():
         num_key_value_groups = 1
 
     q = torch.randn(1, 2, 6, 4)
-    cu = torch.tensor([0, 6], dtype=torch.int32)
+    meta = PackedAttention("sdpa_loop", torch.tensor([0, 6], dtype=torch.int32), 6, (6,))
     with pytest.raises(ValueError, match="sliding window"):
-        packed_attention_forward(M(), q, q, q, None, sliding_window=4, cu_seq_lens_q=cu, max_length_q=6)
-    out, _ = packed_attention_forward(M(), q, q, q, None, sliding_window=8, cu_seq_lens_q=cu, max_length_q=6)
+        packed_attention_forward(M(), q, q, q, None, sliding_window=4, packed_attention=meta)
+    out, _ = packed_attention_forward(M(), q, q, q, None, sliding_window=8, packed_attention=meta)
     ref = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)
     torch.testing.assert_close(out, ref)
 
@@ -184,3 +198,181 @@ def test_packed_values_and_scores_equal_padded(tiny_model, tiny_reward_model):
     with torch.no_grad():
         a, b = (s(ids, am, pos) for s in scorers)
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def doc_causal_dense(lengths):
+    """The (T, T) allowed-pairs matrix of causal attention within each packed sample."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    T = doc.numel()
+    return (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("lengths", [[300, 5, 200, 1, 90], [128, 128, 256], [7], [3, 500, 2, 2, 140]])
+def test_document_causal_block_mask_matches_the_dense_mask(lengths):
+    """The block mask built from the sample boundaries (no T x T evaluation) has exactly the dense mask's pairs, and
+    its full blocks are exactly the all-allowed ones: checked against the dense matrix block by block."""
+    T = sum(lengths)
+    bm = document_causal_block_mask(torch.tensor(lengths), T, block=128)
+    assert bm.seq_lengths == (T, T)
+    dense = doc_causal_dense(lengths)
+    assert torch.equal(bm.to_dense()[0, 0], _block_any(dense, 128))  # which blocks are visited
+    n = -(-T // 128)
+    full = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].tolist():
+            full[i, j] = True
+    want_full = torch.tensor([[bool(dense[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].all()) and j < i
+                               for j in range(n)] for i in range(n)])
+    assert torch.equal(full, want_full)
+    # the mask_mod inside partial blocks is the exact pair rule
+    q, kv = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    assert torch.equal(bm.mask_mod(0, 0, q, kv), dense)
+
+
+def _block_any(dense, block):
+    T = dense.shape[0]
+    n = -(-T // block)
+    padded = torch.zeros(n * block, n * block, dtype=torch.bool)
+    padded[:T, :T] = dense
+    return padded.view(n, block, n, block).any(3).any(1)
+
+
+def test_flex_attention_forward_on_cpu_equals_per_sample_attention():
+    """FlexAttention with the document-causal block mask (eager on CPU, forward only) == one SDPA call per sample."""
+    from rlspmd.models.packing import KERNELS
+
+    torch.manual_seed(0)
+    lengths, H, KV, D = [150, 3, 283, 40, 1], 4, 2, 16
+    T = sum(lengths)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, KV, D), torch.randn(T, KV, D)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    meta = PackedAttention("flex", cu, max(lengths), tuple(lengths), document_causal_block_mask(torch.tensor(lengths), T))
+    with torch.no_grad():
+        out = KERNELS["flex"](q, k, v, meta, 0.25, 0.0)
+    torch.testing.assert_close(out, sdpa_loop_attention(q, k, v, lengths, scale=0.25), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_flex_kernel_log_probs_equal_the_per_sample_kernel_on_cpu(fixture, request):
+    """A whole model forward through CausalLMPolicy: attn_kernel=flex (CPU: forward only) == sdpa_loop."""
+    path = request.getfixturevalue(fixture)
+    loop, flex = load(path, True, "sdpa_loop"), load(path, True, "flex")
+    P, R = 9, 12
+    ids, am, pos, rm = rollout_layout(loop.config.vocab_size, [9, 4, 6, 2, 7], [12, 3, 1, 12, 8], P, R)
+    with torch.no_grad():
+        a, b = loop(ids, am, pos, response_len=R), flex(ids, am, pos, response_len=R)
+    torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attn_kernel='flex': FlexAttention has no backward on CPU"):
+        flex(ids, am, pos, response_len=R)  # grad enabled: a training forward
+
+
+def test_kernel_choice_and_start_up_checks():
+    cpu = torch.device("cpu")
+    assert resolve_attn_kernel("auto", device=cpu, dtype=torch.float32) == "sdpa_loop"
+    assert resolve_attn_kernel("auto", device=cpu, dtype=torch.bfloat16) == "sdpa_loop"
+    kw = dict(attn_implementation="sdpa", packing=True, device=cpu, dtype=torch.float32, field_name="actor.model.attn_kernel")
+    assert check_attn_kernel("auto", **kw) == "sdpa_loop"
+    assert check_attn_kernel("sdpa_loop", **kw) == "sdpa_loop"
+    assert check_attn_kernel("flex", **{**kw, "backward": False}) == "flex"  # a frozen role's forward runs on CPU
+    with pytest.raises(ValueError, match=r"actor.model.attn_kernel: attn_kernel='varlen': varlen_attn runs on CUDA only"):
+        check_attn_kernel("varlen", **kw)
+    with pytest.raises(ValueError, match=r"actor.model.attn_kernel: attn_kernel='flex': FlexAttention has no backward on CPU"):
+        check_attn_kernel("flex", **kw)
+    with pytest.raises(ValueError, match=r"actor.model.attn_kernel='flash' is not one of"):
+        check_attn_kernel("flash", **kw)
+    with pytest.raises(ValueError, match=r"actor.model.attn_kernel='sdpa_loop' needs packed sequences .*model.packing=False"):
+        check_attn_kernel("sdpa_loop", **{**kw, "packing": False})
+    assert check_attn_kernel("auto", **{**kw, "packing": False}) == "padded"
+    assert check_attn_kernel("auto", **{**kw, "attn_implementation": "flash_attention_2"}) == "flash_attention_2 (transformers)"
+    # flash-attn: not installed here, or CPU; either way a reason that names it
+    problem = kernel_problem("flash_attn", device=cpu, dtype=torch.bfloat16)
+    assert problem is not None and "flash-attn" in problem
+    with pytest.raises(ValueError, match=r"actor.model.attn_kernel: attn_kernel='flash_attn': flash-attn"):
+        check_attn_kernel("flash_attn", **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA kernels: forward and backward against the per-sample path (skipped without a GPU)
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def cuda_kernels() -> list[str]:
+    if not CUDA:
+        return ["varlen", "flex", "flash_attn"]  # listed so the skipped tests are visible
+    dev = torch.device("cuda")
+    return [k for k in ("varlen", "flex", "flash_attn") if kernel_problem(k, device=dev, dtype=torch.bfloat16) is None]
+
+
+def _rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kernel", cuda_kernels())
+def test_cuda_kernel_attention_forward_backward_equals_per_sample(kernel):
+    """One layer's packed attention at Qwen2.5-0.5B's head shapes (14 / 2 heads, D 64), bf16: output and q/k/v
+    gradients against one SDPA call per sample."""
+    from rlspmd.models.packing import KERNELS
+
+    dev = torch.device("cuda")
+    if kernel_problem(kernel, device=dev, dtype=torch.bfloat16):
+        pytest.skip(kernel_problem(kernel, device=dev, dtype=torch.bfloat16))
+    torch.manual_seed(0)
+    lengths, H, KV, D = [150, 283, 7, 201, 1, 190], 14, 2, 64
+    T = sum(lengths)
+    q, k, v = (torch.randn(T, h, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for h in (H, KV, KV))
+    lens = torch.tensor(lengths, device=dev)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=dev)
+    cu[1:] = lens.cumsum(0)
+    meta = PackedAttention(kernel, cu, max(lengths), tuple(lengths),
+                           document_causal_block_mask(lens, T) if kernel == "flex" else None)
+    out = KERNELS[kernel](q, k, v, meta, D**-0.5, 0.0)
+    ref = sdpa_loop_attention(q, k, v, lengths, scale=D**-0.5)
+    g = torch.randn_like(ref)
+    ga, gb = torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)
+    assert _rel_err(out, ref) < 1e-2
+    for name, x, y in zip("qkv", ga, gb):
+        assert _rel_err(x, y) < 2e-2, name
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kernel", cuda_kernels())
+def test_cuda_kernel_policy_log_probs_and_gradients_equal_per_sample(kernel, tiny_model):
+    """A small Qwen2 through CausalLMPolicy on CUDA in bf16: log-probs, entropies and every parameter gradient with
+    ``kernel`` against the per-sample kernel; and the packed forward + backward runs with no host sync at all once
+    the token counts are known (``torch.cuda.set_sync_debug_mode('error')``)."""
+    dev = torch.device("cuda")
+    if kernel_problem(kernel, device=dev, dtype=torch.bfloat16):
+        pytest.skip(kernel_problem(kernel, device=dev, dtype=torch.bfloat16))
+    ref, model = (load(tiny_model, True, name, dtype="bfloat16").to(dev) for name in ("sdpa_loop", kernel))
+    P, R = 27, 64
+    ids, am, pos, rm = (x.to(dev) for x in rollout_layout(ref.config.vocab_size, [27, 20, 5, 27, 13, 27, 9, 1],
+                                                          [64, 30, 64, 1, 50, 64, 17, 40], P, R, seed=4))
+    counts = TokenCounts.of(am, R)
+    weights = torch.linspace(-1, 1, R, device=dev)
+
+    def forward_backward(m):
+        m.zero_grad(set_to_none=True)
+        lp, ent = m(ids, am, pos, response_len=R, counts=counts)
+        ((lp * weights + 0.1 * ent) * rm).sum().div(64).backward()
+        return lp.detach(), ent.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    forward_backward(model)  # once outside the check: FlexAttention compiles on its first call
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # now any host sync in the packed forward or backward raises
+    try:
+        outs = [None, forward_backward(model)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    outs[0] = forward_backward(ref)
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = outs
+    m = rm.bool()
+    assert (lp_b[m] - lp_a[m]).abs().max() < 0.05 and (ent_b[m] - ent_a[m]).abs().max() < 0.05
+    assert g_a.keys() == g_b.keys()
+    for name in g_a:
+        assert _rel_err(g_b[name], g_a[name]) < 0.05, name

@@ -28,9 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 
 class UpdateStats(TypedDict):
-    grad_norm: float
+    """0-dim tensors (on the device, read with the step's metrics) or Python floats."""
+
+    grad_norm: torch.Tensor | float
     """Global gradient norm before clipping (non-finite: the update was skipped)."""
-    skipped: float
+    skipped: torch.Tensor | float
     """1.0 when a non-finite norm skipped the update, else 0.0."""
 
 

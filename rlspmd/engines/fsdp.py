@@ -8,11 +8,17 @@ here; nothing else wraps models.
 Gradients are *summed* over DP ranks (gradient divide factor 1): losses are already normalised by the
 global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
 ranks or micro-batches.
+
+The optimiser is AdamW, fused (one kernel for all parameters) where the parameters live on CUDA, torch's default
+elsewhere. On the fused path an update with a non-finite gradient norm is skipped on the device (the kernel's
+``found_inf`` input, GradScaler's protocol), so ``update`` reads nothing back to the host; ``optimizer_step`` is the
+same with its statistics returned as Python floats (one device-to-host copy per optimiser step).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -21,6 +27,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from rlspmd.config import FSDPConfig, OptimConfig
 from rlspmd.engines.base import UpdateStats
@@ -73,6 +80,20 @@ def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     return fn
 
 
+def build_adamw(params: list[nn.Parameter], cfg: OptimConfig, *, fused: bool) -> torch.optim.AdamW:
+    """AdamW over ``params``: ``fused=True`` (torch's single-kernel implementation, which also accepts FSDP2's DTensor
+    shards) when asked and supported, else foreach where ``fused`` was asked (one kernel per op for all tensors), else
+    torch's default for the device (CPU: the per-parameter loop, what every CPU figure here was measured with)."""
+    kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if not fused:
+        return torch.optim.AdamW(params, **kw)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except RuntimeError as e:  # torch refuses fused for the parameters' device or dtype
+        warnings.warn(f"fused AdamW is not supported here ({e}); using foreach", stacklevel=2)
+        return torch.optim.AdamW(params, foreach=True, **kw)
+
+
 class FSDPEngine:
     """An FSDP2-sharded module with (optionally) its optimiser and LR schedule.
 
@@ -91,7 +112,9 @@ class FSDPEngine:
         optim: OptimConfig | None = None,
         total_optim_steps: int = 1,
         gradient_checkpointing: bool = False,
+        fused_optimizer: bool | None = None,
     ):
+        """``fused_optimizer``: fused AdamW; None picks it where the sharded parameters live on CUDA."""
         self.mesh = mesh
         self.device = device
         self.optim_cfg = optim
@@ -107,13 +130,9 @@ class FSDPEngine:
             self.optimizer = self.scheduler = None
         else:
             module.train()
-            self.optimizer = torch.optim.AdamW(
-                [p for p in module.parameters() if p.requires_grad],
-                lr=optim.lr,
-                betas=optim.betas,
-                eps=optim.eps,
-                weight_decay=optim.weight_decay,
-            )
+            if fused_optimizer is None:
+                fused_optimizer = device.type == "cuda" and not fsdp.cpu_offload
+            self.optimizer = build_adamw([p for p in module.parameters() if p.requires_grad], optim, fused=fused_optimizer)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optim_steps))
 
     def fsdp_modules(self) -> Iterator[FSDPModule]:
@@ -123,11 +142,16 @@ class FSDPEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
-    def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> UpdateStats:
-        """Accumulate gradients over ``micro_batches`` (``loss_fn(module, mb).backward()`` each), clip, step.
+    @property
+    def fused_optimizer(self) -> bool:
+        return bool(self.optimizer is not None and self.optimizer.defaults["fused"])
 
-        ``loss_fn`` must return the micro-batch's share of the globally-normalised loss. A non-finite
-        gradient norm skips the update (counted in ``skipped``).
+    def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> UpdateStats:
+        """Accumulate gradients over ``micro_batches`` (``loss_fn(module, mb).backward()`` each), clip, step; returns
+        ``grad_norm`` and ``skipped`` (1.0 when the update was skipped) as 0-dim float64 tensors on the device.
+
+        ``loss_fn`` must return the micro-batch's share of the globally-normalised loss. A non-finite gradient norm
+        skips the update: on the fused path inside the optimiser kernel (no host sync), else after reading the norm.
         """
         assert self.optimizer is not None, "optimizer_step on a frozen engine"
         self.optimizer.zero_grad(set_to_none=True)
@@ -136,16 +160,21 @@ class FSDPEngine:
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(grad_norm, "full_tensor"):
+        if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
+        skipped = (~torch.isfinite(grad_norm)).float()
+        if self.fused_optimizer:
+            # GradScaler's protocol: the fused kernel leaves parameters, moments and step count untouched when
+            # found_inf is non-zero, decided on the device.
+            self.optimizer.found_inf = skipped
+            self.optimizer.step()
+        elif bool(skipped):
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
         self.scheduler.step()
-        return UpdateStats(grad_norm=grad_norm, skipped=float(skipped))
+        # float64, so that the metrics' arithmetic on them is what it was on Python floats
+        return UpdateStats(grad_norm=grad_norm.detach().double(), skipped=skipped.double())
 
     @contextmanager
     def unsharded(self):

@@ -10,7 +10,11 @@ makes greedy outputs equal ``generate``'s.
 ``HFDecoder`` is the fallback for other architectures: the model's own forward with a ``DynamicCache``.
 
 Both expose ``start(prompt_ids_BP, prompt_mask_BP, max_new_tokens) -> logits_BV``, ``step(tokens_B) ->
-logits_BV`` and ``keep(rows)`` (drop finished rows from the batch, compacting the cache).
+logits_BV`` and ``keep(rows)`` (drop finished rows from the batch, compacting the cache): the eager engine.
+
+``decode_step`` is the same Llama-family step with static shapes, a function of tensors only: the token's K/V go
+into a cache slot given as a device tensor and attention runs over the whole preallocated cache under an additive
+mask. ``rlspmd.rollout.cuda_graphs`` captures it in CUDA graphs (and ``compiled_decode_step`` compiles it).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from torch import nn
 LLAMA_FAMILY = {"llama", "qwen2", "qwen3", "mistral"}
 
 
-def make_decoder(hf_model: nn.Module, *, compile: bool = False) -> "LlamaFamilyDecoder | HFDecoder":
-    """``compile``: run the decode step through ``torch.compile`` (Llama family only; see ``compiled_decode_step``)."""
-    if getattr(hf_model.config, "model_type", None) in LLAMA_FAMILY:
-        return LlamaFamilyDecoder(hf_model, compile=compile)
+def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
+    """The eager decoder for ``hf_model``: the fused Llama-family path, or the model's own forward."""
+    if hf_model.config.model_type in LLAMA_FAMILY:
+        return LlamaFamilyDecoder(hf_model)
     return HFDecoder(hf_model)
 
 
@@ -59,7 +63,7 @@ def prompt_positions(prompt_mask_BP: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaFamilyDecoder:
-    def __init__(self, hf_model: nn.Module, *, compile: bool = False):
+    def __init__(self, hf_model: nn.Module):
         cfg = hf_model.config
         self.model = hf_model
         base = hf_model.get_decoder()
@@ -69,7 +73,6 @@ class LlamaFamilyDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.n_layers = len(base.layers)
-        self.compile = compile
 
     def _params_dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
@@ -78,47 +81,50 @@ class LlamaFamilyDecoder:
         B, P = prompt_ids_BP.shape
         dev = prompt_ids_BP.device
         L = P + max_new_tokens
-        self.rope_table = self._rope_table(L, dev)
-        # The compiled step attends over the whole preallocated cache (static shapes): slots not written yet are
-        # masked and opened one per step; each layer's cache is its own tensor (written in place by the step); rows
-        # are never compacted (the shapes stay fixed).
-        self.static = self.compile and self.rope_table is not None
-        self.compacts = not self.static
         shape = (B, self.n_kv, L, self.head_dim)
-        if self.static:
-            self.k = [torch.zeros(shape, dtype=self._params_dtype(), device=dev) for _ in range(self.n_layers)]
-            self.v = [torch.zeros(shape, dtype=self._params_dtype(), device=dev) for _ in range(self.n_layers)]
-        else:
-            self.k = torch.empty(self.n_layers, *shape, dtype=self._params_dtype(), device=dev)
-            self.v = torch.empty_like(self.k)
+        self.k = torch.empty(self.n_layers, *shape, dtype=self._params_dtype(), device=dev)
+        self.v = torch.empty_like(self.k)
+        self.rope_table = self.rope_table_for(L, dev)
         self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
         self.valid[:, :P] = prompt_mask_BP.bool()
+        # Decode-step attention mask, additive and shared by every layer: -inf at prompt padding, 0 elsewhere (a step
+        # attends over the slots filled so far only).
+        self.decode_mask = torch.zeros(B, L, dtype=self._params_dtype(), device=dev)
+        self.decode_mask[:, :P].masked_fill_(~self.valid[:, :P], float("-inf"))
+        return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
+
+    def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table) -> torch.Tensor:
+        """The prompts' forward (one call, left-padded batch): writes their K/V into slots ``[0, P)`` of the given
+        per-layer caches (``(B, KV, L, D)`` each, indexable by layer) and returns the next-token logits."""
+        P = prompt_ids_BP.shape[1]
+        dev = prompt_ids_BP.device
+        self.k, self.v, self.rope_table = k_caches, v_caches, rope_table
         self.next_pos = prompt_mask_BP.long().sum(-1)  # position id of the next token per row
         self.length = 0  # cache slots filled (the prefill fills P)
-        # Decode-step attention mask, additive and shared by every layer: -inf at prompt padding, 0 elsewhere.
-        self.decode_mask = torch.zeros(B, L, dtype=self._params_dtype(), device=dev)
-        self.decode_mask.masked_fill_(~self.valid, float("-inf"))
-        self.decode_mask[:, P:] = float("-inf") if self.static else 0.0
-        if self.static:
-            self.params = self._params()
         # Causal mask; a pad query also sees itself so no row is fully masked (SDPA would give NaN).
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-        mask = (causal & self.valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=dev)
+        mask = (causal & prompt_mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)
         return self._forward(prompt_ids_BP, prompt_positions(prompt_mask_BP), mask[:, None])
 
-    def _rope_table(self, L: int, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
+    @property
+    def static_rope(self) -> bool:
+        """RoPE frequencies that do not depend on the sequence length (all but dynamic scaling): a table serves."""
+        return "dynamic" not in str(getattr(self.base.rotary_emb, "rope_type", "default"))
+
+    def rope_table_for(self, L: int, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and signed sin for positions 0..L-1, computed once by the model's own rotary module, so a decode step
         looks them up instead of recomputing them. Not for RoPE variants whose frequencies depend on the current
         sequence length (dynamic scaling): those run the rotary module at every step, as transformers does."""
-        rotary = self.base.rotary_emb
-        if "dynamic" in str(getattr(rotary, "rope_type", "default")):
+        if not self.static_rope:
             return None
+        rotary = self.base.rotary_emb
         dummy = torch.zeros(1, L, 1, dtype=self._params_dtype(), device=dev)
         cos, sin = rotary(dummy, torch.arange(L, device=dev)[None])
         return cos[0], _signed_sin(sin[0])
 
-    def _params(self):
-        """The weights the decode step reads, as plain tensors (inputs of the compiled step, not module state)."""
+    def params(self):
+        """The weights ``decode_step`` reads, as plain tensors (the step's inputs, not module state). Read once per
+        generation: colocated with FSDP2, they are the parameters gathered in place for its duration."""
         def w(mod):
             return None if mod is None else mod.weight
 
@@ -135,17 +141,6 @@ class LlamaFamilyDecoder:
         return self.base.embed_tokens.weight, tuple(layers), self.base.norm.weight, head.weight, head.bias
 
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
-        if self.static:
-            slot = self.length
-            self.decode_mask[:, slot] = 0.0
-            self.valid[:, slot] = True
-            logits = compiled_decode_step()(
-                self.params, self.k, self.v, tokens_B, self.next_pos, torch.tensor([slot], device=tokens_B.device),
-                self.decode_mask, self.rope_table[0], self.rope_table[1], self.n_heads, self.n_kv, self.head_dim, self.eps,
-            )
-            self.length += 1
-            self.next_pos = self.next_pos + 1
-            return logits
         pos = self.next_pos[:, None]
         self.valid[:, self.length] = True
         mask = self.decode_mask[:, None, None, : self.length + 1]  # (B, 1, 1, cached), a view
@@ -216,8 +211,8 @@ def decode_step(params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_t
             q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k_caches[i][:, :, slot_1] = k
-        v_caches[i][:, :, slot_1] = v
+        k_caches[i].index_copy_(2, slot_1, k)  # index_copy_: a tensor slot, no host read (CUDA-graph safe)
+        v_caches[i].index_copy_(2, slot_1, v)
         a = _decode_attention(q, k_caches[i], v_caches[i], mask)
         h = h + F.linear(a.transpose(1, 2).reshape(B, 1, H * D), ow, ob)
         x = _rms_norm(h, post_w, eps)

@@ -1,4 +1,5 @@
-"""Padding-free ("packed") training forwards, shared by every model wrapper (policy, reference, value, reward).
+"""Padding-free ("packed") training forwards, shared by every model wrapper (policy, reference, value, reward),
+and the kernel registry of packed attention.
 
 A micro-batch in the padded layout of ``rlspmd.protocol`` (left-padded prompt, right-padded response) is packed
 into ONE sequence of its valid tokens::
@@ -8,31 +9,54 @@ into ONE sequence of its valid tokens::
                                          cu_seqlens    [0, 5, 10, ...]                 (int32, B + 1)
 
 so every token-wise layer (embedding, projections, MLP, norms, LM head) runs on ``T = Σ valid`` tokens instead of
-``B × L``. Only attention needs the sample boundaries. Transformers passes any extra keyword of a model's forward
-down to the attention function; ``cu_seq_lens_q/k`` and ``max_length_q/k`` are the keys its own flash-attention
-integration reads for packed input, so a packed forward is just::
+``B × L``. Only attention needs the sample boundaries. ``pack`` builds them ONCE per micro-batch, as a
+``PackedAttention`` (the kernel's name, ``cu_seqlens``, the longest sample, and FlexAttention's block mask), and the
+forward hands it to every layer through transformers' attention keywords: a model's forward passes unknown keywords
+down to its attention function, so the layers share one object and none of them recomputes anything::
 
-    hf_model.get_decoder()(input_ids=p.input_ids_1T, position_ids=p.position_ids_1T, **p.attention_kwargs())
+    decoder(input_ids=p.input_ids_1T, position_ids=p.position_ids_1T, attention_mask=<4-D placeholder>,
+            **p.attention_kwargs())          # {"packed_attention": PackedAttention, "cu_seq_lens_q": ..., ...}
 
-With ``attn_implementation="flash_attention_2"`` that runs transformers' varlen flash path unchanged. For the
-default ``sdpa`` we register an attention implementation, ``rlspmd_packed`` (``AttentionInterface`` plus a mask
-function in ``AttentionMaskInterface``), instead of patching model code:
+We register an attention implementation, ``rlspmd_packed`` (``AttentionInterface`` plus a mask function in
+``AttentionMaskInterface``), instead of patching model code. A call that carries ``packed_attention`` runs the
+micro-batch's kernel; every other call (a padded batch with a 2-D mask, generation with a KV cache) gets
+transformers' own SDPA mask and SDPA attention, so the same model object still serves padded forwards and
+``generate``. ``attn_implementation="flash_attention_2"`` (transformers' own) also packs, through the
+``cu_seq_lens_q/k`` keys its flash integration reads.
 
-* packed calls use flash-attn's ``flash_attn_varlen_func`` on CUDA when it is installed and the dtype is half
-  precision; otherwise a torch fallback: one causal SDPA call per sample on its slice of the pack (exact
-  ``Σ len²`` work). On CPU this measured faster than the alternatives: a block-diagonal ``T × T`` mask does work
-  quadratic in the whole pack, and scattering samples into a padded ``(samples, max_len)`` layout pays
-  ``max_len²`` per sample plus scatter/gather backwards that cost more than the attention they save.
-* every other call (a padded batch with a 2-D mask, generation with a KV cache) gets transformers' own SDPA mask
-  and SDPA attention, so the same model object still serves padded forwards and ``generate``.
+Kernels (``ModelConfig.attn_kernel``; ``auto`` picks the first that runs on the device and dtype):
 
-Equivalence with the padded forward (log-probs, entropies, values, losses, gradients) is tested in
-``tests/test_packing.py``. Simplification: a sliding-window layer is only supported while every sample fits
-in the window (the fallback has no sliding-window mask); longer samples raise.
+* ``flash_attn``: flash-attn's ``flash_attn_varlen_func`` (CUDA, half precision, when installed).
+* ``varlen``: ``torch.nn.attention.varlen.varlen_attn``, the FlashAttention-2 kernel inside libtorch (torch >= 2.10;
+  CUDA sm80+, half precision). Its keywords changed between torch versions; they are detected, not assumed.
+* ``flex``: FlexAttention (compiled on CUDA, any float dtype) with a document-causal ``BlockMask`` built from the
+  sample boundaries directly at block granularity: no ``T × T`` mask is materialised and no host sync is needed. CPU
+  runs its forward only (torch has no CPU backward), eagerly.
+* ``sdpa_loop``: one causal SDPA call per sample on its slice of the pack (exact ``Σ len²`` work). On CPU this
+  measured faster than the alternatives (a block-diagonal ``T × T`` mask is quadratic in the whole pack; a padded
+  ``(samples, max_len)`` layout pays ``max_len²`` per sample plus scatter/gather backwards), so CPU keeps it. On CUDA
+  it launches one small attention per sample and layer (launch-bound), the last resort there.
+
+``auto`` on CUDA prefers flash_attn, then varlen, then flex; the GPU suite (``scripts/bench/gpu_suite.py``) times
+varlen against flex so the order can be revised from data. ``check_attn_kernel`` validates a choice at start-up
+(before models load) and returns the name the run log reports.
+
+Host syncs: exactly one device-to-host copy per packed micro-batch, in ``TokenCounts.of`` (the valid-token counts:
+the packed length ``T`` and the kernels' integer max length are host integers). A caller that already has the
+counts on the host passes them (``pack(..., counts=...)``) and the packed forward then syncs nowhere. Internal
+invariant checks that would read device data run on CPU only.
+
+Equivalence with the padded forward (log-probs, entropies, values, losses, gradients) and between kernels is tested
+in ``tests/test_packing.py`` (CUDA kernels in its ``gpu``-marked tests). Simplification: a sliding-window layer is
+only supported while every sample fits in the window (no kernel here applies a window); longer samples raise.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +65,163 @@ import torch.nn.functional as F
 PACKED_ATTENTION = "rlspmd_packed"
 """The attention implementation name registered with transformers (SDPA semantics, plus packed varlen calls)."""
 
+ATTN_KERNELS = ("auto", "flash_attn", "varlen", "flex", "sdpa_loop")
+"""Values of ``ModelConfig.attn_kernel``."""
+
+HALF = (torch.float16, torch.bfloat16)
+FLEX_BLOCK = 128
+"""FlexAttention's sparse block size (its default)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernel registry
+
+
+@functools.cache
+def _varlen_api() -> tuple[object, frozenset[str]] | None:
+    """``varlen_attn`` and its keyword names, or None where this torch has none (< 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+@functools.cache
+def _flex_api():
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    except ImportError:
+        return None
+    return flex_attention, BlockMask
+
+
+@functools.cache
+def _compiled_flex():
+    """One compiled FlexAttention for the process (eager flex materialises the scores; per-layer compiles would
+    multiply compile time). New block masks are new inputs, not recompiles."""
+    return torch.compile(_flex_api()[0])
+
+
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def kernel_problem(kernel: str, *, device: torch.device, dtype: torch.dtype, backward: bool = True) -> str | None:
+    """Why ``kernel`` cannot run packed attention on ``device`` in ``dtype`` (None: it can).
+
+    ``backward``: the role also differentiates through it (training); a no-grad forward is enough for a reference.
+    """
+    if kernel == "sdpa_loop":
+        return None
+    if kernel == "flash_attn":
+        if not _flash_attn_installed():
+            return "flash-attn is not installed (pip install flash-attn)"
+        if device.type != "cuda":
+            return f"flash-attn runs on CUDA only, this run's device is {device.type}"
+        if dtype not in HALF:
+            return f"flash-attn needs bfloat16 or float16 compute, this role computes in {dtype} (see fsdp.param_dtype)"
+        return None
+    if kernel == "varlen":
+        if _varlen_api() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen (added in torch 2.10)"
+        if device.type != "cuda":
+            return f"varlen_attn runs on CUDA only, this run's device is {device.type}"
+        if dtype not in HALF:
+            return f"varlen_attn needs bfloat16 or float16 compute, this role computes in {dtype} (see fsdp.param_dtype)"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return f"varlen_attn (FlashAttention-2) needs an sm80+ GPU, {torch.cuda.get_device_name(device)} is older"
+        return None
+    if kernel == "flex":
+        if _flex_api() is None:
+            return f"torch {torch.__version__} has no FlexAttention"
+        if device.type == "cpu" and backward:
+            return "FlexAttention has no backward on CPU (torch raises NotImplementedError); use sdpa_loop"
+        if device.type not in ("cpu", "cuda"):
+            return f"FlexAttention is not supported on {device.type}"
+        return None
+    return f"unknown kernel {kernel!r}; one of {list(ATTN_KERNELS)}"
+
+
+@functools.cache
+def resolve_attn_kernel(kernel: str, *, device: torch.device, dtype: torch.dtype, backward: bool = True) -> str:
+    """The concrete kernel for ``kernel`` (``auto`` picks one; a named one is validated): the name the log reports."""
+    if kernel == "auto":
+        if device.type == "cuda":
+            for name in ("flash_attn", "varlen", "flex"):
+                if kernel_problem(name, device=device, dtype=dtype, backward=backward) is None:
+                    return name
+        return "sdpa_loop"
+    problem = kernel_problem(kernel, device=device, dtype=dtype, backward=backward)
+    if problem is not None:
+        raise ValueError(f"attn_kernel={kernel!r}: {problem}")
+    return kernel
+
+
+def packed_kernel(attn_kernel: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """The concrete kernel of a packed forward, from inside a model wrapper's forward. ``compute_dtype``: what the
+    layers compute in; under FSDP2 mixed precision, the dtype of the gathered root parameters in the root's forward."""
+    return resolve_attn_kernel(attn_kernel, device=device, dtype=compute_dtype, backward=torch.is_grad_enabled())
+
+
+def check_attn_kernel(
+    kernel: str, *, attn_implementation: str, packing: bool, device: torch.device, dtype: torch.dtype,
+    field_name: str, backward: bool = True,
+) -> str:
+    """Start-up check of a role's ``model.attn_kernel`` (call it before models load); returns what the run log
+    reports: the kernel name, or what runs instead when packing is off or transformers' own flash path packs.
+
+    ``dtype`` is the role's compute dtype (``engines.fsdp.compute_dtype``); ``backward`` False for a frozen role.
+    """
+    if kernel not in ATTN_KERNELS:
+        raise ValueError(f"{field_name}={kernel!r} is not one of {list(ATTN_KERNELS)}")
+    if not packing or attn_implementation != "sdpa":
+        if kernel != "auto":
+            why = "model.packing=False" if not packing else f"model.attn_implementation={attn_implementation!r}"
+            raise ValueError(f"{field_name}={kernel!r} needs packed sequences with attn_implementation='sdpa' ({why})")
+        return "padded" if not packing else f"{attn_implementation} (transformers)"
+    try:
+        return resolve_attn_kernel(kernel, device=device, dtype=dtype, backward=backward)
+    except ValueError as e:
+        raise ValueError(f"{field_name}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# packing
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """Host-side valid-token counts of a micro-batch: what packing needs to know on the host."""
+
+    lengths: tuple[int, ...]
+    """Valid tokens (prompt + response) per row."""
+    response_lengths: tuple[int, ...]
+    """Valid tokens among the last ``response_len`` columns per row (empty when there is no response)."""
+
+    @classmethod
+    def of(cls, attention_mask_BL: torch.Tensor, response_len: int = 0) -> "TokenCounts":
+        """Both counts in ONE device-to-host copy (the packed path's only host sync per micro-batch)."""
+        per_row = [attention_mask_BL.sum(-1)]
+        if response_len:
+            per_row.append(attention_mask_BL[:, -response_len:].sum(-1))
+        rows = torch.stack(per_row).tolist()
+        return cls(tuple(rows[0]), tuple(rows[1]) if response_len else ())
+
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """Everything the attention layers of one packed forward need, built once per micro-batch by ``pack``."""
+
+    kernel: str
+    cu_seqlens: torch.Tensor
+    """(N + 1,) int32 sample boundaries in the pack, on the device (flash-attn's varlen convention)."""
+    max_seqlen: int
+    lengths: tuple[int, ...]
+    """Per-sample lengths on the host (``sdpa_loop`` slices by them, without reading ``cu_seqlens`` back)."""
+    block_mask: object | None = None
+    """FlexAttention's document-causal ``BlockMask`` (``flex`` only)."""
+
 
 @dataclass
 class PackedBatch:
@@ -48,35 +229,39 @@ class PackedBatch:
 
     input_ids_1T: torch.Tensor
     position_ids_1T: torch.Tensor
-    cu_seqlens: torch.Tensor
-    """(B + 1,) int32 sample boundaries in the pack (flash-attn's varlen convention)."""
-    max_seqlen: int
+    attention: PackedAttention
     token_index_T: torch.Tensor
     """(T,) flat index into ``B * L`` of each packed token (row-major order)."""
     shape: tuple[int, int]
     """(B, L) of the padded layout."""
+    response_len: int = 0
+    target_pos_N: torch.Tensor | None = None
+    """(N,) packed position of each valid response token (row-major); the hidden state that predicts it is at
+    ``target_pos_N - 1``. None without ``response_len``."""
+    response_rows_N: torch.Tensor | None = None
+    response_cols_N: torch.Tensor | None = None
+    """(N,) row and column in the ``(B, response_len)`` layout of each valid response token."""
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids_1T.shape[1]
 
-    def attention_kwargs(self) -> dict:
-        """The keyword arguments transformers forwards to the attention function for a packed sequence."""
-        return dict(
-            cu_seq_lens_q=self.cu_seqlens,
-            cu_seq_lens_k=self.cu_seqlens,
-            max_length_q=self.max_seqlen,
-            max_length_k=self.max_seqlen,
-        )
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.attention.cu_seqlens
 
-    def locate(self, mask_BL: torch.Tensor) -> torch.Tensor:
-        """Packed positions of the ``True`` entries of ``mask_BL`` (row-major); each must be a valid token."""
-        B, L = self.shape
-        where = torch.full((B * L,), -1, dtype=torch.long, device=self.token_index_T.device)
-        where[self.token_index_T] = torch.arange(self.num_tokens, device=where.device)
-        pos = where[mask_BL.reshape(-1).to(where.device)]
-        assert bool((pos >= 0).all()), "locate: a selected position is a padding token"
-        return pos
+    @property
+    def max_seqlen(self) -> int:
+        return self.attention.max_seqlen
+
+    def attention_kwargs(self) -> dict:
+        """The keyword arguments transformers forwards to the attention function for a packed sequence: ours, and
+        the ``cu_seq_lens``/``max_length`` keys of transformers' own flash-attention integration."""
+        a = self.attention
+        return dict(
+            packed_attention=a, cu_seq_lens_q=a.cu_seqlens, cu_seq_lens_k=a.cu_seqlens,
+            max_length_q=a.max_seqlen, max_length_k=a.max_seqlen,
+        )
 
     def unpack(self, x_T: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``(T, ...)`` per packed token -> ``(B, L, ...)`` with ``fill`` at padding (differentiable)."""
@@ -84,67 +269,107 @@ class PackedBatch:
         out = x_T.new_full((B * L, *x_T.shape[1:]), fill)
         return out.index_copy(0, self.token_index_T, x_T).view(B, L, *x_T.shape[1:])
 
+    def scatter_responses(self, x_N: torch.Tensor) -> torch.Tensor:
+        """``(N,)`` per valid response token -> a fresh ``(B, response_len)`` tensor, 0 at padding (differentiable;
+        not a view, which FSDP2 warns about for module outputs)."""
+        zeros = x_N.new_zeros(self.shape[0], self.response_len)
+        return zeros.index_put((self.response_rows_N, self.response_cols_N), x_N)
 
-def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, position_ids_BL: torch.Tensor) -> PackedBatch:
-    """Pack the tokens with ``attention_mask_BL == 1`` of each row, in order, into one sequence.
+
+def pack(
+    input_ids_BL: torch.Tensor,
+    attention_mask_BL: torch.Tensor,
+    position_ids_BL: torch.Tensor,
+    *,
+    kernel: str = "sdpa_loop",
+    response_len: int = 0,
+    counts: TokenCounts | None = None,
+) -> PackedBatch:
+    """Pack the tokens with ``attention_mask_BL == 1`` of each row, in order, into one sequence, and build the
+    attention metadata of ``kernel`` (a concrete name, see ``resolve_attn_kernel``) once for all layers.
 
     Position ids are taken from ``position_ids_BL`` (the rollout layout counts them from 0 at each sample's first
-    valid token), so RoPE sees exactly what the padded forward sees.
+    valid token), so RoPE sees exactly what the padded forward sees. ``response_len`` also locates the valid response
+    tokens (the last ``response_len`` columns), each of which needs a valid token before it in its row. ``counts``:
+    the host-side counts if the caller has them (else one device-to-host copy here).
     """
     B, L = input_ids_BL.shape
+    dev = input_ids_BL.device
+    counts = counts or TokenCounts.of(attention_mask_BL, response_len)
+    T = sum(counts.lengths)
     valid_BL = attention_mask_BL.bool()
+    # nonzero_static: the output size is known on the host, so no device-to-host read of the count (plain nonzero syncs)
+    token_index_T = torch.nonzero_static(valid_BL.reshape(-1), size=T).squeeze(-1)
     lengths_B = valid_BL.sum(-1)
-    token_index_T = valid_BL.reshape(-1).nonzero().squeeze(-1)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=input_ids_BL.device)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
     cu[1:] = lengths_B.cumsum(0)
-    return PackedBatch(
+    max_len = max(max(counts.lengths, default=1), 1)
+    block_mask = document_causal_block_mask(lengths_B, T) if kernel == "flex" else None
+    packed = PackedBatch(
         input_ids_1T=input_ids_BL.reshape(-1)[token_index_T][None],
         position_ids_1T=position_ids_BL.reshape(-1)[token_index_T][None],
-        cu_seqlens=cu,
-        max_seqlen=max(int(lengths_B.max()), 1) if B else 1,
+        attention=PackedAttention(kernel, cu, max_len, counts.lengths, block_mask),
         token_index_T=token_index_T,
         shape=(B, L),
     )
+    if response_len:
+        _locate_responses(packed, valid_BL, response_len, n_valid=sum(counts.response_lengths))
+    return packed
 
 
-def shifted_target_positions(packed: PackedBatch, attention_mask_BL: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Packed positions of the valid response tokens (the last ``response_len`` columns), row-major.
+def _locate_responses(packed: PackedBatch, valid_BL: torch.Tensor, R: int, *, n_valid: int) -> None:
+    """Fill ``target_pos_N`` and the ``(B, R)`` coordinates of the valid response tokens (gathers only, no sync)."""
+    B, L = packed.shape
+    dev = valid_BL.device
+    flat_N = torch.nonzero_static(valid_BL[:, -R:].reshape(-1), size=n_valid).squeeze(-1)  # into (B, R)
+    rows_N, cols_N = flat_N // R, flat_N % R
+    where_BL = torch.full((B * L,), -1, dtype=torch.long, device=dev)
+    where_BL[packed.token_index_T] = torch.arange(packed.num_tokens, device=dev)
+    target_N = where_BL[rows_N * L + (L - R) + cols_N]
+    if dev.type == "cpu":  # invariants; reading them on CUDA would be a host sync per micro-batch
+        assert bool((target_N >= 0).all()), "a response position is a padding token"
+        assert not bool(torch.isin(target_N, packed.cu_seqlens[:-1].long()).any()), "a response token has no token before it"
+    packed.response_len, packed.target_pos_N = R, target_N
+    packed.response_rows_N, packed.response_cols_N = rows_N, cols_N
 
-    The hidden state that predicts the token at packed position ``t`` is at ``t - 1`` (the sample's previous
-    valid token), which needs at least one valid prompt token before each response.
+
+def document_causal_block_mask(lengths_B: torch.Tensor, T: int, *, block: int = FLEX_BLOCK):
+    """FlexAttention ``BlockMask`` for causal attention within each of the packed samples of ``lengths_B``.
+
+    Built at block granularity from the samples' boundaries (``create_block_mask`` would evaluate the mask on all
+    ``T × T`` pairs): samples are contiguous and in order, so with ``first``/``last`` the sample of a block's first and
+    last token, KV block ``j`` touches query block ``i`` iff ``j <= i`` and ``last[j] >= first[i]``, and every pair of
+    the two is allowed ("full", no mask evaluation) iff ``j < i`` and ``first[j] == last[i]``. Partial blocks apply
+    the exact mask, ``same sample and q >= kv``. All device ops, no host sync.
     """
-    select_BL = torch.zeros_like(attention_mask_BL, dtype=torch.bool)
-    select_BL[:, -response_len:] = attention_mask_BL[:, -response_len:].bool()
-    pos = packed.locate(select_BL)
-    starts = packed.cu_seqlens[:-1].long()
-    assert not bool(torch.isin(pos, starts).any()), "a response token has no prompt token before it"
-    return pos
+    BlockMask = _flex_api()[1]
+    dev = lengths_B.device
+    doc_T = torch.repeat_interleave(torch.arange(lengths_B.numel(), device=dev), lengths_B, output_size=T)
+    n = -(-T // block)
+    starts = torch.arange(n, device=dev) * block
+    first, last = doc_T[starts], doc_T[(starts + block).clamp(max=T) - 1]
+    i, j = torch.arange(n, device=dev)[:, None], torch.arange(n, device=dev)[None, :]
+    touch = (j <= i) & (last[None, :] >= first[:, None])
+    full = (j < i) & (first[None, :] == last[:, None])
+
+    def blocks(m):  # (counts, indices) with the selected blocks first, in increasing order
+        return (m.sum(-1, dtype=torch.int32)[None, None],
+                torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[None, None])
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (doc_T[q_idx] == doc_T[kv_idx]) & (q_idx >= kv_idx)
+
+    return BlockMask.from_kv_blocks(*blocks(touch & ~full), *blocks(full), BLOCK_SIZE=block, mask_mod=document_causal,
+                                    seq_lengths=(T, T))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# attention
+# attention kernels: (T, heads, D) packed inputs (GQA allowed) -> (T, heads, D)
 
 
-def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Sample boundaries of a (possibly packed) ``(B, S)`` layout: a sample starts at each row start and wherever the
-    position id does not continue the previous one."""
-    B, S = position_ids_BS.shape
-    pos = position_ids_BS.reshape(-1)
-    start = torch.ones_like(pos, dtype=torch.bool)
-    start[1:] = pos[1:] != pos[:-1] + 1
-    start[::S] = True
-    idx = start.nonzero().squeeze(-1)
-    return torch.cat([idx, idx.new_tensor([pos.numel()])]).to(torch.int32)
-
-
-def varlen_attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens: torch.Tensor, max_seqlen: int, *, scale: float, dropout: float = 0.0):
-    """Causal attention of each sample with itself, for packed ``(T, heads, D)`` inputs (GQA allowed).
-
-    One causal SDPA call per sample on its contiguous slice of the pack: exact ``Σ len²`` attention work, no padding,
-    and slicing/concatenation are the only data movement (their backwards are a concatenation and a split).
-    """
+def sdpa_loop_attention(q_THD, k_TKD, v_TKD, lengths: Sequence[int], *, scale: float, dropout: float = 0.0):
+    """One causal SDPA call per sample on its contiguous slice of the pack (lengths on the host: no sync)."""
     H, KV = q_THD.shape[1], k_TKD.shape[1]
-    lengths = cu_seqlens.diff().tolist()
     outs = []
     for q, k, v in zip(q_THD.split(lengths), k_TKD.split(lengths), v_TKD.split(lengths)):
         if q.shape[0] == 0:
@@ -158,49 +383,89 @@ def varlen_attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens: torch.Tensor, max_se
     return torch.cat(outs)
 
 
-def _flash_varlen():
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+def _flash_attn_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, a.cu_seqlens, a.cu_seqlens, a.max_seqlen, a.max_seqlen, dropout_p=dropout,
+                                  softmax_scale=scale, causal=True)
 
 
-def varlen_attention(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen: int, *, scale: float, dropout: float = 0.0):
-    """flash-attn's varlen kernel on CUDA in half precision when installed, the torch fallback otherwise."""
-    if q_THD.is_cuda and q_THD.dtype in (torch.float16, torch.bfloat16):
-        fn = _flash_varlen()
-        if fn is not None:
-            cu = cu_seqlens.to(torch.int32)
-            return fn(q_THD, k_TKD, v_TKD, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale, causal=True)
-    return varlen_attention_torch(q_THD, k_TKD, v_TKD, cu_seqlens, max_seqlen, scale=scale, dropout=dropout)
+def _varlen_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
+    if dropout:
+        raise ValueError("attn_kernel='varlen' has no attention dropout; use flash_attn or sdpa_loop")
+    fn, params = _varlen_api()
+    kw = {}
+    if "window_size" in params:  # torch >= 2.11: causal is the window (-1, 0), compared as a tuple
+        kw["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kw["is_causal"] = True
+    if "scale" in params:
+        kw["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"varlen_attn of torch {torch.__version__} has no scale argument; this model scales by {scale}")
+    if "enable_gqa" in params:  # torch >= 2.12 refuses fewer KV heads unless asked
+        kw["enable_gqa"] = k.shape[1] != q.shape[1]
+    return fn(q, k, v, a.cu_seqlens, a.cu_seqlens, a.max_seqlen, a.max_seqlen, **kw)
+
+
+def _flex_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
+    if dropout:
+        raise ValueError("attn_kernel='flex' has no attention dropout; use flash_attn or sdpa_loop")
+    # compiled on CUDA; CPU only runs forwards (tests, no-grad roles) and compiling there costs more than it saves
+    fn = _compiled_flex() if q.is_cuda else _flex_api()[0]
+    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=a.block_mask,
+             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_loop_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
+    return sdpa_loop_attention(q, k, v, a.lengths, scale=scale, dropout=dropout)
+
+
+KERNELS = {"flash_attn": _flash_attn_kernel, "varlen": _varlen_kernel, "flex": _flex_kernel, "sdpa_loop": _sdpa_loop_kernel}
+
+
+def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Sample boundaries of a (possibly packed) ``(B, S)`` layout: a sample starts at each row start and wherever the
+    position id does not continue the previous one. (For direct calls without ``packed_attention``; syncs.)"""
+    B, S = position_ids_BS.shape
+    pos = position_ids_BS.reshape(-1)
+    start = torch.ones_like(pos, dtype=torch.bool)
+    start[1:] = pos[1:] != pos[:-1] + 1
+    start[::S] = True
+    idx = start.nonzero().squeeze(-1)
+    return torch.cat([idx, idx.new_tensor([pos.numel()])]).to(torch.int32)
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Transformers attention function (``query`` is ``(B, heads, S, D)``; returns ``(B, S, heads, D)``, None).
 
-    Varlen attention when the caller passed ``cu_seq_lens_q`` (a packed forward) or when no mask was built and the
-    position ids show packed samples; SDPA with the given mask otherwise.
+    The micro-batch's kernel when the caller passed ``packed_attention`` (a packed forward, see ``pack``); per-sample
+    SDPA when no mask was built and the position ids show packed samples (a packed input called directly); SDPA with
+    the given mask otherwise.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     B, H, S, D = query.shape
-    fresh = attention_mask is None and key.shape[2] == S and S > 1
-    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-    if cu is None and fresh and kwargs.get("position_ids") is not None:
-        cu = cu_seqlens_from_position_ids(kwargs["position_ids"].expand(B, -1))
-        max_len = int(cu.diff().max())
-        if cu.numel() - 1 == B:  # one sample per row: plain causal attention
-            cu = None
-    if cu is None or not fresh:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    meta: PackedAttention | None = kwargs.get("packed_attention")
+    if meta is None:
+        fresh = attention_mask is None and key.shape[2] == S and S > 1
+        position_ids = kwargs.get("position_ids")
+        cu = cu_seqlens_from_position_ids(position_ids.expand(B, -1)) if fresh and position_ids is not None else None
+        if cu is None or cu.numel() - 1 == B:  # a padded batch, a KV-cached step, or one sample per row
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        lengths = tuple(cu.diff().tolist())
+        meta = PackedAttention("sdpa_loop", cu, max(lengths), lengths)
+    assert B == 1 and key.shape[2] == S, "a packed forward is one sequence without a KV cache"
     window = kwargs.get("sliding_window")
-    if window is not None and max_len > window:
-        raise ValueError(f"packed attention: a sample of {max_len} tokens exceeds the sliding window {window}; set model.packing=False")
+    if window is not None and meta.max_seqlen > window:
+        raise ValueError(f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; set model.packing=False")
     scale = scaling if scaling is not None else D**-0.5
-    flat = lambda x: x.transpose(1, 2).reshape(B * S, x.shape[1], D)  # noqa: E731
-    out = varlen_attention(flat(query), flat(key), flat(value), cu, int(max_len), scale=scale, dropout=dropout)
-    return out.view(B, S, H, D), None
+    # (1, heads, T, D) -> contiguous (T, heads, D): each sample a contiguous slice (on CPU, SDPA on strided per-sample
+    # views of the (heads, T, D) layout measured 1.5-3x slower, forward + backward), FlashAttention's own layout
+    flat = lambda x: x.transpose(1, 2).reshape(S, x.shape[1], D)  # noqa: E731
+    out = KERNELS[meta.kernel](flat(query), flat(key), flat(value), meta, scale, dropout)
+    return out[None], None
 
 
 def packed_attention_mask(*, attention_mask=None, q_offset=0, kv_offset=0, q_length=0, kv_length=0, **kwargs):
@@ -243,8 +508,15 @@ def training_attn_implementation(requested: str, *, packing: bool, field_name: s
 
 
 def packed_hidden_states(decoder: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
-    """``(T, H)`` last hidden states of the packed tokens from an HF decoder (``hf_model.get_decoder()``)."""
-    out = decoder(
-        input_ids=packed.input_ids_1T, position_ids=packed.position_ids_1T, use_cache=False, **packed.attention_kwargs()
-    )
+    """``(T, H)`` last hidden states of the packed tokens from an HF decoder (``hf_model.get_decoder()``).
+
+    With ``rlspmd_packed`` the decoder gets a 4-D placeholder as its attention mask: transformers treats a 4-D mask
+    as already prepared and skips mask creation, whose packed-sequence detection reads a device value back (a host
+    sync per forward); the attention function, which finds ``packed_attention`` in its keywords, ignores it.
+    """
+    mask = None
+    if decoder.config._attn_implementation == PACKED_ATTENTION:
+        mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=packed.input_ids_1T.device)
+    out = decoder(input_ids=packed.input_ids_1T, position_ids=packed.position_ids_1T, attention_mask=mask, use_cache=False,
+                  **packed.attention_kwargs())
     return out.last_hidden_state[0]

@@ -6,8 +6,13 @@ model (instead of calling its ``forward``) keeps the embedding, final norm and L
 FSDP unit, so one root forward gathers them exactly once.
 
 With ``packing`` (the default, ``model.packing``) the micro-batch's valid tokens run as one packed sequence
-(``rlspmd.models.packing``) and the LM head sees only the valid response positions; the outputs are scattered
-back to the padded ``(B, R)`` layout with zeros at padding. Without it the padded batch runs as is.
+(``rlspmd.models.packing``) through the attention kernel ``attn_kernel`` (``model.attn_kernel``, resolved per device
+and compute dtype), and the LM head sees only the valid response positions; the outputs are scattered back to the
+padded ``(B, R)`` layout with zeros at padding. Without it the padded batch runs as is.
+
+On CUDA the packed forward and backward read nothing back to the host except the micro-batch's token counts (one
+copy, skipped when the caller passes ``counts``): positions are gathered with ``nonzero_static`` and ``index_put``,
+never with boolean indexing or ``masked_scatter``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 from torch import nn
 
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
-from rlspmd.models.packing import pack, packed_hidden_states, shifted_target_positions
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
 
 
 def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -28,11 +33,14 @@ def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor
 class CausalLMPolicy(nn.Module):
     """Wraps an HF ``*ForCausalLM``; ``forward`` returns ``(logprobs_BR, entropy_BR)`` of the response tokens."""
 
-    def __init__(self, hf_model: nn.Module, *, logprob_chunk: int | None = DEFAULT_CHUNK, packing: bool = False):
+    def __init__(
+        self, hf_model: nn.Module, *, logprob_chunk: int | None = DEFAULT_CHUNK, packing: bool = False, attn_kernel: str = "auto"
+    ):
         super().__init__()
         self.hf = hf_model
         self.logprob_chunk = logprob_chunk
         self.packing = packing
+        self.attn_kernel = attn_kernel
 
     @property
     def config(self):
@@ -53,16 +61,19 @@ class CausalLMPolicy(nn.Module):
         response_len: int,
         temperature: float = 1.0,
         with_entropy: bool = True,
+        counts: TokenCounts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only)."""
         head = self.hf.get_output_embeddings()
         kw = dict(bias=head.bias, temperature=temperature, chunk_size=self.logprob_chunk, with_entropy=with_entropy)
         if not self.packing:
             hidden = self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL)
             return chunked_logprobs(response_hidden(hidden, response_len), head.weight, input_ids_BL[:, -response_len:], **kw)
-        packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL)
+        kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, head.weight.dtype)
+        packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len, counts=counts)
         hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
-        targets = shifted_target_positions(packed, attention_mask_BL, response_len)
-        lp_N, ent_N = chunked_logprobs(hidden_TH[targets - 1], head.weight, packed.input_ids_1T[0, targets], **kw)
-        valid_BR = attention_mask_BL[:, -response_len:].bool()
-        zeros = lp_N.new_zeros(valid_BR.shape)
-        return zeros.masked_scatter(valid_BR, lp_N), zeros.masked_scatter(valid_BR, ent_N)
+        targets_N = packed.target_pos_N
+        lp_N, ent_N = chunked_logprobs(hidden_TH.index_select(0, targets_N - 1), head.weight,
+                                       packed.input_ids_1T[0].index_select(0, targets_N), **kw)
+        return packed.scatter_responses(lp_N), packed.scatter_responses(ent_N)
+

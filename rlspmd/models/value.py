@@ -22,7 +22,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
 from rlspmd.models.loader import DTYPES, check_model_dir
-from rlspmd.models.packing import pack, packed_hidden_states, shifted_target_positions, training_attn_implementation
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel, training_attn_implementation
 from rlspmd.models.policy import response_hidden
 
 HEAD_PREFIXES = ("value_head.", "score.")
@@ -32,24 +32,27 @@ HEAD_PREFIXES = ("value_head.", "score.")
 class ValueModel(nn.Module):
     """Backbone + scalar head; ``forward`` returns ``values_BR`` (float32) for the last ``response_len`` tokens."""
 
-    def __init__(self, backbone: nn.Module, value_head: nn.Linear, *, packing: bool = False):
+    def __init__(self, backbone: nn.Module, value_head: nn.Linear, *, packing: bool = False, attn_kernel: str = "auto"):
         super().__init__()
         self.hf = backbone
         self.value_head = value_head
         self.packing = packing
+        self.attn_kernel = attn_kernel
 
     @property
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int) -> torch.Tensor:
+    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int,
+                counts: TokenCounts | None = None) -> torch.Tensor:
+        """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only)."""
         if self.packing:  # valid tokens only (rlspmd.models.packing); 0 at padded response positions
-            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL)
+            kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.value_head.weight.dtype)
+            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len,
+                          counts=counts)
             hidden_TH = packed_hidden_states(self.hf, packed)
-            targets = shifted_target_positions(packed, attention_mask_BL, response_len)
-            values_N = _scalar_head(self.value_head, hidden_TH[targets - 1])
-            valid_BR = attention_mask_BL[:, -response_len:].bool()
-            return values_N.new_zeros(valid_BR.shape).masked_scatter(valid_BR, values_N)
+            values_N = _scalar_head(self.value_head, hidden_TH.index_select(0, packed.target_pos_N - 1))
+            return packed.scatter_responses(values_N)
         hidden = self.hf(
             input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False
         ).last_hidden_state
@@ -77,7 +80,8 @@ def _head_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_value_model(
-    path: str | Path, *, dtype: str, attn_implementation: str, seed: int, field_name: str, packing: bool = False
+    path: str | Path, *, dtype: str, attn_implementation: str, seed: int, field_name: str, packing: bool = False,
+    attn_kernel: str = "auto",
 ) -> ValueModel:
     """A value model initialised from ``path`` (causal LM, base model, or reward model directory).
 
@@ -101,7 +105,7 @@ def load_value_model(
             g = torch.Generator().manual_seed(seed)
             head.weight.copy_(torch.randn(1, hidden, generator=g) * (0.1 / math.sqrt(hidden)))
             head.bias.zero_()
-    return ValueModel(backbone, head, packing=packing)
+    return ValueModel(backbone, head, packing=packing, attn_kernel=attn_kernel)
 
 
 class SequenceScorer(nn.Module):
@@ -111,10 +115,11 @@ class SequenceScorer(nn.Module):
     pad token equals EOS, which ends every scored response.
     """
 
-    def __init__(self, hf_model: nn.Module, *, packing: bool = False):
+    def __init__(self, hf_model: nn.Module, *, packing: bool = False, attn_kernel: str = "auto"):
         super().__init__()
         self.hf = hf_model
         self.packing = packing
+        self.attn_kernel = attn_kernel
         self.backbone = getattr(hf_model, hf_model.base_model_prefix)
         head = getattr(hf_model, "score", None)
         if not isinstance(head, nn.Linear) or head.out_features != 1:
@@ -123,9 +128,10 @@ class SequenceScorer(nn.Module):
                 f"(a *ForSequenceClassification model with num_labels=1)"
             )
 
-    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL) -> torch.Tensor:
+    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, counts: TokenCounts | None = None) -> torch.Tensor:
         if self.packing:  # the last valid token of each sample ends its segment of the pack
-            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL)
+            kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.hf.score.weight.dtype)
+            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, counts=counts)
             hidden_TH = packed_hidden_states(self.backbone, packed)
             return _scalar_head(self.hf.score, hidden_TH[packed.cu_seqlens[1:].long() - 1])
         hidden = self.backbone(
@@ -138,7 +144,8 @@ class SequenceScorer(nn.Module):
 
 
 def load_sequence_scorer(
-    path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False
+    path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False,
+    attn_kernel: str = "auto",
 ) -> SequenceScorer:
     p = check_model_dir(path, field_name=field_name)
     attn_implementation = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
@@ -148,4 +155,4 @@ def load_sequence_scorer(
         raise ValueError(f"{field_name}: {p} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model")
     model = AutoModelForSequenceClassification.from_pretrained(str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     model.config.use_cache = False
-    return SequenceScorer(model, packing=packing)
+    return SequenceScorer(model, packing=packing, attn_kernel=attn_kernel)

@@ -54,10 +54,11 @@ def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuff
 
 
 def build_policy_module(
-    model_path: str, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False
+    model_path: str, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False, attn_kernel: str = "auto"
 ) -> CausalLMPolicy:
     attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name), packing=packing)
+    return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name), packing=packing,
+                          attn_kernel=attn_kernel)
 
 
 def check_actor(cfg: ActorConfig) -> None:

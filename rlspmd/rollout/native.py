@@ -5,8 +5,11 @@ The engine reads its model from ``weights``: the actor's own parameters gathered
 weight sync is free), or ``OwnWeights``, a private copy (split placement, or a rollout dtype different from
 training) that ``update_weights`` loads from the weight stream, the same stream the vLLM engine loads.
 
-Finished rows stop costing compute: once a quarter of the active rows have produced EOS they are dropped
-from the batch and the KV cache is compacted (compacting at every EOS would copy the cache too often).
+Decoding: on CUDA (``rollout.cuda_graphs``, Llama-family models) a static KV cache and a decode step replayed
+from CUDA graphs, sampling on the device and no host sync per token (``rlspmd/rollout/cuda_graphs.py``). Elsewhere
+(CPU, other architectures) the eager decoder, where finished rows stop costing compute: once a quarter of the active
+rows have produced EOS they are dropped from the batch and the KV cache is compacted (compacting at every EOS would
+copy the cache too often).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from rlspmd.models.decoder import make_decoder
 from rlspmd.protocol import Batch
 from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.cuda_graphs import StaticDecoder, static_decoder
 from rlspmd.rollout.sampling import SamplingParams, sample_next
 
 
@@ -58,8 +62,11 @@ def generate_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``params.max_new_tokens`` per row -> (tokens_BR, lengths_B, logprobs_BR).
 
-    ``lengths_B`` counts generated tokens including the EOS token; tokens past it are ``pad_id``.
+    ``lengths_B`` counts generated tokens including the EOS token; tokens past it are ``pad_id``. A
+    ``StaticDecoder`` runs its own loop (static shapes, CUDA graphs); the eager decoders run the loop below.
     """
+    if isinstance(decoder, StaticDecoder):
+        return decoder.generate(prompt_ids_BP, prompt_mask_BP, params, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
     B, T = prompt_ids_BP.shape[0], params.max_new_tokens
     dev = prompt_ids_BP.device
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
@@ -94,7 +101,7 @@ def generate_tokens(
             done |= newly
             if bool(done.all()):
                 break
-            if getattr(decoder, "compacts", True) and done.float().mean() >= compact_fraction:
+            if done.float().mean() >= compact_fraction:
                 keep = (~done).nonzero().squeeze(-1)
                 decoder.keep(keep)
                 rows, tok, done = rows[keep], tok[keep], done[keep]
@@ -105,9 +112,13 @@ def generate_tokens(
 
 class NativeEngine:
     def __init__(self, weights, *, eos_ids: list[int], pad_id: int, max_batch_size: int, device: torch.device,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, cuda_graphs: bool = True):
+        """``cuda_graphs`` (``rollout.cuda_graphs``): static decoding from CUDA graphs on CUDA; ``compile_decode``
+        (``rollout.compile_decode``): the static step through ``torch.compile`` (see ``rollout/cuda_graphs.py``)."""
         self.weights = weights
         self.compile_decode = compile_decode
+        self.cuda_graphs = cuda_graphs
+        self.capture_s = 0.0
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=device)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
@@ -117,7 +128,9 @@ class NativeEngine:
         batch = prompts.repeat(params.n) if params.n > 1 else prompts
         outs = []
         with self.weights.model() as hf_model:
-            decoder = make_decoder(hf_model, compile=self.compile_decode)
+            # The static decoder lives for this generation only: its graphs read the weights gathered for it.
+            static = static_decoder(hf_model, device=self.device, cuda_graphs=self.cuda_graphs, compile=self.compile_decode)
+            decoder = static or make_decoder(hf_model)
             for part in batch.split(self.max_batch_size):
                 outs.append(
                     generate_tokens(
@@ -130,6 +143,8 @@ class NativeEngine:
                         generator=generator,
                     )
                 )
+            if static is not None:
+                self.capture_s += static.capture_s
         tokens, lengths, logprobs = (torch.cat(x) for x in zip(*outs))
         return assemble_rollout(batch, tokens, lengths, logprobs, pad_id=self.pad_id)
 
@@ -150,4 +165,6 @@ class NativeEngine:
         pass
 
     def take_times(self) -> dict[str, float]:
-        return {"wake_s": 0.0, "sleep_s": 0.0}
+        """Seconds since the last call: CUDA-graph capture (``timing/rollout/capture`` in the role's metrics)."""
+        capture_s, self.capture_s = self.capture_s, 0.0
+        return {"wake_s": 0.0, "sleep_s": 0.0, "capture_s": capture_s}

@@ -40,6 +40,15 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
     The returned log-prob ignores top-k/top-p filtering: it is what the trainer computes for the same
     token, so the rollout-vs-trainer log-prob gap measures numerics, not the sampling filter.
     """
+    u_B1 = None
+    if not params.greedy:
+        u_B1 = torch.rand(logits_BV.shape[0], 1, generator=generator, device=logits_BV.device, dtype=logits_BV.dtype)
+    return sample_with_uniform(logits_BV, params, u_B1)
+
+
+def sample_with_uniform(logits_BV: torch.Tensor, params: SamplingParams, u_B1: torch.Tensor | None):
+    """``sample_next`` with the row's uniform draw ``u_B1`` in [0, 1) given (None for greedy): device ops only on CUDA
+    (no host sync), so a CUDA graph can capture it with the draws precomputed for every step."""
     if params.greedy:
         tok = logits_BV.argmax(-1)
         logp = torch.log_softmax(logits_BV, -1)
@@ -47,9 +56,9 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
     z = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
     if params.top_k > 0 or params.top_p < 1.0:
         logp = torch.log_softmax(z, -1)
-        tok = inverse_cdf_sample(_filter(z, params.top_k, params.top_p), generator)[0]
+        tok = _inverse_cdf(_filter(z, params.top_k, params.top_p), u_B1)[0]
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    tok, p_tok = inverse_cdf_sample(z, generator)
+    tok, p_tok = _inverse_cdf(z, u_B1)
     return tok, p_tok.log()
 
 
@@ -58,21 +67,27 @@ BLOCK = 128
 
 def inverse_cdf_sample(z_BV: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from ``softmax(z)`` (``-inf`` entries never drawn) and its probability."""
+    u = torch.rand(z_BV.shape[0], 1, generator=generator, device=z_BV.device, dtype=z_BV.dtype)
+    return _inverse_cdf(z_BV, u)
+
+
+def _inverse_cdf(z_BV: torch.Tensor, u_B1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     B, V = z_BV.shape
     e = torch.softmax(z_BV, -1)  # one fused pass (max, exp, normalise) instead of three
     pad = (-V) % BLOCK
     blocks = F.pad(e, (0, pad)).view(B, -1, BLOCK) if pad else e.view(B, -1, BLOCK)
     block_cdf = blocks.sum(-1).cumsum(-1)  # (B, V / BLOCK)
     total = block_cdf[:, -1:]
-    u = torch.rand(B, 1, generator=generator, device=z_BV.device, dtype=z_BV.dtype) * total
+    u = u_B1 * total
     b = torch.searchsorted(block_cdf, u, right=True).clamp_(max=block_cdf.shape[1] - 1)  # (B, 1)
     below = torch.where(b > 0, block_cdf.gather(-1, (b - 1).clamp(min=0)), torch.zeros_like(u))
     inner_cdf = blocks.gather(1, b[..., None].expand(B, 1, BLOCK)).squeeze(1).cumsum(-1)  # (B, BLOCK)
     j = torch.searchsorted(inner_cdf, u - below, right=True).clamp_(max=BLOCK - 1)
     tok = (b * BLOCK + j).squeeze(-1).clamp_(max=V - 1)
-    # Rounding can land u - below past the block's last positive entry; step back to a token with mass.
+    # Rounding can land u - below past the block's last positive entry; step back to a token with mass. On CPU only
+    # when it happened (the check is free there); on CUDA always, since reading the check back would be a host sync.
     drawn_zero = e.gather(-1, tok[:, None]).squeeze(-1) <= 0
-    if bool(drawn_zero.any()):
+    if z_BV.is_cuda or bool(drawn_zero.any()):
         tok = torch.where(drawn_zero, e.argmax(-1), tok)
     return tok, e.gather(-1, tok[:, None]).squeeze(-1)
 

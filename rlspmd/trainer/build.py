@@ -30,6 +30,7 @@ from rlspmd.engines.base import TrainingEngine
 from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
+from rlspmd.models.packing import check_attn_kernel
 from rlspmd.models.value import load_sequence_scorer, load_value_model
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
@@ -99,6 +100,8 @@ class Roles:
     """Rank 0's dataset counts, on every rank (``train_prompts``, ``train_dropped``, ``val_prompts``)."""
     resume_from: Path | None
     """The checkpoint to resume from (chosen before any model loads, so a bad one fails in seconds)."""
+    attn_kernel: str
+    """The training forwards' attention kernel (``model.attn_kernel`` resolved for this device), for the run log."""
 
 
 class Skip:
@@ -176,10 +179,10 @@ def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: s
                                      field_prefix=f"{section}.megatron")
     if kind == "policy":
         module = build_policy_module(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation,
-                                     field_name=field_name, packing=model.packing)
+                                     field_name=field_name, packing=model.packing, attn_kernel=model.attn_kernel)
     else:
         module = load_value_model(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation, seed=seed,
-                                  field_name=field_name, packing=model.packing)
+                                  field_name=field_name, packing=model.packing, attn_kernel=model.attn_kernel)
     return FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
                       gradient_checkpointing=gradient_checkpointing)
 
@@ -221,7 +224,7 @@ def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.d
 def build_reward_model(cfg: Config, *, tokenizer, mesh, device: torch.device) -> RewardModel:
     rm, m = cfg.reward.model, cfg.actor.model
     module = load_sequence_scorer(rm.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                  field_name="reward.model.path", packing=m.packing)
+                                  field_name="reward.model.path", packing=m.packing, attn_kernel=m.attn_kernel)
     rm_tokenizer = load_tokenizer(rm.tokenizer_path or rm.path, field_name="reward.model.tokenizer_path", require_chat_template=False)
     engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None)
     return RewardModel(rm, engine=engine, tokenizer=rm_tokenizer, actor_tokenizer=tokenizer, device=device)
@@ -243,7 +246,7 @@ def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype:
             dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
             weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name, attn_implementation="sdpa", field_name="actor.model.path").to(device))
         return NativeEngine(weights, eos_ids=eos_ids, pad_id=pad_id, max_batch_size=cfg.max_batch_size, device=device,
-                            compile_decode=cfg.compile_decode)
+                            compile_decode=cfg.compile_decode, cuda_graphs=cfg.cuda_graphs)
     from rlspmd.rollout.vllm import VllmEngine
     from third_party.vllm_adapter import VllmBackend
 
@@ -295,13 +298,18 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         raise ValueError(f"trainer.stop_at_step={trainer.stop_at_step} must be in [0, trainer.total_steps={trainer.total_steps}]")
     plan = RolePlan.of(cfg)
     m = cfg.actor.model
+    # The attention kernel is checked before any model loads (a kernel this device cannot run fails in seconds).
+    attn_kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing,
+                                    device=rt.device, dtype=actor_compute_dtype(cfg.actor, rt.device),
+                                    field_name="actor.model.attn_kernel")
     tokenizer = load_tokenizer(m.tokenizer_path or m.path, field_name="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
                       pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
                       in_place_capable=cfg.actor.engine == "fsdp")
     if not meshes.hosts("actor"):
-        return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan)
+        return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
+                                   attn_kernel=attn_kernel)
 
     mesh = meshes.get("actor", DP)
     dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
@@ -363,11 +371,11 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
         balance=balance,
         report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts),
-        checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from,
+        checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from, attn_kernel=attn_kernel,
     )
 
 
-def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan) -> Roles:
+def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan, attn_kernel: str) -> Roles:
     """Split placement, a rank that hosts only the rollout: it serves generation and the weight sync, in step with the
     actor's ranks; nothing else happens here."""
     data_stats = broadcast_object(None)
@@ -376,7 +384,7 @@ def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, pla
         prompts=NoPrompts(), rollout=rollout, reward=NoReward(), shaping=NoShaping(),
         baseline=FollowGreedy(rollout=rollout) if plan.greedy_baseline else NoBaseline(), sampling=sampling,
         ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), balance=Skip(),
-        report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None,
+        report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None, attn_kernel=attn_kernel,
     )
 
 
@@ -398,8 +406,9 @@ def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes):
     from rlspmd.trainer.rl import RLTrainer
 
     stop_request = StopRequest().install()
-    return RLTrainer(cfg.trainer, roles=build_roles(cfg, rt, meshes), rt=rt, stop_request=stop_request,
-                     val_batch_size=cfg.data.val_batch_size, warnings=_warnings(cfg))
+    roles = build_roles(cfg, rt, meshes)
+    return RLTrainer(cfg.trainer, roles=roles, rt=rt, stop_request=stop_request, val_batch_size=cfg.data.val_batch_size,
+                     messages=[f"packed attention kernel: {roles.attn_kernel}", *_warnings(cfg)])
 
 
 def _warnings(cfg: Config) -> list[str]:

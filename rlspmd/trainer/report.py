@@ -20,6 +20,7 @@ from rlspmd.distributed.runtime import machine_info
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.roles.rollout import truncated
+from rlspmd.trainer.timing import StageProbe
 
 
 class StepReport:
@@ -30,8 +31,9 @@ class StepReport:
         self.components = components
         self._val: list[Batch] = []
 
-    def step(self, batch: Batch, m: MetricBuffer, seconds: dict[str, float]) -> dict[str, float]:
-        """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks."""
+    def step(self, batch: Batch, m: MetricBuffer, probe: StageProbe) -> dict[str, float]:
+        """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks, and
+        the stages' seconds and peak memory (max over ranks)."""
         scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
@@ -50,8 +52,8 @@ class StepReport:
         m.min("adv/min", torch.where(valid, adv, torch.inf).min())
         m.sum("tokens/response", mask.sum())
         m.sum("tokens/total", batch["attention_mask_BL"].sum())
-        for k, v in seconds.items():
-            m.max(f"timing/{k}", v)
+        for k, v in probe.metrics().items():
+            m.max(k, v)
         out = m.reduce(mesh=self.mesh)
         out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
         out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
@@ -84,7 +86,7 @@ class StepReport:
 class NoReport:
     """Rollout-only ranks of a split placement: nothing of their own to report."""
 
-    def step(self, batch: Batch, m: MetricBuffer, seconds: dict[str, float]) -> dict[str, float]:
+    def step(self, batch: Batch, m: MetricBuffer, probe: StageProbe) -> dict[str, float]:
         return {}
 
     def add_validation(self, scored: Batch, n_pad: int) -> None:

@@ -31,8 +31,6 @@ final checkpoints, and a clean stop (checkpoint, then exit) when any rank got SI
 from __future__ import annotations
 
 import math
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,31 +43,22 @@ from rlspmd.protocol import Batch
 from rlspmd.trainer.build import Roles
 from rlspmd.trainer.report import RunSummary
 from rlspmd.trainer.state import Counters
-
-
-class StageTimer:
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+from rlspmd.trainer.timing import StageProbe
 
 
 class RLTrainer:
     def __init__(self, cfg: TrainerConfig, *, roles: Roles, rt: Runtime, stop_request: StopRequest, val_batch_size: int,
-                 warnings: list[str] = ()):
+                 messages: list[str] = ()):
+        """``messages``: what the builder wants in the run's log (the attention kernel, ignored settings)."""
         self.cfg, self.roles, self.rt = cfg, roles, rt
         self.stop_request = stop_request
         self.val_batch_size = val_batch_size
-        self.warnings = list(warnings)
+        self.messages = list(messages)
         self.counters = Counters()
         self.last_checkpoint: Path | None = None
         self.logger: MetricLogger | None = None  # opened in fit(), once the resume step is known
 
-    def rollout_round(self, step: int, round: int, m: MetricBuffer, t: StageTimer) -> Batch:
+    def rollout_round(self, step: int, round: int, m: MetricBuffer, t: StageProbe) -> Batch:
         """One generation round on this rank: fresh prompts -> n samples each -> scored (+ ReMax's baseline)."""
         r = self.roles
         prompts = r.prompts.next()
@@ -82,7 +71,7 @@ class RLTrainer:
             return r.baseline(prompts, batch, m)
 
     def step(self, step: int) -> dict[str, float]:
-        r, m, t = self.roles, MetricBuffer(), StageTimer()
+        r, m, t = self.roles, MetricBuffer(), StageProbe(self.rt.device)
         with t("step"):
             batch = r.sampling.collect(lambda round: self.rollout_round(step, round, m, t), m)
             with t("ref"):
@@ -104,7 +93,7 @@ class RLTrainer:
                     batch = r.actor.update(batch, m)
             with t("weight_sync"):
                 r.rollout.sync_weights(m)
-        return r.report.step(batch, m, t.seconds)
+        return r.report.step(batch, m, t)
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
@@ -128,7 +117,7 @@ class RLTrainer:
         )
         stats = r.data_stats
         self.logger.write(f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)")
-        for message in self.warnings:
+        for message in self.messages:
             self.logger.write(message)
         if r.resume_from is not None:
             self.logger.write(f"resumed from {r.resume_from} at step {self.counters.step}")

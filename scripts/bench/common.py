@@ -75,8 +75,40 @@ def ensure_model(path: str | None, *, preset: str) -> str:
         "bench-tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=512),
         "bench-256": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab_size=8192),
         "bench-512": dict(hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, intermediate_size=1376, vocab_size=8192),
+        # GPU workloads: Qwen2.5-0.5B's and Qwen2.5-1.5B's bodies (tied embeddings) with the bench vocabulary
+        "bench-q05": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
+                          vocab_size=8192, max_position=1024),
+        "bench-q15": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
+                          vocab_size=8192, max_position=1024),
     }
     out = ROOT / "models" / preset
     if not (out / "model.safetensors").is_file():
         build_tiny.build(out, **presets[preset])
     return str(out)
+
+
+DENSE_BF16_TFLOPS = (  # (substring of torch.cuda.get_device_name(), dense bf16 tensor TFLOP/s), most specific first
+    ("GH200", 989.4), ("H200 NVL", 835.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
+    ("B200", 2250.0), ("B100", 1750.0), ("A100", 312.0), ("A10G", 70.0), ("A10", 125.0), ("L40S", 362.0), ("L4", 121.0),
+)
+"""NVIDIA's datasheet peaks without sparsity (H100/H200 SXM: 989.4). MFU is measured against these."""
+
+
+def dense_bf16_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU by its name, None for one not in ``DENSE_BF16_TFLOPS``."""
+    return next((tflops for key, tflops in DENSE_BF16_TFLOPS if key in device_name), None)
+
+
+def kernel_busy_seconds(prof) -> float:
+    """Seconds during which at least one CUDA kernel (or copy) ran, from a ``torch.profiler.profile``: the union of
+    the device events' intervals, so overlapping streams are not counted twice."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop <= end:
+            continue
+        busy_us += stop - max(start, end)
+        end = stop
+    return busy_us / 1e6

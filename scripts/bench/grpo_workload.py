@@ -1,10 +1,15 @@
 """The fixed GRPO benchmark workload: a random-init Qwen2 model and prompts of exactly 27 tokens.
 
     python scripts/bench/grpo_workload.py                   # models/bench-256, models/bench-512, data/bench/prompts.jsonl
+    python scripts/bench/grpo_workload.py --which grpo_q05  # the GPU workload's model (models/bench-q05)
 
 Models (random init, seed 0, fp32, tied embeddings, vocab 8192, the tiny model's trained tokenizer and chat template):
   bench-256  hidden 256, 4 layers, 4 heads / 2 KV heads, intermediate 688   (configs/bench/grpo_tiny.py)
   bench-512  hidden 512, 12 layers, 8 heads / 4 KV heads, intermediate 1376 (configs/bench/grpo_small.py)
+  bench-q05  Qwen2.5-0.5B's body: hidden 896, 24 layers, 14 heads / 2 KV heads, intermediate 4864, max positions
+             1024: 365 M parameters (configs/bench/grpo_q05.py, GPU)
+  bench-q15  Qwen2.5-1.5B's body: hidden 1536, 28 layers, 12 heads / 2 KV heads, intermediate 8960, max positions
+             1024: 1.32 B parameters (configs/bench/grpo_q15.py, GPU)
 
 Prompts: ``--num-prompts`` arithmetic questions in verl's schema (``prompt`` = one user message), each exactly
 ``--prompt-tokens`` tokens once the chat template is applied with the generation prompt. Both models share the
@@ -25,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ensure_model  # noqa: E402
 
-PRESETS = {"grpo_tiny": "bench-256", "grpo_small": "bench-512"}
+PRESETS = {"grpo_tiny": "bench-256", "grpo_small": "bench-512", "grpo_q05": "bench-q05", "grpo_q15": "bench-q15",
+           "smoke": "bench-tiny"}
 
 
 def prompt_of_length(tokenizer, rng: random.Random, n_tokens: int) -> tuple[str, int]:
@@ -69,6 +75,7 @@ def write_prompts(model_dir: str, out: Path, *, num_prompts: int, prompt_tokens:
 
 
 def build(which: list[str], *, data: Path, num_prompts: int, prompt_tokens: int) -> dict[str, str]:
+    """The models (built once, reused) and the prompt file (every model shares the tokenizer, so one file serves all)."""
     models = {name: ensure_model(None, preset=PRESETS[name]) for name in which}
     write_prompts(next(iter(models.values())), data, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
     return models
@@ -76,7 +83,7 @@ def build(which: list[str], *, data: Path, num_prompts: int, prompt_tokens: int)
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--which", nargs="+", choices=sorted(PRESETS), default=sorted(PRESETS))
+    p.add_argument("--which", nargs="+", choices=sorted(PRESETS), default=["grpo_small", "grpo_tiny"])
     p.add_argument("--data", type=Path, default=ROOT / "data" / "bench" / "prompts.jsonl")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=27)

@@ -12,9 +12,18 @@ optimiser step per generation (``steps_per_generation = num_iterations = 1``); A
 fp32 on CPU, one process, torch's default threads. The reward is 0 for every completion (the random model earns
 none in rlspmd either), so advantages are 0 in both frameworks.
 
+On a GPU (``configs/bench/grpo_q05.py``'s workload, what ``scripts/bench/gpu_suite.py`` runs)::
+
+    python scripts/bench/trl_grpo.py --model models/bench-q05 --prompts 32 --generations 8 --new-tokens 256 \
+        --per-device-batch 32 --grad-accum 8 --bf16
+
+generates the 32 x 8 completions at once (``steps_per_generation`` = ``gradient_accumulation_steps`` = 8) and makes one
+optimiser step over 8 micro-batches of 32, with bf16 autocast and fused AdamW (``optim=adamw_torch_fused``).
+
 ``sec_per_step`` is the median wall time between TRL's ``on_step_begin`` and ``on_step_end`` callbacks over the steps
 after the first; a step there covers generation, the reference forward, the policy forward/backward and the
-optimiser step, like rlspmd's ``timing/step``.
+optimiser step, like rlspmd's ``timing/step``. Without TRL installed the JSON says so (``skipped``) and the exit
+status is 0.
 """
 
 from __future__ import annotations
@@ -35,8 +44,24 @@ def main(argv=None):
     p.add_argument("--model", default=str(ROOT / "models" / "bench-256"))
     p.add_argument("--data", default=str(ROOT / "data" / "bench" / "prompts.jsonl"))
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--generations", type=int, default=4, help="completions per prompt (num_generations)")
+    p.add_argument("--new-tokens", type=int, default=64, help="min_new_tokens = max_completion_length")
+    p.add_argument("--per-device-batch", type=int, default=16, help="completions per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (= steps_per_generation)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
+    if a.per_device_batch * a.grad_accum != a.prompts * a.generations:
+        raise SystemExit(f"--per-device-batch x --grad-accum must be --prompts x --generations ({a.prompts * a.generations})")
+    workload = {"model": a.model, "prompts": a.prompts, "generations": a.generations, "new_tokens": a.new_tokens,
+                "per_device_batch": a.per_device_batch, "grad_accum": a.grad_accum, "bf16": a.bf16, "beta": 0.04,
+                "steps": a.steps}
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        emit({"bench": "trl_grpo", "skipped": "trl is not installed (pip install trl==1.16.0)", "workload": workload}, a.out)
+        return
 
     import torch
     import trl
@@ -44,6 +69,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    cuda = torch.cuda.is_available()
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32, attn_implementation="sdpa")
     dataset = load_dataset("json", data_files=a.data, split="train").select_columns(["prompt"])
@@ -65,13 +91,13 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as out_dir:
         args = GRPOConfig(
             output_dir=out_dir,
-            per_device_train_batch_size=16,
-            num_generations=4,
-            steps_per_generation=1,
+            per_device_train_batch_size=a.per_device_batch,
+            num_generations=a.generations,
+            steps_per_generation=a.grad_accum,
             num_iterations=1,
-            gradient_accumulation_steps=1,
-            max_completion_length=64,
-            generation_kwargs={"min_new_tokens": 64},
+            gradient_accumulation_steps=a.grad_accum,
+            max_completion_length=a.new_tokens,
+            generation_kwargs={"min_new_tokens": a.new_tokens},
             temperature=1.0,
             top_k=0,
             top_p=1.0,
@@ -84,8 +110,9 @@ def main(argv=None):
             logging_steps=1,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
-            bf16=False,
+            use_cpu=not cuda,
+            bf16=a.bf16,
+            optim="adamw_torch_fused" if cuda else "adamw_torch",
             seed=0,
             dataloader_num_workers=0,
             disable_tqdm=True,
@@ -103,11 +130,12 @@ def main(argv=None):
         {
             "bench": "trl_grpo",
             "trl": trl.__version__,
-            "workload": {"model": a.model, "prompts": 4, "generations": 4, "new_tokens": 64, "beta": 0.04, "steps": a.steps},
+            "workload": workload,
             "sec_per_step": sec,
             "step_s": [round(x, 3) for x in timer.times],
             "completion_mean_length": lengths,
-            "gen_tokens_per_step": 16 * 64,
+            "gen_tokens_per_step": a.prompts * a.generations * a.new_tokens,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         },
         a.out,
     )

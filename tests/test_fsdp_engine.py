@@ -1,0 +1,80 @@
+"""The FSDP2 engine's optimiser: fused AdamW (what CUDA gets) takes the same steps as torch's default AdamW, and a
+non-finite gradient norm skips the update inside the fused kernel (no host read) exactly as the default path skips
+it. Run on CPU, where torch also has the fused kernel, in a Gloo world of one (FSDP2 DTensor shards, as on GPUs)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.config import FSDPConfig, OptimConfig
+from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.models.loader import load_causal_lm
+from rlspmd.models.packing import training_attn_implementation
+from rlspmd.models.policy import CausalLMPolicy
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DeviceMesh("cpu", torch.tensor([0]), mesh_dim_names=("dp",))
+    dist.destroy_process_group()
+
+
+def engine(path, mesh, *, fused: bool) -> FSDPEngine:
+    attn = training_attn_implementation("sdpa", packing=True, field_name="attn")
+    module = CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation=attn, field_name="m"), packing=True)
+    return FSDPEngine(module, module.hf, mesh=mesh, device=torch.device("cpu"), fsdp=FSDPConfig(),
+                      optim=OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0), total_optim_steps=10,
+                      fused_optimizer=fused)
+
+
+def batch(vocab):
+    g = torch.Generator().manual_seed(0)
+    am = torch.ones(3, 12, dtype=torch.long)
+    am[0, :2] = 0
+    am[2, -3:] = 0
+    return torch.randint(3, vocab, (3, 12), generator=g) * am, am, (am.cumsum(-1) - 1).clamp(min=0)
+
+
+def loss_fn(scale):
+    def fn(module, mb):
+        ids, am, pos = mb
+        lp, _ = module(ids, am, pos, response_len=6)
+        return scale * (lp * am[:, -6:]).sum() / 20
+    return fn
+
+
+def full_params(e: FSDPEngine) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in e.module.named_parameters()}
+
+
+def test_fused_adamw_steps_like_the_default_and_skips_non_finite_updates_on_device(tiny_model, mesh):
+    plain, fused = engine(tiny_model, mesh, fused=False), engine(tiny_model, mesh, fused=True)
+    assert fused.fused_optimizer and not plain.fused_optimizer
+    mb = batch(plain.module.config.vocab_size)
+    initial = full_params(plain)
+    for _ in range(2):
+        a, b = plain.optimizer_step([mb], loss_fn(1.0)), fused.optimizer_step([mb], loss_fn(1.0))
+        assert float(a["skipped"]) == float(b["skipped"]) == 0.0
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-5, atol=1e-7)
+    pa, pb = full_params(plain), full_params(fused)
+    for name in pa:  # two steps of lr 1e-3: agree to 1% of one step (the kernels round differently)
+        torch.testing.assert_close(pb[name], pa[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert all(not torch.equal(pa[name], initial[name]) for name in pa)  # every parameter moved
+    start = {name: p.clone() for name, p in pb.items()}
+    steps = [float(s["step"]) for s in fused.optimizer.state.values()]
+    moments = [s["exp_avg"].full_tensor().clone() for s in fused.optimizer.state.values()]
+    stats = fused.optimizer_step([mb], loss_fn(float("nan")))  # a NaN loss: non-finite gradient norm
+    assert float(stats["skipped"]) == 1.0 and not torch.isfinite(stats["grad_norm"])
+    after = full_params(fused)
+    for name in start:  # parameters, moments and step counts untouched, decided by the kernel
+        assert torch.equal(after[name], start[name]), name
+    assert [float(s["step"]) for s in fused.optimizer.state.values()] == steps
+    for m, s in zip(moments, fused.optimizer.state.values()):
+        assert torch.equal(s["exp_avg"].full_tensor(), m)
+    assert plain.optimizer_step([mb], loss_fn(float("nan")))["skipped"] == 1.0  # the host-checked path agrees
+    assert plain.optimizer_step([mb], loss_fn(1.0))["skipped"] == 0.0
