@@ -33,8 +33,8 @@ def main():
     seen: list[Batch] = []
     score = trainer.roles.reward.score
 
-    def recording_score(batch):
-        out = score(batch)
+    def recording_score(batch, metrics):
+        out = score(batch, metrics)
         seen.append(Batch({"responses_BR": out["responses_BR"].cpu(), "scores_B": out["scores_B"].cpu(),
                            "rollout_logprobs_BR": out["rollout_logprobs_BR"].cpu()}))
         return out
