@@ -31,7 +31,7 @@ def _two_steps(tmp_path, name, nproc, model, data, *extra):
     return torch.load(out)
 
 
-SPLIT = ("--mesh.actor-ranks", "0-1", "--mesh.ref-ranks", "0-1", "--mesh.rollout-ranks", "2-3")
+SPLIT = ("--mesh.actor-ranks", "0-1", "--mesh.rollout-ranks", "2-3")
 
 
 RUNS = {
