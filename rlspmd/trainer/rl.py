@@ -62,13 +62,20 @@ from rlspmd.trainer.sampling import DynamicSampling, GreedyBaseline, NoBaseline,
 
 
 class StageTimer:
-    def __init__(self):
+    """Seconds spent per stage of one step. Entering a stage also publishes it (with ``step``, when given) to this
+    rank's ``Progress``, so that the hang monitor can name the rank and stage that holds the job up."""
+
+    def __init__(self, step: int | None = None):
+        from rlspmd.distributed.progress import progress
+
         self.seconds: dict[str, float] = {}
+        self.step, self.progress = step, progress
 
     @contextmanager
     def __call__(self, name: str):
         t0 = time.perf_counter()
-        yield
+        with self.progress.stage(name, step=self.step):
+            yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
