@@ -147,13 +147,11 @@ class HangMonitor:
         return f"{self.prefix}/abort"
 
     def start(self) -> "HangMonitor":
-        self.publish()  # a first view before anything slow happens
         threading.Thread(target=self._run, daemon=True, name="rlspmd-hang-monitor").start()
         return self
 
     def _run(self) -> None:
         while True:
-            time.sleep(self.interval)
             try:
                 self.tick()
             except Exception as e:  # noqa: BLE001 - the store is gone (launcher died) or unreachable: keep trying
@@ -161,6 +159,7 @@ class HangMonitor:
                     self._store_error_reported = True
                     sys.stderr.write(f"[rlspmd] rank {self.rank}: hang monitor cannot reach the job's store: {type(e).__name__}: {e}\n")
                     sys.stderr.flush()
+            time.sleep(self.interval)
 
     def publish(self) -> None:
         step, stage, seconds = self.state.view()
