@@ -9,6 +9,7 @@ is written as a Hugging Face directory (safetensors + tokenizer) that RL configs
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from rlspmd.protocol import Batch
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.trainer.checkpoint import save_hf_model
 from rlspmd.trainer.logger import MetricLogger
+from rlspmd.validate import check_sft_config
 
 
 class SFTDataset:
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlspmd.train import parse_args
 
     cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
+    check_sft_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run)  # every rank, first
     rt = init_distributed(cfg.dist)
     quiet_libraries()
     seed_everything(cfg.seed)

@@ -5,7 +5,8 @@
     python -m rlspmd.train --config configs/quickstart.py --help   # every field with its docstring
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/ppo.py:cpu  # FILE:NAME picks another object
 
-``--dry-run`` builds the meshes, prints the resolved config and the role/mesh layout, and exits.
+``--dry-run`` checks the config (not its files), builds the meshes, prints the resolved config and the role/mesh layout,
+and exits.
 ``--resume auto|none|PATH`` is short for ``--checkpoint.resume``.
 """
 
@@ -23,7 +24,11 @@ import tyro
 
 from rlspmd.config import Config, load_config_file
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import exit_process, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown, spmd_main
+from rlspmd.distributed.progress import progress
+from rlspmd.distributed.runtime import (
+    exit_process, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown, spmd_main, start_hang_monitor,
+)
+from rlspmd.validate import check_config
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
@@ -62,11 +67,14 @@ def flatten(cfg, prefix: str = "") -> dict[str, object]:
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
+    # Every rank, before anything loads; a dry run previews a layout, maybe before the data and model are in place.
+    check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run)
     if cfg.rollout.engine == "vllm":  # vLLM's environment must be set before the first NCCL communicator
         from third_party.vllm_adapter import prepare_environment
 
         prepare_environment()
     rt = init_distributed(cfg.dist)
+    start_hang_monitor(cfg.dist, rt)
     quiet_libraries()
     seed_everything(cfg.trainer.seed)
     set_deterministic(cfg.trainer.deterministic)
@@ -84,7 +92,9 @@ def main(argv: list[str] | None = None) -> None:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
     from rlspmd.trainer.rl import build_program  # heavy imports after the cheap checks
 
-    build_program(cfg, rt, meshes).fit()
+    with progress.stage("startup"):
+        program = build_program(cfg, rt, meshes)
+    program.fit()
     shutdown()
 
 
