@@ -123,6 +123,7 @@ def test_placement_rules():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_colocated_native_with_its_own_bf16_copy_is_fed_by_the_stream(tiny_model, arithmetic_data, tmp_path):
     """A rollout dtype other than the actor's compute dtype: the native engine keeps its own copy, loaded from the
     weight stream (cast to bf16 on the shards) at every sync; training and generation still run."""
