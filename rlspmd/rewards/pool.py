@@ -67,7 +67,8 @@ class RewardPool:
         if num_workers < 1:
             raise ValueError(f"reward.num_workers must give at least one worker, got {num_workers}")
         self.spec, self.timeout_s, self.field_name = spec, timeout_s, field_name
-        self.workers = [self._spawn() for _ in range(num_workers)]
+        self.workers: list[_Worker] = []
+        self.workers.extend(self._spawn() for _ in range(num_workers))
         self.replaced = 0  # workers killed for overrunning the limit, since the pool started
 
     def _spawn(self) -> _Worker:
@@ -140,3 +141,7 @@ class RewardPool:
         for w in self.workers:
             w.kill()
         self.workers = []
+
+    def __del__(self):  # a pool dropped without close() (tests, a discarded manager) takes its workers with it
+        if self.workers:
+            self.close()
