@@ -20,7 +20,10 @@ import importlib.util
 import typing
 from pathlib import Path
 
-from rlspmd.config import Config, OptimConfig, SFTConfig
+from rlspmd.config import (
+    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, MeshConfig, OptimConfig, RewardConfig, RolloutConfig,
+    SFTConfig,
+)
 from rlspmd.distributed.runtime import UserError
 
 LOGGERS = ("console", "jsonl", "tensorboard")
@@ -74,116 +77,24 @@ def _raise(lines: list[str]) -> None:
 
 
 def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -> list[str]:
-    from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+    """Every problem of an RL config, one line each (empty: it can run). The sections are checked by the functions
+    below, each given the sections it reads; batch arithmetic needs the actor's DP size from the placement."""
     from rlspmd.trainer.advantage import NEEDS_CRITIC
 
     p = Problems()
     _literals(p, cfg, "")
-    dp = _placement(p, cfg, world_size=world_size)
-    a, d, r, alg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm
-    with_critic = alg.adv_estimator in NEEDS_CRITIC
-
-    # data
-    for name, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
-        if not files:
-            p.add(name, files, "give at least one parquet or jsonl file")
-    p.at_least("data.max_prompt_length", d.max_prompt_length, 1)
-    p.at_least("data.train_batch_size", d.train_batch_size, 1)
-    p.at_least("data.val_batch_size", d.val_batch_size, 1)
-    p.optional_at_least("data.max_val_samples", d.max_val_samples, 1)
-    if not d.prompt_key:
-        p.add("data.prompt_key", d.prompt_key, "must name the prompt column")
-
-    # rollout
-    p.at_least("rollout.n", r.n, 1)
-    p.at_least("rollout.max_response_length", r.max_response_length, 1)
-    p.at_least("rollout.max_batch_size", r.max_batch_size, 1)
-    if not r.temperature > 0:
-        p.add("rollout.temperature", r.temperature, "must be > 0 (training log-probs divide by it; greedy is val_temperature=0)")
-    p.at_least("rollout.val_temperature", r.val_temperature, 0)
-    if not 0 < r.top_p <= 1:
-        p.add("rollout.top_p", r.top_p, "must be in (0, 1]")
-    p.at_least("rollout.top_k", r.top_k, 0)
-    if r.engine == "vllm":
-        if not 0 < r.vllm.gpu_memory_utilization <= 1:
-            p.add("rollout.vllm.gpu_memory_utilization", r.vllm.gpu_memory_utilization, "must be in (0, 1]")
-        p.at_least("rollout.vllm.max_num_seqs", r.vllm.max_num_seqs, 1)
-        p.optional_at_least("rollout.vllm.kv_cache_memory_bytes", r.vllm.kv_cache_memory_bytes, 1)
-
-    # actor and its batch arithmetic (mini-batches count prompts; each brings rollout.n samples)
-    _train_sizes(p, "actor", a, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
-    p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
-    p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
-    p.one_of("actor.policy_loss", a.policy_loss, POLICY_LOSSES)
-    p.one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
-    if a.use_kl_loss:
-        p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
-        p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
-    p.at_least("actor.clip_ratio_low", a.clip_ratio_low, 0)
-    p.at_least("actor.clip_ratio_high", a.clip_ratio_high, 0)
-    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1:
-        p.add("actor.clip_ratio_c", a.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")
-    for name, tau in (("actor.sapo_tau_pos", a.sapo_tau_pos), ("actor.sapo_tau_neg", a.sapo_tau_neg)):
-        if not tau > 0:
-            p.add(name, tau, "must be > 0")
-    _optim(p, "actor.optim", a.optim)
-    _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
-
-    # reference
+    dp = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
+    d, r = cfg.data, cfg.rollout
+    with_critic = cfg.algorithm.adv_estimator in NEEDS_CRITIC
+    _data(p, d)
+    _rollout(p, r)
+    _actor(p, cfg.actor, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     p.at_least("ref.logprob_micro_batch_size", cfg.ref.logprob_micro_batch_size, 1)
     p.optional_at_least("ref.logprob_max_tokens_per_micro_batch", cfg.ref.logprob_max_tokens_per_micro_batch, 1)
-
-    # critic (PPO only)
-    c = cfg.critic
     if with_critic:
-        _train_sizes(p, "critic", c, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
-        p.at_least("critic.values_micro_batch_size", c.values_micro_batch_size, 1)
-        p.optional_at_least("critic.values_max_tokens_per_micro_batch", c.values_max_tokens_per_micro_batch, 1)
-        p.one_of("critic.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
-        if c.cliprange_value is not None and not c.cliprange_value > 0:
-            p.add("critic.cliprange_value", c.cliprange_value, "must be > 0, or None (off)")
-        p.at_least("critic.warmup_steps", c.warmup_steps, 0)
-        _optim(p, "critic.optim", c.optim)
-
-    # algorithm
-    p.one_of("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGE_ESTIMATORS)
-    for name, value in (("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)):
-        if not 0 <= value <= 1:
-            p.add(name, value, "must be in [0, 1]")
-    if alg.use_kl_in_reward:
-        p.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
-        p.at_least("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef, 0)
-        if alg.kl_ctrl.type == "adaptive":
-            for name, value in (("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl), ("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)):
-                if not value > 0:
-                    p.add(name, value, "must be > 0")
-    fg = alg.filter_groups
-    if fg.enable:
-        gen = fg.gen_batch_size or d.train_batch_size
-        if gen < d.train_batch_size:
-            p.add("algorithm.filter_groups.gen_batch_size", gen, f"must be >= data.train_batch_size={d.train_batch_size}")
-        elif dp and gen % dp:
-            p.add("algorithm.filter_groups.gen_batch_size", gen, f"does not split over the actor's {dp} DP ranks")
-        p.at_least("algorithm.filter_groups.max_rounds", fg.max_rounds, 1)
-        if r.n < 2:
-            p.add("rollout.n", r.n, "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies")
-
-    # reward
-    rw = cfg.reward
-    if rw.model.path is None and rw.rule_weight == 0:
-        p.add("reward.rule_weight", rw.rule_weight, "0 without a reward model (reward.model.path) leaves no reward at all")
-    if rw.model.path is not None:
-        p.at_least("reward.model.micro_batch_size", rw.model.micro_batch_size, 1)
-        p.optional_at_least("reward.model.max_tokens_per_micro_batch", rw.model.max_tokens_per_micro_batch, 1)
-    if rw.overlong_buffer.enable:
-        if not 0 < rw.overlong_buffer.len <= r.max_response_length:
-            p.add("reward.overlong_buffer.len", rw.overlong_buffer.len, f"must be in (0, rollout.max_response_length={r.max_response_length}]")
-        p.at_least("reward.overlong_buffer.penalty_factor", rw.overlong_buffer.penalty_factor, 0)
-    if rw.timeout_s is not None and not rw.timeout_s > 0:
-        p.add("reward.timeout_s", rw.timeout_s, "must be > 0, or None (no limit: functions run in this process)")
-    p.at_least("reward.num_workers", rw.num_workers, 0)
-
-    # dist, trainer, checkpoint
+        _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
+    _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
+    _reward(p, cfg.reward, max_response_length=r.max_response_length)
     _dist(p, cfg.dist)
     t = cfg.trainer
     p.at_least("trainer.total_steps", t.total_steps, 1)
@@ -193,24 +104,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     _loggers(p, "trainer.loggers", t.loggers)
     p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
-
     if check_files:
-        _model_files(p, "actor.model", a.model.path, tokenizer=a.model.tokenizer_path or a.model.path)
-        if cfg.ref.model_path is not None:  # the reference and the critic read the actor's tokens: no tokenizer of their own
-            _model_files(p, "ref.model_path", cfg.ref.model_path, tokenizer=None)
-        if with_critic and c.model_path is not None:
-            _model_files(p, "critic.model_path", c.model_path, tokenizer=None)
-        if rw.model.path is not None:
-            _model_files(p, "reward.model", rw.model.path, tokenizer=rw.model.tokenizer_path or rw.model.path)
-        _data_files(p, "data.train_files", d.train_files)
-        _data_files(p, "data.val_files", d.val_files)
-        if rw.function is not None:
-            p.file_check(check_function_spec, rw.function, field_name="reward.function")
-        resume = cfg.checkpoint.resume.strip()
-        if resume not in ("auto", "none"):
-            from rlspmd.trainer.checkpoint import resolve_checkpoint
-
-            p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
+        _files(p, cfg, with_critic=with_critic)
     return p.lines
 
 
@@ -240,38 +135,164 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
 # -- sections ---------------------------------------------------------------------------------------------
 
 
-def _placement(p: Problems, cfg: Config, *, world_size: int) -> int:
+def _data(p: Problems, d: DataConfig) -> None:
+    for name, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if not files:
+            p.add(name, files, "give at least one parquet or jsonl file")
+    p.at_least("data.max_prompt_length", d.max_prompt_length, 1)
+    p.at_least("data.train_batch_size", d.train_batch_size, 1)
+    p.at_least("data.val_batch_size", d.val_batch_size, 1)
+    p.optional_at_least("data.max_val_samples", d.max_val_samples, 1)
+    if not d.prompt_key:
+        p.add("data.prompt_key", d.prompt_key, "must name the prompt column")
+
+
+def _rollout(p: Problems, r: RolloutConfig) -> None:
+    p.at_least("rollout.n", r.n, 1)
+    p.at_least("rollout.max_response_length", r.max_response_length, 1)
+    p.at_least("rollout.max_batch_size", r.max_batch_size, 1)
+    if not r.temperature > 0:
+        p.add("rollout.temperature", r.temperature, "must be > 0 (training log-probs divide by it; greedy is val_temperature=0)")
+    p.at_least("rollout.val_temperature", r.val_temperature, 0)
+    if not 0 < r.top_p <= 1:
+        p.add("rollout.top_p", r.top_p, "must be in (0, 1]")
+    p.at_least("rollout.top_k", r.top_k, 0)
+    if r.engine == "vllm":
+        if not 0 < r.vllm.gpu_memory_utilization <= 1:
+            p.add("rollout.vllm.gpu_memory_utilization", r.vllm.gpu_memory_utilization, "must be in (0, 1]")
+        p.at_least("rollout.vllm.max_num_seqs", r.vllm.max_num_seqs, 1)
+        p.optional_at_least("rollout.vllm.kv_cache_memory_bytes", r.vllm.kv_cache_memory_bytes, 1)
+
+
+def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    from rlspmd.algorithms import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
+    _train_sizes(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
+    p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
+    p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
+    p.one_of("actor.policy_loss", a.policy_loss, POLICY_LOSSES)
+    p.one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    if a.use_kl_loss:
+        p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
+        p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
+    p.at_least("actor.clip_ratio_low", a.clip_ratio_low, 0)
+    p.at_least("actor.clip_ratio_high", a.clip_ratio_high, 0)
+    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1:
+        p.add("actor.clip_ratio_c", a.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")
+    for name, tau in (("actor.sapo_tau_pos", a.sapo_tau_pos), ("actor.sapo_tau_neg", a.sapo_tau_neg)):
+        if not tau > 0:
+            p.add(name, tau, "must be > 0")
+    _optim(p, "actor.optim", a.optim)
+    _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
+
+
+def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    from rlspmd.algorithms import AGG_MODES
+
+    _train_sizes(p, "critic", c, train_batch_size=train_batch_size, n=n, dp=dp)
+    p.at_least("critic.values_micro_batch_size", c.values_micro_batch_size, 1)
+    p.optional_at_least("critic.values_max_tokens_per_micro_batch", c.values_max_tokens_per_micro_batch, 1)
+    p.one_of("critic.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
+    if c.cliprange_value is not None and not c.cliprange_value > 0:
+        p.add("critic.cliprange_value", c.cliprange_value, "must be > 0, or None (off)")
+    p.at_least("critic.warmup_steps", c.warmup_steps, 0)
+    _optim(p, "critic.optim", c.optim)
+
+
+def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+
+    p.one_of("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGE_ESTIMATORS)
+    for name, value in (("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)):
+        if not 0 <= value <= 1:
+            p.add(name, value, "must be in [0, 1]")
+    if alg.use_kl_in_reward:
+        p.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
+        p.at_least("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef, 0)
+        if alg.kl_ctrl.type == "adaptive":
+            for name, value in (("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl), ("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)):
+                if not value > 0:
+                    p.add(name, value, "must be > 0")
+    fg = alg.filter_groups
+    if fg.enable:
+        gen = fg.gen_batch_size or train_batch_size
+        if gen < train_batch_size:
+            p.add("algorithm.filter_groups.gen_batch_size", gen, f"must be >= data.train_batch_size={train_batch_size}")
+        elif dp and gen % dp:
+            p.add("algorithm.filter_groups.gen_batch_size", gen, f"does not split over the actor's {dp} DP ranks")
+        p.at_least("algorithm.filter_groups.max_rounds", fg.max_rounds, 1)
+        if n < 2:
+            p.add("rollout.n", n, "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies")
+
+
+def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int) -> None:
+    if rw.model.path is None and rw.rule_weight == 0:
+        p.add("reward.rule_weight", rw.rule_weight, "0 without a reward model (reward.model.path) leaves no reward at all")
+    if rw.model.path is not None:
+        p.at_least("reward.model.micro_batch_size", rw.model.micro_batch_size, 1)
+        p.optional_at_least("reward.model.max_tokens_per_micro_batch", rw.model.max_tokens_per_micro_batch, 1)
+    if rw.overlong_buffer.enable:
+        if not 0 < rw.overlong_buffer.len <= max_response_length:
+            p.add("reward.overlong_buffer.len", rw.overlong_buffer.len, f"must be in (0, rollout.max_response_length={max_response_length}]")
+        p.at_least("reward.overlong_buffer.penalty_factor", rw.overlong_buffer.penalty_factor, 0)
+    if rw.timeout_s is not None and not rw.timeout_s > 0:
+        p.add("reward.timeout_s", rw.timeout_s, "must be > 0, or None (no limit: functions run in this process)")
+    p.at_least("reward.num_workers", rw.num_workers, 0)
+
+
+def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
+    """Model, tokenizer and data files, the reward function, the checkpoint to resume: every path the run reads."""
+    a, rw = cfg.actor, cfg.reward
+    _model_files(p, "actor.model", a.model.path, tokenizer=a.model.tokenizer_path or a.model.path)
+    if cfg.ref.model_path is not None:  # the reference and the critic read the actor's tokens: no tokenizer of their own
+        _model_files(p, "ref.model_path", cfg.ref.model_path, tokenizer=None)
+    if with_critic and cfg.critic.model_path is not None:
+        _model_files(p, "critic.model_path", cfg.critic.model_path, tokenizer=None)
+    if rw.model.path is not None:
+        _model_files(p, "reward.model", rw.model.path, tokenizer=rw.model.tokenizer_path or rw.model.path)
+    _data_files(p, "data.train_files", cfg.data.train_files)
+    _data_files(p, "data.val_files", cfg.data.val_files)
+    if rw.function is not None:
+        p.file_check(check_function_spec, rw.function, field_name="reward.function")
+    resume = cfg.checkpoint.resume.strip()
+    if resume not in ("auto", "none"):
+        from rlspmd.trainer.checkpoint import resolve_checkpoint
+
+        p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
+
+
+def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> int:
     """The placements the RL trainer runs (colocated, or the rollout on ranks of its own); the actor's DP size
     (0 when the placement itself is invalid)."""
     from rlspmd.distributed.mesh import FOLLOWERS, ParallelDims
 
     try:
-        dims = ParallelDims.from_config(cfg.mesh, world_size)
+        dims = ParallelDims.from_config(mesh, world_size)
     except ValueError as e:
         p.lines.append(str(e))
         return 0
     actor = dims.role_ranks["actor"]
     for role in FOLLOWERS:
         if dims.role_ranks[role] != actor:
-            p.add(f"mesh.{role}_ranks", getattr(cfg.mesh, f"{role}_ranks"),
+            p.add(f"mesh.{role}_ranks", getattr(mesh, f"{role}_ranks"),
                   f"the RL trainer runs the {role} on the actor's ranks {actor}; set it to 'actor'")
     if 0 not in actor:
-        p.add("mesh.actor_ranks", cfg.mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}")
+        p.add("mesh.actor_ranks", mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}")
     rollout = dims.role_ranks["rollout"]
     split = dims.disjoint("actor", "rollout")
     if rollout != actor and not split:
-        p.add("mesh.rollout_ranks", cfg.mesh.rollout_ranks,
+        p.add("mesh.rollout_ranks", mesh.rollout_ranks,
               f"ranks {rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)")
     idle = sorted(set(range(world_size)) - set(actor) - set(rollout))
     if idle:
-        p.add("mesh.actor_ranks", cfg.mesh.actor_ranks, f"ranks {idle} of the {world_size} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
-    if split and cfg.rollout.engine == "vllm":
+        p.add("mesh.actor_ranks", mesh.actor_ranks, f"ranks {idle} of the {world_size} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
+    if split and engine == "vllm":
         p.add("rollout.engine", "vllm", "runs colocated only (vLLM's external_launcher builds its process groups over the "
               "whole torch world); use rollout.engine=native for split placement")
     return dims.dp_size("actor")
 
 
-def _train_sizes(p: Problems, role: str, section, *, train_batch_size: int, n: int, dp: int) -> None:
+def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
     """Epochs, mini- and micro-batch sizes of a trained role, and how the step's batch splits into them."""
     p.at_least(f"{role}.ppo_epochs", section.ppo_epochs, 1)
     p.at_least(f"{role}.mini_batch_size", section.mini_batch_size, 1)
@@ -306,7 +327,7 @@ def _packing(p: Problems, name: str, attn: str, packing: bool) -> None:
         p.add(f"{name}.attn_implementation", attn, f"cannot run packed sequences; use sdpa or flash_attention_2, or set {name}.packing=False")
 
 
-def _dist(p: Problems, dist_cfg) -> None:
+def _dist(p: Problems, dist_cfg: DistConfig) -> None:
     if not dist_cfg.timeout_s > 0:
         p.add("dist.timeout_s", dist_cfg.timeout_s, "must be > 0")
     p.at_least("dist.hang_warn_s", dist_cfg.hang_warn_s, 0)
