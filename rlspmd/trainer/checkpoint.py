@@ -42,6 +42,7 @@ import pickle
 import re
 import shutil
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path, PosixPath, PurePosixPath
@@ -301,9 +302,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def dcp_load(state: dict, path: Path, *, process_group=None, no_dist: bool = False) -> None:
-    """``dcp.load`` with the safe reader and planner."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-             process_group=process_group, no_dist=no_dist)
+    """``dcp.load`` with the safe reader and planner (``no_dist``: in this one process, e.g. a tool)."""
+    with warnings.catch_warnings():
+        # A single-process read is what no_dist asks for; DCP warns about it anyway.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
 
 
 def read_checkpoint(path: str | Path, *, prefix: str = "") -> dict[str, object]:
