@@ -29,7 +29,9 @@ def test_stages_nest_and_each_transition_restarts_the_clock():
     clock.t += 1
     assert p.view() == (3, "step", 1.0)  # back in the enclosing stage, clock restarted on leaving 'reward'
     p.exit()
-    assert p.view()[:2] == (3, None)
+    assert p.view()[:2] == (None, None)
+    with p.stage("validate"):  # no step given and none enclosing: none is named (not step 3, long past)
+        assert p.view()[:2] == (None, "validate")
 
 
 def test_stage_timer_publishes_its_stages():

@@ -40,20 +40,22 @@ class Progress:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
-        self._stack: list[str] = []
-        self.step: int | None = None
+        self._stack: list[tuple[str, int | None]] = []  # (stage, step) from the outermost in
         self._now: tuple[int | None, str | None, float] = (None, None, clock())
 
     def enter(self, stage: str, *, step: int | None = None) -> None:
-        if step is not None:
-            self.step = step
-        self._stack.append(stage)
-        self._now = (self.step, stage, self.clock())
+        """Enter ``stage`` of ``step`` (None: the enclosing stage's step, if any; never a step left over from an
+        earlier stage, which would name the wrong one)."""
+        if step is None and self._stack:
+            step = self._stack[-1][1]
+        self._stack.append((stage, step))
+        self._now = (step, stage, self.clock())
 
     def exit(self) -> None:
         """Back to the enclosing stage (its clock restarts: the rank made progress), or idle."""
         self._stack.pop()
-        self._now = (self.step, self._stack[-1] if self._stack else None, self.clock())
+        stage, step = self._stack[-1] if self._stack else (None, None)
+        self._now = (step, stage, self.clock())
 
     @contextmanager
     def stage(self, name: str, *, step: int | None = None):
