@@ -26,11 +26,17 @@ class Reward:
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         """Adds ``response_text``, ``task_scores_B``, ``rm_scores_B`` (with a reward model) and ``scores_B``."""
         batch = self.rules.score(batch)
+        for k, v in self.rules.metrics().items():  # reward/timeouts of this rank, summed over ranks
+            metrics.sum(k, v)
         scores = self.cfg.rule_weight * batch["task_scores_B"]
         if self.model is not None:
             batch = self.model(batch)
             scores = scores + self.cfg.model.weight * batch["rm_scores_B"]
         return batch.set(scores_B=scores)
+
+    def close(self) -> None:
+        """Stop the reward worker processes."""
+        self.rules.close()
 
 
 class NoReward:
@@ -40,3 +46,6 @@ class NoReward:
 
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch
+
+    def close(self) -> None:
+        pass
