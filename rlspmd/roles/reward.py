@@ -15,8 +15,6 @@ from rlspmd.roles.reward_model import RewardModel
 
 class Reward:
     def __init__(self, cfg: RewardConfig, *, rules: RewardManager, model: RewardModel | None):
-        if model is None and cfg.rule_weight == 0:
-            raise ValueError("reward.rule_weight=0 without a reward model (reward.model.path) leaves no reward at all")
         self.cfg, self.rules, self.model = cfg, rules, model
         self.components: tuple[tuple[str, str], ...] = (("task_scores_B", "task_score"),) + (
             (("rm_scores_B", "rm_score"),) if model is not None else ()

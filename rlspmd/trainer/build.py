@@ -38,8 +38,8 @@ from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.rewards.shaping import NoShaping, OverlongShaping
 from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
-from rlspmd.roles.critic import Critic, NoCritic, check_critic
-from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, check_actor, resolve_ref_offload
+from rlspmd.roles.critic import Critic, NoCritic
+from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, resolve_ref_offload
 from rlspmd.roles.reward import NoReward, Reward
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer
@@ -166,7 +166,6 @@ def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
                  reuse_update_logprobs: bool = False, seed: int = 0) -> Policy:
-    check_actor(cfg)
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
@@ -185,7 +184,6 @@ def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.d
 
 def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int) -> Critic:
     """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
-    check_critic(cfg)
     engine = build_engine("value", cfg.model_path or model.path, engine=cfg.engine, model=model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.gradient_checkpointing, seed=seed,
