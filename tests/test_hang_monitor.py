@@ -3,10 +3,11 @@ blamed, what the warning and the final message say, when they repeat, and how a 
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from rlspmd.distributed.progress import HangMonitor, Progress, RankView, blame, progress, where
-from rlspmd.trainer.rl import StageTimer
+from rlspmd.trainer.timing import StageProbe
 
 
 class Clock:
@@ -34,11 +35,14 @@ def test_stages_nest_and_each_transition_restarts_the_clock():
         assert p.view()[:2] == (None, "validate")
 
 
-def test_stage_timer_publishes_its_stages():
-    t = StageTimer(step=4)
+def test_stage_probe_publishes_its_stages():
+    t = StageProbe(torch.device("cpu"), step=4)
     with t("step"):
         with t("gen"):
             assert progress.view()[:2] == (4, "gen")
+        assert progress.view()[:2] == (4, "step")
+        with progress.waiting():  # a rank waiting on its peers shows idle
+            assert progress.view()[1] is None
         assert progress.view()[:2] == (4, "step")
     assert progress.view()[1] is None and set(t.seconds) == {"step", "gen"}
 
