@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT, torchrun
-from rlspmd.config import Config, load_config_file
+from rlspmd.config import load_config_file
 from rlspmd.startup import parse_args
 
 

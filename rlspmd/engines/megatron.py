@@ -57,7 +57,7 @@ from rlspmd.engines.fsdp import lr_lambda
 from rlspmd.models import megatron_convert as mc
 from rlspmd.models.loader import DTYPES, check_model_dir
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
-from rlspmd.models.value import _head_tensors
+from rlspmd.models.value import value_head
 from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.weight_stream import ParamSpec, StreamStats, UnitSpec, WeightManifest, unpack_unit
 
@@ -389,19 +389,8 @@ class MegatronEngine:
             p.copy_(mc.tp_shard(m, full, self.arch, tp=self.groups.tp, tp_rank=self.groups.tp_rank))
 
     def _build_value_head(self, model_dir: Path, *, dtype: torch.dtype, seed: int) -> nn.Linear:
-        """As ``rlspmd.models.value.load_value_model``: the directory's head if it has one, else a seeded draw."""
-        hidden = self.arch.hidden_size
-        head = nn.Linear(hidden, 1, dtype=dtype)
-        stored = _head_tensors(model_dir)
-        with torch.no_grad():
-            if stored:
-                head.weight.copy_(stored["weight"].reshape(1, hidden))
-                head.bias.copy_(stored["bias"].reshape(1) if "bias" in stored else torch.zeros(1))
-            else:
-                gen = torch.Generator().manual_seed(seed)
-                head.weight.copy_(torch.randn(1, hidden, generator=gen) * (0.1 / math.sqrt(hidden)))
-                head.bias.zero_()
-        return head.to(self.device)
+        """``rlspmd.models.value.value_head``: the same head (stored or seeded) as the FSDP critic's."""
+        return value_head(model_dir, hidden=self.arch.hidden_size, dtype=dtype, seed=seed).to(self.device)
 
     def autocast(self):
         if self.device.type == "cuda" and self.compute_dtype != torch.float32:

@@ -94,18 +94,23 @@ def load_value_model(
     config = AutoConfig.from_pretrained(str(p))
     backbone = AutoModel.from_pretrained(str(p), config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     backbone.config.use_cache = False
-    hidden = backbone.config.hidden_size
-    head = nn.Linear(hidden, 1, dtype=DTYPES[dtype])
-    stored = _head_tensors(p)
-    with torch.no_grad():
-        if stored:
-            head.weight.copy_(stored["weight"].reshape(1, hidden))
-            head.bias.copy_(stored["bias"].reshape(1) if "bias" in stored else torch.zeros(1))
-        else:
-            g = torch.Generator().manual_seed(seed)
-            head.weight.copy_(torch.randn(1, hidden, generator=g) * (0.1 / math.sqrt(hidden)))
-            head.bias.zero_()
+    head = value_head(p, hidden=backbone.config.hidden_size, dtype=DTYPES[dtype], seed=seed)
     return ValueModel(backbone, head, packing=packing, attn_kernel=attn_kernel)
+
+
+@torch.no_grad()
+def value_head(model_dir: Path, *, hidden: int, dtype: torch.dtype, seed: int) -> nn.Linear:
+    """The value head of ``load_value_model``: the directory's head if it has one, else the seeded small draw."""
+    head = nn.Linear(hidden, 1, dtype=dtype)
+    stored = _head_tensors(model_dir)
+    if stored:
+        head.weight.copy_(stored["weight"].reshape(1, hidden))
+        head.bias.copy_(stored["bias"].reshape(1) if "bias" in stored else torch.zeros(1))
+    else:
+        g = torch.Generator().manual_seed(seed)
+        head.weight.copy_(torch.randn(1, hidden, generator=g) * (0.1 / math.sqrt(hidden)))
+        head.bias.zero_()
+    return head
 
 
 class SequenceScorer(nn.Module):

@@ -7,7 +7,8 @@ Runs the trainer of ``--config`` in this process (a world of one, as ``python -m
 ``trainer.total_steps`` steps and times its stages with ``rlspmd.trainer.timing.StageProbe``: the rollout's
 ``generate`` (``gen``), the reference forward (``ref``), the actor update (``update``) and the whole step (``step``),
 each between two device synchronisations, with its own peak allocated memory. (The harness wraps those three role
-methods of the built trainer; the trainer's own stage timers do not synchronise yet.) On the step given by
+methods of the built trainer, so that it can profile them; the trainer's own ``timing/*`` metrics, also synchronised,
+are reported as ``trainer_timing_last``.) On the step given by
 ``--profile-step`` (default: the last) the update and the reference forward also run under the torch profiler; the
 GPU-busy fraction is the union of the CUDA kernels' intervals over the stage's wall time (the profiler adds host
 overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``).
@@ -68,12 +69,13 @@ def main(argv=None):
     attn_kernel = check_attn_kernel(model_cfg.attn_kernel, attn_implementation=model_cfg.attn_implementation,
                                     packing=model_cfg.packing, device=rt.device, dtype=compute_dtype(cfg.actor.fsdp, rt.device),
                                     field_name="actor.model.attn_kernel")
-    from rlspmd.trainer.rl import build_program
+    from rlspmd.trainer.build import build_trainer
 
     t_build = time.perf_counter()
-    trainer = build_program(cfg, rt, meshes)
+    trainer = build_trainer(cfg, rt, meshes)
+    roles = trainer.roles
     build_s = time.perf_counter() - t_build
-    n_params = sum(p.numel() for p in trainer.actor.engine.module.parameters())  # DTensor numel is the global size
+    n_params = sum(p.numel() for p in roles.actor.engine.module.parameters())  # DTensor numel is the global size
 
     probe = StageProbe(rt.device)
     profiled: dict[str, dict] = {}
@@ -97,9 +99,9 @@ def main(argv=None):
         return run
 
     # the stage methods of the built trainer, wrapped in place (see the docstring)
-    trainer.rollout.generate = staged("gen", trainer.rollout.generate)
-    trainer.ref.log_prob = staged("ref", trainer.ref.log_prob)
-    trainer.actor.update = staged("update", trainer.actor.update)
+    roles.rollout.generate = staged("gen", roles.rollout.generate)
+    roles.ref.log_prob = staged("ref", roles.ref.log_prob)
+    roles.actor.update = staged("update", roles.actor.update)
 
     per_step: list[dict] = []
     peak_tflops = dense_bf16_peak_tflops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
@@ -121,7 +123,7 @@ def main(argv=None):
         if a.partial:
             Path(a.partial).parent.mkdir(parents=True, exist_ok=True)
             Path(a.partial).write_text(json.dumps(result) + "\n")
-    trainer.rollout.close()
+    roles.reward.close()
     emit(result)
     shutdown()
 
