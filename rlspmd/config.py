@@ -41,6 +41,11 @@ class ModelConfig:
     CUDA sm80+, bf16/fp16), ``flex`` (compiled FlexAttention with a document-causal block mask; CUDA), ``sdpa_loop``
     (one SDPA call per sample; any device). ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the
     device and compute dtype, else sdpa_loop (what CPU uses). One that cannot run here stops the run at start-up."""
+    sharded_load: bool = True
+    """Build the model on the meta device, apply the parallelism, then read only this rank's slices of the safetensors
+    files (peak host memory per rank: its shards plus one slice, not the whole model). Keys are matched by name; False
+    loads the whole model on every rank with ``from_pretrained`` and shards it (for ``*.bin`` checkpoints, or
+    architectures whose checkpoints need transformers' key conversions)."""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
 from rlspmd.models.packing import check_attn_kernel
+from rlspmd.models.sharded_load import WeightPlan, meta_policy_module, meta_sequence_scorer, meta_value_model
 from rlspmd.models.value import load_sequence_scorer, load_value_model
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
@@ -177,14 +178,24 @@ def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: s
                                      total_optim_steps=total_optim_steps, dtype=model.dtype, seed=seed,
                                      gradient_checkpointing=gradient_checkpointing, field_name=field_name,
                                      field_prefix=f"{section}.megatron")
-    if kind == "policy":
-        module = build_policy_module(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation,
-                                     field_name=field_name, packing=model.packing, attn_kernel=model.attn_kernel)
-    else:
-        module = load_value_model(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation, seed=seed,
-                                  field_name=field_name, packing=model.packing, attn_kernel=model.attn_kernel)
+    module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name)
     return FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
-                      gradient_checkpointing=gradient_checkpointing)
+                      gradient_checkpointing=gradient_checkpointing, weights=weights)
+
+
+def fsdp_role_module(kind: Literal["policy", "value", "scorer"], model_path: str, *, model: ModelConfig, seed: int = 0,
+                     field_name: str) -> tuple[torch.nn.Module, WeightPlan | None]:
+    """A role module for the FSDP engine: built on the meta device with the plan of where its weights come from
+    (``model.sharded_load``: the engine parallelises it, then each rank reads its slices), or loaded whole (None)."""
+    kw = dict(dtype=model.dtype, attn_implementation=model.attn_implementation, field_name=field_name, packing=model.packing,
+              attn_kernel=model.attn_kernel)
+    if model.sharded_load:
+        if kind == "policy":
+            return meta_policy_module(model_path, **kw)
+        return meta_value_model(model_path, seed=seed, **kw) if kind == "value" else meta_sequence_scorer(model_path, **kw)
+    if kind == "policy":
+        return build_policy_module(model_path, **kw), None
+    return (load_value_model(model_path, seed=seed, **kw) if kind == "value" else load_sequence_scorer(model_path, **kw)), None
 
 
 def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
@@ -223,10 +234,9 @@ def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.d
 
 def build_reward_model(cfg: Config, *, tokenizer, mesh, device: torch.device) -> RewardModel:
     rm, m = cfg.reward.model, cfg.actor.model
-    module = load_sequence_scorer(rm.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                  field_name="reward.model.path", packing=m.packing, attn_kernel=m.attn_kernel)
+    module, weights = fsdp_role_module("scorer", rm.path, model=m, field_name="reward.model.path")
     rm_tokenizer = load_tokenizer(rm.tokenizer_path or rm.path, field_name="reward.model.tokenizer_path", require_chat_template=False)
-    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None)
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None, weights=weights)
     return RewardModel(rm, engine=engine, tokenizer=rm_tokenizer, actor_tokenizer=tokenizer, device=device)
 
 
