@@ -15,8 +15,6 @@ from rlspmd.roles.reward_model import RewardModel
 
 class Reward:
     def __init__(self, cfg: RewardConfig, *, rules: RewardManager, model: RewardModel | None):
-        if model is None and cfg.rule_weight == 0:
-            raise ValueError("reward.rule_weight=0 without a reward model (reward.model.path) leaves no reward at all")
         self.cfg, self.rules, self.model = cfg, rules, model
         self.components: tuple[tuple[str, str], ...] = (("task_scores_B", "task_score"),) + (
             (("rm_scores_B", "rm_score"),) if model is not None else ()
@@ -26,11 +24,17 @@ class Reward:
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         """Adds ``response_text``, ``task_scores_B``, ``rm_scores_B`` (with a reward model) and ``scores_B``."""
         batch = self.rules.score(batch)
+        for k, v in self.rules.metrics().items():  # reward/timeouts of this rank, summed over ranks
+            metrics.sum(k, v)
         scores = self.cfg.rule_weight * batch["task_scores_B"]
         if self.model is not None:
             batch = self.model(batch)
             scores = scores + self.cfg.model.weight * batch["rm_scores_B"]
         return batch.set(scores_B=scores)
+
+    def close(self) -> None:
+        """Stop the reward worker processes."""
+        self.rules.close()
 
 
 class NoReward:
@@ -40,3 +44,6 @@ class NoReward:
 
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch
+
+    def close(self) -> None:
+        pass
