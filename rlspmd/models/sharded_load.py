@@ -337,10 +337,13 @@ def _from_config(auto_cls, path: Path, *, dtype: str, attn_implementation: str) 
 
 
 def meta_policy_module(path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False,
-                       attn_kernel: str = "auto"):
-    """``CausalLMPolicy`` over a causal LM built on meta, and where its weights come from (checked against the files)."""
+                       attn_kernel: str = "auto", lora=None, seed: int = 0):
+    """``CausalLMPolicy`` over a causal LM built on meta, and where its weights come from (checked against the files).
+    ``lora`` (``LoraConfig`` with rank > 0): adapters injected (``models/lora.py``), initialised from ``seed``; the base
+    weights of adapted layers (``q_proj.base_layer.weight``) read the checkpoint's ``q_proj.weight``."""
     from transformers import AutoModelForCausalLM
 
+    from rlspmd.models.lora import apply_lora, base_name, initial_adapters
     from rlspmd.models.packing import training_attn_implementation
     from rlspmd.models.policy import CausalLMPolicy
 
@@ -348,8 +351,12 @@ def meta_policy_module(path: str | Path, *, dtype: str, attn_implementation: str
     attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
     hf = _from_config(AutoModelForCausalLM, index.directory, dtype=dtype, attn_implementation=attn)
     module = CausalLMPolicy(hf, packing=packing, attn_kernel=attn_kernel)
-    keys = match_keys(module, index, prefix="hf.", candidates=lambda n: [n])
-    plan = WeightPlan(index, keys, also_used=tied_keys(module, index, prefix="hf.", keys=keys))
+    inits: dict[str, Init] = {}
+    if lora is not None and lora.enabled:
+        apply_lora(hf, lora)  # peft puts the adapters where the base weights are: on meta
+        inits = {name: (lambda t=t: t) for name, t in initial_adapters(module, seed=seed).items()}
+    keys = match_keys(module, index, prefix="hf.", candidates=lambda n: [base_name(n)])
+    plan = WeightPlan(index, keys, inits, also_used=tied_keys(module, index, prefix="hf.", keys=keys))
     return module, plan.check(module, tied_hint=not hf.config.tie_word_embeddings, field_name=field_name)
 
 
