@@ -4,6 +4,7 @@ usage: lora_check.py MODEL_DIR OUT.pt
 
 Rank 0 saves, after two updates (lr 1e-2, so the adapters move away from B = 0):
   before / after        every parameter's full tensor before and after the updates (only adapters may change)
+  after_ac              the same after the same updates with activation checkpointing on
   trainable             the names the optimiser holds
   lora_lp, merged_lp    log-probs of a fixed batch from the LoRA engine and from a plain HF model holding the merged
                         weights (``hf_state_dict``); ref_lp / base_lp the reference (adapters off) and the base model
@@ -14,6 +15,7 @@ Rank 0 saves, after two updates (lr 1e-2, so the adapters move away from B = 0):
   base_unchanged        the sharded base weights are bit-identical after the in-place generation (merge discarded)
 """
 
+import dataclasses
 import sys
 
 import torch
@@ -70,6 +72,13 @@ def main():
     for _ in range(2):
         policy.update(data.slice(rt.rank * n, (rt.rank + 1) * n), MetricBuffer())
     res["after"] = full(policy.engine)
+    # the same run with activation checkpointing (non-reentrant, through the frozen base layers): the same adapters
+    ac_cfg = dataclasses.replace(cfg, model=ModelConfig(path=model_dir, gradient_checkpointing=True))
+    ac_policy = build_policy(ac_cfg, mesh=dp, device=rt.device, plan=plan, temperature=1.0, seed=11)
+    for _ in range(2):
+        ac_policy.update(data.slice(rt.rank * n, (rt.rank + 1) * n), MetricBuffer())
+    res["after_ac"] = full(ac_policy.engine)
+    del ac_policy
     res["lora_lp"] = policy.log_prob(data)
     res["ref_lp"] = ref.log_prob(data, MetricBuffer())["ref_logprobs_BR"]
     res["base_lp"] = base.log_prob(data)
