@@ -4,7 +4,7 @@ usage: lora_check.py MODEL_DIR OUT.pt
 
 Rank 0 saves, after two updates (lr 1e-2, so the adapters move away from B = 0):
   before / after        every parameter's full tensor before and after the updates (only adapters may change)
-  after_ac              the same after the same updates with activation checkpointing on
+  after_ac              the same after the same updates with activation checkpointing and CPU offload on
   trainable             the names the optimiser holds
   lora_lp, merged_lp    log-probs of a fixed batch from the LoRA engine and from a plain HF model holding the merged
                         weights (``hf_state_dict``); ref_lp / base_lp the reference (adapters off) and the base model
@@ -21,7 +21,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlspmd.config import ActorConfig, DistConfig, LoraConfig, MeshConfig, ModelConfig, OptimConfig, RefConfig
+from rlspmd.config import ActorConfig, DistConfig, FSDPConfig, LoraConfig, MeshConfig, ModelConfig, OptimConfig, RefConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.metrics import MetricBuffer
@@ -72,8 +72,9 @@ def main():
     for _ in range(2):
         policy.update(data.slice(rt.rank * n, (rt.rank + 1) * n), MetricBuffer())
     res["after"] = full(policy.engine)
-    # the same run with activation checkpointing (non-reentrant, through the frozen base layers): the same adapters
-    ac_cfg = dataclasses.replace(cfg, model=ModelConfig(path=model_dir, gradient_checkpointing=True))
+    # the same run with activation checkpointing (non-reentrant, through the frozen base layers) and FSDP2's CPU
+    # offload (sharded base, adapters, gradients and AdamW state in host memory): the same adapters
+    ac_cfg = dataclasses.replace(cfg, model=ModelConfig(path=model_dir, gradient_checkpointing=True), fsdp=FSDPConfig(cpu_offload=True))
     ac_policy = build_policy(ac_cfg, mesh=dp, device=rt.device, plan=plan, temperature=1.0, seed=11)
     for _ in range(2):
         ac_policy.update(data.slice(rt.rank * n, (rt.rank + 1) * n), MetricBuffer())
