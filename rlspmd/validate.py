@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, MeshConfig, OptimConfig, RewardConfig, RolloutConfig,
+    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig, RewardConfig, RolloutConfig,
     SFTConfig,
 )
 from rlspmd.distributed.runtime import UserError
@@ -90,6 +90,9 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     _rollout(p, r)
     _actor(p, cfg.actor, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     p.at_least("ref.logprob_micro_batch_size", cfg.ref.logprob_micro_batch_size, 1)
+    if cfg.actor.lora.enabled and cfg.ref.model_path not in (None, cfg.actor.model.path):
+        p.add("ref.model_path", cfg.ref.model_path, f"with actor.lora the reference is the actor's base model "
+              f"({cfg.actor.model.path}, adapters off); leave ref.model_path unset")
     p.optional_at_least("ref.logprob_max_tokens_per_micro_batch", cfg.ref.logprob_max_tokens_per_micro_batch, 1)
     if with_critic:
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
@@ -184,6 +187,21 @@ def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: in
             p.add(name, tau, "must be > 0")
     _optim(p, "actor.optim", a.optim)
     _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
+    _lora(p, a.lora, engine=a.engine)
+
+
+def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
+    p.at_least("actor.lora.rank", lora.rank, 0)
+    if not lora.enabled:
+        return
+    if not lora.alpha > 0:
+        p.add("actor.lora.alpha", lora.alpha, "must be > 0")
+    if not 0 <= lora.dropout < 1:
+        p.add("actor.lora.dropout", lora.dropout, "must be in [0, 1)")
+    if not lora.target_modules:
+        p.add("actor.lora.target_modules", lora.target_modules, "must name at least one layer (or all-linear)")
+    if engine != "fsdp":
+        p.add("actor.engine", engine, f"actor.lora.rank={lora.rank} needs the fsdp engine (LoRA is not implemented for {engine})")
 
 
 def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, MeshConfig, RewardConfig, RolloutConfig, SFTConfig,
-    SFTDataConfig, load_config_file,
+    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig, RewardConfig,
+    RolloutConfig, SFTConfig, SFTDataConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -48,6 +48,13 @@ def with_(cfg=None, **sections) -> Config:
     (with_(mesh=MeshConfig(rollout_ranks="0")), ["mesh.rollout_ranks='0': ranks [0] must equal the actor's ranks [0, 1]"]),
     (with_(mesh=MeshConfig(actor_ranks="1", rollout_ranks="0")), ["mesh.actor_ranks='1': must include rank 0"]),
     (with_(mesh=MeshConfig(rollout_tp=3)), ["mesh: rollout tensor-parallel degree 3 does not divide its 2 ranks"]),
+    (with_(actor=ActorConfig(lora=LoraConfig(rank=-1))), ["actor.lora.rank=-1: must be >= 0"]),
+    (with_(actor=ActorConfig(lora=LoraConfig(rank=4, alpha=0.0, dropout=1.0, target_modules=[]))),
+     ["actor.lora.alpha=0.0: must be > 0", "actor.lora.dropout=1.0: must be in [0, 1)", "actor.lora.target_modules=[]: must name"]),
+    (with_(actor=ActorConfig(engine="megatron", lora=LoraConfig(rank=4))), ["actor.engine='megatron': actor.lora.rank=4 needs the fsdp"]),
+    (with_(actor=ActorConfig(lora=LoraConfig(rank=4)), ref=RefConfig(model_path="other")),
+     ["ref.model_path='other': with actor.lora the reference is the actor's base model"]),
+    (with_(actor=ActorConfig(lora=LoraConfig(rank=0, alpha=0.0))), []),  # LoRA off: its other fields are not read
 ])
 def test_config_problems_name_the_field_and_value(cfg, expected):
     got = problems(cfg)

@@ -26,6 +26,12 @@ def test_vllm_colocated_parity_memory_and_updates(tiny_model):
     assert "VLLM GPU OK" in proc.stdout, proc.stdout[-3000:]
 
 
+def test_vllm_receives_merged_lora_weights(tiny_model):
+    """A LoRA actor: vLLM generates from the merged weights (the trainer's LoRA log-probs of its tokens agree)."""
+    proc = torchrun([dist_script("vllm_gpu_check.py"), str(tiny_model), "--lora"], 1, timeout=1200)
+    assert "VLLM GPU OK" in proc.stdout, proc.stdout[-3000:]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one GPU)")
 def test_vllm_tp2_ranks_agree(tiny_model):
     proc = torchrun([dist_script("vllm_gpu_check.py"), str(tiny_model), "--tp", "2"], 2, timeout=1200)

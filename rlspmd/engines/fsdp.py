@@ -33,6 +33,7 @@ from rlspmd.config import FSDPConfig, OptimConfig
 from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
+from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
 
 
 def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
@@ -98,7 +99,9 @@ class FSDPEngine:
     """An FSDP2-sharded module with (optionally) its optimiser and LR schedule.
 
     ``module`` is the role's root (e.g. ``CausalLMPolicy``); ``hf_model`` is the HF model inside it, whose
-    decoder layers are the sharding units. Frozen roles (reference) pass ``optim=None``.
+    decoder layers are the sharding units. Frozen roles (reference) pass ``optim=None``. A module built on the meta
+    device (``models/sharded_load.py``) comes with ``weights``: after the parallelism is applied, each rank allocates
+    its shards and reads them from the files.
     """
 
     def __init__(
@@ -113,15 +116,22 @@ class FSDPEngine:
         total_optim_steps: int = 1,
         gradient_checkpointing: bool = False,
         fused_optimizer: bool | None = None,
+        weights: WeightPlan | None = None,
     ):
-        """``fused_optimizer``: fused AdamW; None picks it where the sharded parameters live on CUDA."""
+        """``fused_optimizer``: fused AdamW; None picks it where the sharded parameters live on CUDA. ``weights``: where
+        the parameters of a meta-built ``module`` come from."""
         self.mesh = mesh
         self.device = device
         self.optim_cfg = optim
         self.reshard_after_forward = fsdp.reshard_after_forward
+        assert is_meta(module) == (weights is not None), "a meta-built module needs its WeightPlan, and only it"
         if gradient_checkpointing:
             apply_ac(module, hf_model)
         apply_fsdp(module, hf_model, mesh=mesh, cfg=fsdp, device=device)
+        if weights is not None:
+            # FSDP2's CPU offload keeps the sharded parameters in host memory
+            materialize(module, device=torch.device("cpu") if fsdp.cpu_offload else device)
+            weights.load(module)
         self.module = module
         self.hf_model = hf_model
         if optim is None:

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from rlspmd.models.loader import decoder_layers
+from rlspmd.models.lora import merge_lora
 
 WRAPPER_FRAGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -90,9 +91,17 @@ class WeightManifest:
 
     units: tuple[UnitSpec, ...]
     dtype: torch.dtype
+    lora_scaling: float | None = None
+    """The actor trains LoRA adapters with this scaling: each unit's base weights and adapters are merged into plain HF
+    weights (``models/lora.py: merge_lora``) before they are handed out (``hand_out``)."""
 
     def names(self) -> list[str]:
         return [p.name for u in self.units for p in u.params]
+
+    def hand_out(self, spec: UnitSpec, gathered: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """A gathered unit's ``(HF name, full tensor)`` pairs as a rollout engine loads them."""
+        pairs = unpack_unit(spec, gathered)
+        return pairs if self.lora_scaling is None else merge_lora(pairs, self.lora_scaling)
 
     @property
     def nbytes(self) -> int:
@@ -164,7 +173,8 @@ class StreamStats:
 class WeightStream:
     """The actor engine's weights, gathered unit by unit in ``dtype``; iterate it on every rank of the actor mesh."""
 
-    def __init__(self, engine, *, dtype: torch.dtype):
+    def __init__(self, engine, *, dtype: torch.dtype, lora_scaling: float | None = None):
+        """``lora_scaling``: the engine trains LoRA adapters (``engines/lora.py``); hand out merged weights."""
         self.hf_model = engine.hf_model
         self.mesh = engine.mesh
         self.device = engine.device
@@ -177,6 +187,7 @@ class WeightStream:
                 for name, params in self._units
             ),
             dtype=dtype,
+            lora_scaling=lora_scaling,
         )
         self.last = StreamStats()
 
@@ -212,7 +223,7 @@ class WeightStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for spec, buf in self.gathered_units():
-            for name, tensor in unpack_unit(spec, buf):
+            for name, tensor in self.manifest.hand_out(spec, buf):
                 self.last.tensor_bytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
             del buf  # before the next unit is gathered: one unit alive at a time

@@ -100,17 +100,23 @@ def load_value_model(
 
 @torch.no_grad()
 def value_head(model_dir: Path, *, hidden: int, dtype: torch.dtype, seed: int) -> nn.Linear:
-    """The value head of ``load_value_model``: the directory's head if it has one, else the seeded small draw."""
+    """The value head of ``load_value_model``: the directory's head if it has one, else ``initial_value_head``."""
     head = nn.Linear(hidden, 1, dtype=dtype)
     stored = _head_tensors(model_dir)
     if stored:
         head.weight.copy_(stored["weight"].reshape(1, hidden))
         head.bias.copy_(stored["bias"].reshape(1) if "bias" in stored else torch.zeros(1))
     else:
-        g = torch.Generator().manual_seed(seed)
-        head.weight.copy_(torch.randn(1, hidden, generator=g) * (0.1 / math.sqrt(hidden)))
+        head.weight.copy_(initial_value_head(hidden, seed=seed))
         head.bias.zero_()
     return head
+
+
+def initial_value_head(hidden: int, *, seed: int) -> torch.Tensor:
+    """A new value head's ``(1, hidden)`` float32 weight: N(0, (0.1 / sqrt(hidden))^2) from a generator seeded by
+    ``seed``, so the initial values are small and identical on every rank and every run."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, hidden, generator=g) * (0.1 / math.sqrt(hidden))
 
 
 class SequenceScorer(nn.Module):
@@ -154,10 +160,14 @@ def load_sequence_scorer(
 ) -> SequenceScorer:
     p = check_model_dir(path, field_name=field_name)
     attn_implementation = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    config = json.loads((p / "config.json").read_text())
-    archs = config.get("architectures") or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"{field_name}: {p} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model")
+    check_sequence_classifier(p, field_name=field_name)
     model = AutoModelForSequenceClassification.from_pretrained(str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation)
     model.config.use_cache = False
     return SequenceScorer(model, packing=packing, attn_kernel=attn_kernel)
+
+
+def check_sequence_classifier(model_dir: Path, *, field_name: str) -> None:
+    """``model_dir``'s config names a ``*ForSequenceClassification`` architecture."""
+    archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model")

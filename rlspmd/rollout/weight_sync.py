@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rlspmd.engines.weight_stream import StreamStats, WeightManifest, WeightStream, unpack_unit
+from rlspmd.engines.weight_stream import StreamStats, WeightManifest, WeightStream
 
 
 class WeightBridge:
@@ -54,5 +54,5 @@ class WeightBridge:
             buf = torch.empty(spec.gathered_numel, dtype=manifest.dtype, device=self.device)
             dist.broadcast(buf, src=self.src, group=self.mesh.get_group())
             self.received_bytes += buf.numel() * buf.element_size()
-            yield from unpack_unit(spec, buf)
+            yield from manifest.hand_out(spec, buf)
             del buf

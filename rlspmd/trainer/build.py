@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,15 +25,19 @@ from typing import Literal
 import torch
 
 from rlspmd.algorithms import NEEDS_GREEDY_BASELINE, NEEDS_VALUES
-from rlspmd.config import ActorConfig, Config, CriticConfig, FSDPConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig
+from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig,
+                           RolloutConfig)
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
+from rlspmd.engines.lora import LoraEngine
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
+from rlspmd.models.lora import apply_lora, initial_adapters
 from rlspmd.models.packing import check_attn_kernel
+from rlspmd.models.sharded_load import WeightPlan, meta_policy_module, meta_sequence_scorer, meta_value_model
 from rlspmd.models.value import load_sequence_scorer, load_value_model
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
@@ -139,9 +144,11 @@ def critic_plan(cfg: CriticConfig, *, samples_per_prompt: int, train_batch_size:
 
 def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: str, model: ModelConfig, fsdp: FSDPConfig,
                  megatron: MegatronConfig, mesh, device: torch.device, optim: OptimConfig | None, total_optim_steps: int = 1,
-                 gradient_checkpointing: bool = False, seed: int = 0, field_name: str, section: str) -> TrainingEngine:
+                 gradient_checkpointing: bool = False, seed: int = 0, field_name: str, section: str,
+                 lora: LoraConfig | None = None) -> TrainingEngine:
     """A role's model on its training engine: ``engine`` (``fsdp`` or ``megatron``) from the role's config ``section``.
-    ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen."""
+    ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen.
+    ``lora`` (rank > 0): a policy training LoRA adapters only (``LoraEngine``)."""
     if engine == "megatron":
         from rlspmd.engines.megatron import build_megatron_engine
 
@@ -149,14 +156,35 @@ def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: s
                                      total_optim_steps=total_optim_steps, dtype=model.dtype, seed=seed,
                                      gradient_checkpointing=gradient_checkpointing, field_name=field_name,
                                      field_prefix=f"{section}.megatron")
+    module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
+    kw = dict(mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
+              gradient_checkpointing=gradient_checkpointing, weights=weights)
+    if lora is not None and lora.enabled:
+        return LoraEngine(module, module.hf, lora=lora, **kw)
+    return FSDPEngine(module, module.hf, **kw)
+
+
+def fsdp_role_module(kind: Literal["policy", "value", "scorer"], model_path: str, *, model: ModelConfig, seed: int = 0,
+                     field_name: str, lora: LoraConfig | None = None) -> tuple[torch.nn.Module, WeightPlan | None]:
+    """A role module for the FSDP engine: built on the meta device with the plan of where its weights come from
+    (``model.sharded_load``: the engine parallelises it, then each rank reads its slices), or loaded whole (None).
+    ``lora``: a policy with LoRA adapters (initialised from ``seed``)."""
+    kw = dict(dtype=model.dtype, attn_implementation=model.attn_implementation, field_name=field_name, packing=model.packing,
+              attn_kernel=model.attn_kernel)
+    if model.sharded_load:
+        if kind == "policy":
+            return meta_policy_module(model_path, lora=lora, seed=seed, **kw)
+        return meta_value_model(model_path, seed=seed, **kw) if kind == "value" else meta_sequence_scorer(model_path, **kw)
     if kind == "policy":
-        module = build_policy_module(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation,
-                                     field_name=field_name, packing=model.packing, attn_kernel=model.attn_kernel)
-    else:
-        module = load_value_model(model_path, dtype=model.dtype, attn_implementation=model.attn_implementation, seed=seed,
-                                  field_name=field_name, packing=model.packing, attn_kernel=model.attn_kernel)
-    return FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
-                      gradient_checkpointing=gradient_checkpointing)
+        module = build_policy_module(model_path, **kw)
+        if lora is not None and lora.enabled:
+            apply_lora(module.hf, lora)
+            with torch.no_grad():
+                params = dict(module.named_parameters())
+                for name, value in initial_adapters(module, seed=seed).items():
+                    params[name].copy_(value)
+        return module, None
+    return (load_value_model(model_path, seed=seed, **kw) if kind == "value" else load_sequence_scorer(model_path, **kw)), None
 
 
 def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
@@ -169,12 +197,19 @@ def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePl
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
-                          section="actor")
+                          section="actor", lora=cfg.lora)
     return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs, seed=seed)
 
 
-def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float) -> Reference:
-    """The reference runs on the actor's engine and layout."""
+def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float,
+                    policy: Policy | None = None) -> Reference:
+    """The reference runs on the actor's engine and layout. With LoRA it is the actor's own engine with the adapters
+    switched off (the base model: no second copy of the weights)."""
+    if actor.lora.enabled:
+        assert policy is not None, "a LoRA reference is the actor's engine with the adapters off"
+        if cfg.offload:
+            warnings.warn("ref.offload does nothing with actor.lora: the reference reads the actor's weights", stacklevel=2)
+        return Reference(cfg, engine=policy.engine.base_model(), temperature=temperature, offload=False)
     engine = build_engine("policy", cfg.model_path or actor.model.path, engine=actor.engine, model=actor.model, fsdp=actor.fsdp,
                           megatron=actor.megatron, mesh=mesh, device=device, optim=None, field_name="ref.model_path",
                           section="actor")
@@ -193,10 +228,9 @@ def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.d
 
 def build_reward_model(cfg: Config, *, tokenizer, mesh, device: torch.device) -> RewardModel:
     rm, m = cfg.reward.model, cfg.actor.model
-    module = load_sequence_scorer(rm.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
-                                  field_name="reward.model.path", packing=m.packing, attn_kernel=m.attn_kernel)
+    module, weights = fsdp_role_module("scorer", rm.path, model=m, field_name="reward.model.path")
     rm_tokenizer = load_tokenizer(rm.tokenizer_path or rm.path, field_name="reward.model.tokenizer_path", require_chat_template=False)
-    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None)
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None, weights=weights)
     return RewardModel(rm, engine=engine, tokenizer=rm_tokenizer, actor_tokenizer=tokenizer, device=device)
 
 
@@ -307,7 +341,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     actor = build_policy(a, mesh=mesh, device=rt.device, plan=a_plan, temperature=cfg.rollout.temperature,
                          reuse_update_logprobs=reuse, seed=trainer.seed)
     ref: ReferenceRole = (
-        build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature)
+        build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature, policy=actor)
         if plan.reference else NoReference()
     )
     rollout = build_rollout(cfg.rollout, policy=actor, **rollout_kw)

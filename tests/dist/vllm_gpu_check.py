@@ -1,6 +1,9 @@
 """The vLLM engine colocated with an FSDP2 actor on GPU(s). Prints measurements and "VLLM GPU OK".
 
-    torchrun --nproc-per-node 1 vllm_gpu_check.py MODEL_DIR [--tp 2]
+    torchrun --nproc-per-node 1 vllm_gpu_check.py MODEL_DIR [--tp 2] [--lora]
+
+``--lora``: the actor trains LoRA adapters (``actor.lora.rank=4``); vLLM receives the merged weights through the weight
+stream, and the update perturbs the adapters only, so following it means the merge reached vLLM.
 """
 
 import sys
@@ -8,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, RolloutConfig, VllmConfig
+from rlspmd.config import ActorConfig, DistConfig, LoraConfig, MeshConfig, ModelConfig, RolloutConfig, VllmConfig
 from rlspmd.distributed.dispatch import all_gather_objects
 from rlspmd.distributed.mesh import DP, TP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
@@ -34,11 +37,12 @@ def gap(policy, out) -> float:
 def main():
     model_dir = sys.argv[1]
     tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
+    lora = LoraConfig(rank=4, alpha=8.0) if "--lora" in sys.argv else LoraConfig()
     prepare_environment()
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(rollout_tp=tp), rt.world_size), "cuda", rt.rank)
     tok = load_tokenizer(model_dir, field_name="model")
-    actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=rt.world_size, micro_batch_size=4)
+    actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=rt.world_size, micro_batch_size=4, lora=lora)
     plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=32,
                       total_steps=1)
     policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
@@ -71,10 +75,12 @@ def main():
     engine_bytes = used_awake - used_before
     assert freed >= 0.8 * engine_bytes, f"sleep freed {freed / GiB:.2f} GiB of the engine's {engine_bytes / GiB:.2f} GiB"
 
-    # update effectiveness: perturb the actor, sync, the rollout follows (and generation changes)
+    # update effectiveness: perturb what the actor trains (with LoRA: the adapters only), sync, the rollout follows
+    # (and generation changes)
     with torch.no_grad():
         for p in policy.engine.module.parameters():
-            p.to_local().add_(torch.randn_like(p.to_local()) * 0.05)
+            if p.requires_grad:
+                p.to_local().add_(torch.randn_like(p.to_local()) * (0.5 if lora.enabled else 0.05))
     rollout.sync_weights(MetricBuffer())
     out2 = rollout.generate_validation(prompts, step=1)
     g1 = gap(policy, out2)
