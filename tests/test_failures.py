@@ -284,7 +284,7 @@ def test_a_rank_that_hangs_is_named_and_the_job_ends(args, tmp_path):
                                 "    if os.environ['RANK'] == '1':\n        time.sleep(10**6)\n    return 0.0\n")
     out = fails([*args(), "--reward.function", fn, "--reward.timeout-s", "None", "--dist.hang-warn-s", "4", "--dist.hang-timeout-s", "20"],
                 "[rlspmd] hang monitor: rank 1 has been in stage 'reward'",
-                "[rlspmd] hang: rank 1 has been in stage 'reward' for 2", "longer than dist.hang_timeout_s=20; ending the job on every rank",
+                "[rlspmd] hang: rank 1 has been in stage 'reward' of step 0 for 2", "longer than dist.hang_timeout_s=20; ending the job on every rank",
                 "[rlspmd] rank 1: the hang monitor on rank 0 ended the job", within=90)
     assert out.count("[rlspmd] hang monitor: rank 1 has been in stage 'reward'") >= 2, "the warning repeats"
 

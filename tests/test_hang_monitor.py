@@ -120,3 +120,23 @@ def test_a_job_of_idle_ranks_is_never_ended():
     ms[1].tick()
     ms[0].tick(now=clock.t)
     assert not ended[0] and not ended[1]
+
+
+def test_the_rank_behind_is_blamed_not_the_one_that_waits_for_it():
+    """Rank 0 scored its samples at once and waits in 'validate' for rank 1, still in 'reward': both have been in their
+    stages for the same time, but rank 1 has made fewer transitions of the program both run, so it is behind."""
+    ranks = [Progress(Clock()), Progress(Clock())]
+    for p in ranks:
+        p.enter("validate", step=0)
+        p.enter("gen")
+        p.exit()
+        p.enter("reward")
+    ranks[0].exit()  # rank 0 is done; rank 1 hangs in its reward function
+    views = [RankView(r, *p.view(), 0.0, p.moves) for r, p in enumerate(ranks)]
+    assert [v.seconds for v in views] == [0.0, 0.0] and blame(views).rank == 1
+    with ranks[0].waiting():  # waiting is not a transition of the program: no rank moves ahead by waiting
+        assert ranks[0].moves == 5
+    assert ranks[0].moves == 5
+    ranks[0].exit()
+    ranks[0].enter("step", step=1)  # a new top-level stage starts the count again
+    assert ranks[0].moves == 1

@@ -1,7 +1,7 @@
 """Hangs are named: every rank says where it is, rank 0 says who is late, and past a limit it ends the job.
 
 Every rank keeps a ``Progress`` (the module-level ``progress``): the innermost stage it is in (``gen``, ``reward``,
-``validate``, ...), the step, and since when. The trainer's ``StageTimer`` enters and leaves stages; outside any
+``validate``, ...), the step, and since when. The trainer's ``StageProbe`` enters and leaves stages; outside any
 stage a rank is *idle* (between steps, a rollout worker waiting for work) and is never blamed. A ``HangMonitor``
 thread per rank publishes that view to the job's c10d store (the TCPStore torchrun provides) every ``interval``
 seconds; on rank 0 it also reads every rank's view and
@@ -11,8 +11,14 @@ seconds; on rank 0 it also reads every rank's view and
 * past ``dist.hang_timeout_s`` ends the job: it writes the message to the store, where every rank's monitor finds it
   within ``interval`` and exits non-zero, then exits itself.
 
-The rank to blame is the busy one that has been in its stage the longest: a rank that hangs in ``reward`` entered it
-before its peers entered the collective of the next stage, where they now wait for it.
+The rank to blame is the busy one that is behind. Every rank runs the same program, so every rank makes the same
+stage transitions in the same order; each counts its transitions since its current top-level stage (``step``,
+``validate``, ...) began, and the rank with the fewest is behind: its peers have moved on and wait for it in a
+collective. Ties (ranks at the same point) go to the rank longest in its stage. Counting, not clocks, is what tells
+a late rank in ``reward`` from a peer that scored its own samples in a millisecond and now waits: both have been in
+their stages for the same time, give or take the reporting interval. Only the trainer's stages count (the step's
+``StageProbe``, validation, checkpoints); a rank ``waiting`` for peers with no work of its own is idle and never
+blamed.
 
 Durations are measured on each rank's own monotonic clock (no clock sync across nodes needed). A rank whose view
 stops changing (its process holds the interpreter lock in C code, or is stopped) is counted as still in its stage
@@ -42,17 +48,23 @@ class Progress:
         self.clock = clock
         self._stack: list[tuple[str, int | None]] = []  # (stage, step) from the outermost in
         self._now: tuple[int | None, str | None, float] = (None, None, clock())
+        self.moves = 0  # transitions since the current top-level stage began (see the module docstring)
 
     def enter(self, stage: str, *, step: int | None = None) -> None:
         """Enter ``stage`` of ``step`` (None: the enclosing stage's step, if any; never a step left over from an
         earlier stage, which would name the wrong one)."""
         if step is None and self._stack:
             step = self._stack[-1][1]
+        self.moves = self.moves + 1 if self._stack else 1
         self._stack.append((stage, step))
         self._now = (step, stage, self.clock())
 
     def exit(self) -> None:
         """Back to the enclosing stage (its clock restarts: the rank made progress), or idle."""
+        self._pop()
+        self.moves += 1
+
+    def _pop(self) -> None:
         self._stack.pop()
         stage, step = self._stack[-1] if self._stack else (None, None)
         self._now = (step, stage, self.clock())
@@ -74,7 +86,7 @@ class Progress:
         try:
             yield
         finally:
-            self.exit()
+            self._pop()  # not a transition of the program every rank runs: a rank waits here and others do not
 
     def view(self) -> tuple[int | None, str | None, float]:
         """(step, stage or None when idle, seconds in it)."""
@@ -94,12 +106,14 @@ class RankView:
     stage: str | None  # None: idle
     seconds: float  # in the stage, as the rank reported it plus the time since rank 0 last heard from it
     silent_s: float  # time since the rank's report last changed (a live rank reports every interval)
+    moves: int = 0  # stage transitions since its top-level stage began: the fewest is behind
 
 
 def blame(views: list[RankView]) -> RankView | None:
-    """The rank that holds the job up: the busy rank longest in its stage (None when every rank is idle)."""
+    """The rank that holds the job up: the busy rank that is behind (fewest transitions), then the longest in its
+    stage (None when every rank is idle)."""
     busy = [v for v in views if v.stage is not None]
-    return max(busy, key=lambda v: (v.seconds, -v.rank)) if busy else None
+    return min(busy, key=lambda v: (v.moves, -v.seconds, v.rank)) if busy else None
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -175,9 +189,11 @@ class HangMonitor:
             time.sleep(self.interval)
 
     def publish(self) -> None:
+        moves = self.state.moves  # read first: a transition in between makes it one low, never a view ahead of it
         step, stage, seconds = self.state.view()
         self.beat += 1
-        self.store.set(self.key(self.rank), json.dumps({"step": step, "stage": stage, "seconds": seconds, "beat": self.beat}))
+        self.store.set(self.key(self.rank), json.dumps({"step": step, "stage": stage, "seconds": seconds, "moves": moves,
+                                                        "beat": self.beat}))
 
     def tick(self, now: float | None = None) -> None:
         self.publish()
@@ -199,7 +215,8 @@ class HangMonitor:
             if report["beat"] != beat:
                 beat, changed = report["beat"], now
             self.heard[r] = (beat, changed)
-            views.append(RankView(r, report["step"], report["stage"], report["seconds"] + (now - changed), now - changed))
+            views.append(RankView(r, report["step"], report["stage"], report["seconds"] + (now - changed), now - changed,
+                                  report["moves"]))
         self.last_views = views
         return views
 

@@ -11,8 +11,8 @@ in a ``RewardPool`` of worker processes, and a call past the limit is killed wit
 rules (gsm8k, arithmetic) run here, as does everything when ``reward.timeout_s`` is None. ``metrics()`` reports
 ``reward/timeouts``: calls killed since the last read (this rank; sum it over ranks).
 
-Scoring is a ``reward`` stage of this rank's progress wherever it is called from (training step or validation): user
-code runs here, and a hang in it is named by the hang monitor (``rlspmd/distributed/progress.py``).
+The trainer calls scoring inside its ``reward`` stage (training step and validation), so a hang in user code here is
+named by the hang monitor (``rlspmd/distributed/progress.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import sys
 import torch
 
 from rlspmd.config import RewardConfig
-from rlspmd.distributed.progress import progress
 from rlspmd.protocol import Batch
 from rlspmd.rewards.functions import call_reward, function_name, load_function, resolve, spec_name
 from rlspmd.rewards.pool import RewardPool, RewardWorkerError
@@ -65,8 +64,7 @@ class RewardManager:
         leaves the reward to a reward model), float32 on the batch's device."""
         texts = self.tokenizer.batch_decode(batch["responses_BR"] * batch["response_mask_BR"], skip_special_tokens=True)
         device = batch["responses_BR"].device
-        with progress.stage("reward"):
-            task = self._rule_scores(batch, texts) if self.cfg.rule_weight else [0.0] * len(texts)
+        task = self._rule_scores(batch, texts) if self.cfg.rule_weight else [0.0] * len(texts)
         return batch.set(response_text=texts, task_scores_B=torch.tensor(task, dtype=torch.float32, device=device))
 
     def metrics(self) -> dict[str, float]:

@@ -102,7 +102,10 @@ class RLTrainer:
         r, n_val = self.roles, self.roles.data_stats["val_prompts"]
         for start in range(0, n_val, self.val_batch_size):
             prompts, n_pad = r.prompts.validation(start, min(start + self.val_batch_size, n_val))
-            scored = r.reward.score(r.rollout.generate_validation(prompts, step=step), MetricBuffer())  # unshaped
+            with progress.stage("gen"):  # the stages every rank passes, for the hang monitor
+                samples = r.rollout.generate_validation(prompts, step=step)
+            with progress.stage("reward"):
+                scored = r.reward.score(samples, MetricBuffer())  # unshaped
             r.report.add_validation(scored, n_pad)
         return r.report.validation()
 
