@@ -135,7 +135,7 @@ class Rollout:
         self.engine.sleep()
         if record:
             self._stats.max("timing/rollout/gen", gen_s)
-            self._stats.sum("rollout/gen_tokens", out["response_mask_BR"].sum())
+            self._stats.sum("rollout/gen_tokens", out["loss_mask_BR"].sum())  # the model's own tokens only
         me = self.tp_mesh.get_local_rank() if len(parts) > 1 else 0
         start = sum(len(p) for p in parts[:me]) * params.n
         return out.slice(start, start + len(prompts) * params.n)

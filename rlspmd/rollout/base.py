@@ -52,6 +52,7 @@ def assemble_rollout(
     return batch.set(
         responses_BR=responses_BR,
         response_mask_BR=mask_BR,
+        loss_mask_BR=mask_BR.clone(),  # single turn: every response token is the model's own
         rollout_logprobs_BR=logprobs_BR * mask_BR,
         input_ids_BL=torch.cat([batch["prompts_BP"], responses_BR], dim=1),
         attention_mask_BL=attention_mask_BL,

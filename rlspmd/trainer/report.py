@@ -35,6 +35,7 @@ class StepReport:
         """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks, and
         the stages' seconds and peak memory (max over ranks)."""
         scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
+        loss_mask = batch["loss_mask_BR"].float()  # the model's own tokens (all of the response in single turn)
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
         m.mean("reward/sq", scores.pow(2).sum(), n)
@@ -46,18 +47,20 @@ class StepReport:
         m.max("response_length/max", lengths.max())
         clipped = truncated(batch, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
         m.mean("response_length/clip_ratio", clipped.float().sum(), n)
-        adv, valid = batch["advantages_BR"], mask > 0
-        m.mean("adv/mean", (adv * mask).sum(), mask.sum())
+        adv, valid = batch["advantages_BR"], loss_mask > 0
+        m.mean("adv/mean", (adv * loss_mask).sum(), loss_mask.sum())
         m.max("adv/max", torch.where(valid, adv, -torch.inf).max())
         m.min("adv/min", torch.where(valid, adv, torch.inf).min())
         m.sum("tokens/response", mask.sum())
+        m.sum("tokens/generated", loss_mask.sum())
         m.sum("tokens/total", batch["attention_mask_BL"].sum())
         for k, v in probe.metrics().items():
             m.max(k, v)
         out = m.reduce(mesh=self.mesh)
         out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
         out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
-        out["throughput/gen_tokens_per_s"] = out["tokens/response"] / max(out["timing/gen"], 1e-9)
+        # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response)
+        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], 1e-9)
         return out
 
     def add_validation(self, scored: Batch, n_pad: int) -> None:
@@ -103,7 +106,7 @@ class RunSummary:
         self.t0 = time.time()
         self.val: list[tuple[int, float]] = []
         self.timings: list[dict[str, float]] = []
-        self.tokens: list[tuple[float, float]] = []  # (response tokens, all tokens) per step
+        self.tokens: list[tuple[float, float]] = []  # (generated tokens, all tokens) per step
         self.last: dict[str, float] = {}
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
@@ -112,7 +115,7 @@ class RunSummary:
         t = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
         if t:
             self.timings.append(t)
-            self.tokens.append((metrics.get("tokens/response", 0.0), metrics.get("tokens/total", 0.0)))
+            self.tokens.append((metrics.get("tokens/generated", 0.0), metrics.get("tokens/total", 0.0)))
         self.last = metrics
 
     def as_dict(self) -> dict:
