@@ -104,6 +104,9 @@ class AgentLoop:
         self.cfg, self.tools, self.parser, self.interaction = cfg, tools, parser, interaction
         self.by_name = {t.name: k for k, t in enumerate(tools)}
         self.renderer, self.tokenizer = renderer, tokenizer
+        self.tool_schemas = renderer.tools
+        """What the chat template's ``tools`` argument receives when prompts are rendered."""
+        self.tool_names = [t.name for t in tools]
         self.eos_ids, self.pad_id, self.max_response_length = list(eos_ids), pad_id, max_response_length
 
     def run(self, engine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,

@@ -87,6 +87,9 @@ def sampling_params(cfg: RolloutConfig) -> tuple[SamplingParams, SamplingParams]
 class SingleTurn:
     """One response per sample: the engine's batched ``generate``."""
 
+    tool_schemas: list[dict] | None = None
+    tool_names: list[str] = []
+
     def run(self, engine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
             metrics: MetricBuffer) -> Batch:
         return engine.generate(prompts, params, generator=generator)
