@@ -346,6 +346,9 @@ class DataConfig:
     """Prompts whose templated token count exceeds this are dropped (or rejected, see ``overlong_prompts``)."""
     overlong_prompts: Literal["drop", "error"] = "drop"
     """What to do with prompts longer than ``max_prompt_length``: drop with a count in the log, or fail naming the row."""
+    empty_prompts: Literal["error", "drop"] = "error"
+    """What to do with a row whose prompt has no user message with text (empty or whitespace content): fail naming
+    the file and row, or drop it with a count in the log."""
     train_batch_size: int = 32
     """Prompts per RL step (global, all DP ranks)."""
     val_batch_size: int = 256
@@ -517,6 +520,18 @@ class RewardConfig:
     scores, interaction rewards): ``score = rule_weight * rule + model.weight * rm + agent_weight * agent``."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO overlong reward shaping (training rewards only; validation reports the unshaped score)."""
+    timeout_s: float | None = 60.0
+    """Hard limit in seconds on one call of a reward function. With a limit, ``reward.function`` and third-party rule
+    checkers (reasoning-gym) run in a pool of worker processes, and a call that takes longer is killed together with
+    its worker (which is replaced): this stops calls that ignore signals, e.g. a C-level loop in a math checker. The
+    built-in gsm8k/arithmetic rules always run in this process (a bounded regular expression). None: every function
+    runs in this process without a limit (a call that never returns stalls the step until ``dist.hang_timeout_s``)."""
+    timeout_policy: Literal["zero", "error"] = "zero"
+    """A call that runs past ``timeout_s``: ``zero`` scores the sample 0 and counts it (``reward/timeouts``); ``error``
+    stops the run naming the sample's index and data_source."""
+    num_workers: int = 0
+    """Worker processes per rank for reward functions under ``timeout_s`` (they also spread slow checkers over cores).
+    0: the CPU cores per local rank, at most 8."""
 
 
 @dataclass
@@ -538,6 +553,14 @@ class DistConfig:
     """Process-group backend; auto picks NCCL when CUDA is available, Gloo otherwise."""
     timeout_s: float = 600.0
     """Collective timeout: a rank that waits longer than this for a dead peer fails instead of hanging."""
+    hang_warn_s: float = 300.0
+    """Rank 0 warns (naming the rank, its stage, step and seconds) when a rank has been in one stage of a step (``gen``,
+    ``reward``, ``update_actor``, ...) longer than this, and repeats every ``hang_warn_s`` while it lasts. Below
+    ``timeout_s``, so the late rank is named before a collective times out. 0 disables the warning."""
+    hang_timeout_s: float = 7200.0
+    """End the job (non-zero exit on every rank, the message naming the rank and stage) when a rank has been in one
+    stage longer than this. Far above any one stage of a healthy run (generating a long batch can take many minutes);
+    raise it for longer ones. 0 disables it."""
 
 
 @dataclass

@@ -9,6 +9,7 @@ is written as a Hugging Face directory (safetensors + tokenizer) that RL configs
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from rlspmd.protocol import Batch, position_ids
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.startup import parse_args, start
 from rlspmd.trainer.checkpoint import save_hf_model
+from rlspmd.validate import check_sft_config
 
 
 class SFTDataset:
@@ -79,6 +81,7 @@ def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
+    check_sft_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run)  # every rank, first
     started = start(cfg, dist=cfg.dist, mesh=MeshConfig(), seed=cfg.seed, dry_run=dry_run)  # SFT: every rank trains
     if started is None:
         return

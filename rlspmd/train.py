@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
-from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main
+from rlspmd.distributed.progress import progress
+from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main, start_hang_monitor
 from rlspmd.startup import parse_args, start
+from rlspmd.validate import check_config
 
 
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
+    # Every rank, before anything loads; a dry run previews a layout, maybe before the data and model are in place.
+    check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run)
     if cfg.rollout.engine == "vllm":  # vLLM's environment must be set before the first NCCL communicator
         from third_party.vllm_adapter import prepare_environment
 
@@ -31,13 +36,16 @@ def main(argv: list[str] | None = None) -> None:
     if started is None:
         return
     rt, meshes = started
+    start_hang_monitor(cfg.dist, rt)
     if rt.is_main:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
     from rlspmd.trainer.build import build_trainer  # heavy imports after the cheap checks
 
-    build_trainer(cfg, rt, meshes).fit()
+    with progress.stage("startup"):
+        trainer = build_trainer(cfg, rt, meshes)
+    trainer.fit()
     shutdown()
 
 

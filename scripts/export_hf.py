@@ -22,15 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing rlspmd
     sys.path.insert(0, str(ROOT))
 
-from rlspmd.trainer.checkpoint import MODEL_FILES, TOKENIZER_FILES, read_meta, resolve_checkpoint  # noqa: E402
+from rlspmd.trainer.checkpoint import MODEL_FILES, TOKENIZER_FILES, dcp_load, read_dcp_metadata, read_meta, resolve_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX = "actor.model.hf."  # DCP key of the HF model inside the actor engine's root module
 
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None) -> Path:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ckpt = resolve_checkpoint(checkpoint, field_name="checkpoint")
@@ -43,7 +41,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
     state = model.state_dict()
-    saved = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(ckpt).state_dict_metadata
     missing = [k for k in state if PREFIX + k not in saved]
     if missing:
         raise ValueError(
@@ -51,7 +49,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None)
             f"architecture in model/config.json, e.g. {PREFIX + missing[0]!r}"
         )
     request = {PREFIX + k: v for k, v in state.items()}
-    dcp.load(request, checkpoint_id=str(ckpt))  # no process group: a single-process read, unsharded
+    dcp_load(request, ckpt, no_dist=True)  # one process, unsharded; reads tensors only (any checkpoint format)
     model.load_state_dict({k: request[PREFIX + k] for k in state}, strict=True)
     if dtype is not None:
         model.to(DTYPES[dtype])

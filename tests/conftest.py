@@ -23,11 +23,14 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than ~30 s")
-    config.addinivalue_line("markers", "dist: launches several processes with torchrun (Gloo)")
-    config.addinivalue_line("markers", "gpu: needs CUDA; skipped where absent")
-    config.addinivalue_line("markers", "vllm: needs vLLM and CUDA; skipped where absent")
+# Fixtures that train under torchrun (SFT warm start, reference RL runs): a test that uses one is `slow` (pytest.ini).
+TRAINING_FIXTURES = {"warm_start", "reference_run", "two_steps", "two_step_runs"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TRAINING_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 def load_script(relpath: str):

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -51,31 +49,18 @@ def metrics(out: Path) -> list[dict]:
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, object]:
-    """Every value of a DCP checkpoint, unsharded, by flat key (model, optimiser, scheduler, trainer, RNG)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """Every value of a DCP checkpoint, unsharded, by flat key (model, optimiser, scheduler, trainer, RNG), read the
+    way a resume reads it (no code runs); the trainer's JSON string is decoded so that key order cannot matter."""
+    from rlspmd.trainer.checkpoint import read_checkpoint
 
-    with tempfile.TemporaryDirectory() as d:
-        dcp_to_torch_save(str(ckpt), os.path.join(d, "full.pt"))
-        nested = torch.load(os.path.join(d, "full.pt"), weights_only=False)
-
-    flat: dict[str, object] = {}
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}{k}.", v)
-        else:
-            flat[prefix[:-1]] = value
-
-    walk("", nested)
+    flat = read_checkpoint(ckpt)
+    if isinstance(flat.get("trainer.json"), str):
+        flat["trainer.json"] = json.loads(flat["trainer.json"])
     return flat
 
 
 def same(x, y) -> bool:
-    """Exact equality through tensors, arrays and containers (pickled leaves are compared unpickled:
-    equal states can pickle to different bytes)."""
-    if isinstance(x, bytes) and isinstance(y, bytes):
-        return same(pickle.loads(x), pickle.loads(y))
+    """Exact equality through tensors, arrays and containers."""
     if isinstance(x, torch.Tensor):
         return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
     if isinstance(x, np.ndarray):

@@ -18,6 +18,7 @@ def run(args, timeout=600):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_grpo_bench_config_runs_the_fixed_workload_and_prints_json(tiny_model, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     from grpo_workload import write_prompts

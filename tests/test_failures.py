@@ -4,7 +4,9 @@ exit and a message that names the field, file, row, sample, parameter or step; n
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
 import shutil
 import time
 from pathlib import Path
@@ -12,19 +14,19 @@ from pathlib import Path
 import pytest
 
 from conftest import dist_script, load_script, torchrun
-from rl_run import metrics, rl_args, run_torchrun, write_reward
+from rl_run import metrics, popen_torchrun, rl_args, run_torchrun, worker_pids, write_reward
 
 pytestmark = pytest.mark.dist
 
 
-def fails(target: list[str], *needles: str, nproc: int = 2, preexec_fn=None) -> str:
-    """Run, expect a non-zero exit within 60 s, and every needle in the output; returns the output."""
+def fails(target: list[str], *needles: str, nproc: int = 2, preexec_fn=None, within: float = 60) -> str:
+    """Run, expect a non-zero exit within ``within`` seconds, and every needle in the output; returns the output."""
     t0 = time.monotonic()
-    proc = run_torchrun(target, nproc, preexec_fn=preexec_fn)
+    proc = run_torchrun(target, nproc, preexec_fn=preexec_fn, timeout=within + 60)
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert elapsed < within, f"took {elapsed:.0f}s"
     for needle in needles:
         assert needle in out, f"{needle!r} not in output:\n{out[-4000:]}"
     return out
@@ -54,6 +56,36 @@ def test_typo_in_config_file_names_file_and_field(args, tmp_path):
 def test_typo_in_command_line_field(args):
     out = fails([*args(), "--actor.optim.lrr", "1e-3"], "Unrecognized options", "--actor.optim.lrr")
     assert out.count("╭─ Unrecognized options") == 1, "only rank 0 reports a usage error"
+
+
+@pytest.mark.parametrize("extra, problems", [
+    # The issue's list, all at once: each of these used to crash 12-17 s in, after the model had loaded.
+    (["--data.train-batch-size", "0", "--rollout.n", "-1", "--actor.micro-batch-size", "0",
+      "--reward.function", "/nonexistent/reward.py:score"],
+     ["data.train_batch_size=0: must be >= 1", "rollout.n=-1: must be >= 1", "actor.micro_batch_size=0: must be >= 1",
+      "reward.function: file /nonexistent/reward.py does not exist"]),
+    (["--actor.mini-batch-size", "3", "--data.val-batch-size", "0"],
+     ["actor.mini_batch_size=3: does not divide data.train_batch_size=4", "data.val_batch_size=0: must be >= 1"]),
+])
+def test_bad_sizes_and_files_fail_before_anything_loads(args, extra, problems):
+    """Every problem knowable from the config is reported at once, naming field and value, on every rank, before a
+    model or dataset is read."""
+    out = fails([*args(), *extra], f"invalid configuration ({len(problems)} problem", "nothing was loaded", *problems, within=45)
+    assert out.count(" failed:\n") == 1, "one rank prints the report; the other exits on torchrun's SIGTERM or says it also failed"
+    assert "Traceback" not in out.split("[rlspmd]")[1], "a configuration error is reported without a traceback"
+    assert "train prompts:" not in out and "backend gloo" not in out, "nothing may load before the check"
+
+
+def test_reward_function_that_the_file_does_not_define(args, tmp_path):
+    fn = write_reward(tmp_path, "import os\nos.system('touch ' + os.path.dirname(__file__) + '/imported')\n\ndef other(r, g):\n    return 0.0\n")
+    fails([*args(), "--reward.function", fn], f"reward.function='{fn}': {fn[:-len(':reward')]} has no function 'reward'", within=45)
+    assert not (tmp_path / "imported").exists(), "the check must not run the user's module"
+
+
+def test_sft_batch_that_does_not_split_over_the_ranks(tiny_model, arithmetic_data, tmp_path):
+    fails(["-m", "rlspmd.sft", "--model.path", str(tiny_model), "--data.train-files", str(arithmetic_data / "sft.parquet"),
+           "--data.batch-size", "3", "--output-dir", str(tmp_path)],
+          "data.batch_size=3: does not split over 2 DP ranks", within=45)
 
 
 def test_mesh_degree_that_does_not_divide_the_world(args):
@@ -123,6 +155,34 @@ def test_bad_dataset(args, tmp_path, case):
     fails([*args(), "--data.train-files", str(path)], "data.train_files: ", str(path), message)
 
 
+def test_empty_prompt_names_the_file_and_row(args, tmp_path):
+    rows = {k: v * 6 for k, v in ROW.items()}
+    rows["prompt"] = [[{"role": "user", "content": "  " if i == 3 else f"Calculate {i} + 2."}] for i in range(6)]
+    path = _write_parquet(tmp_path / "empty.parquet", rows)
+    fails([*args(), "--data.train-files", str(path)], f"data.train_files: {path} row 3: the prompt has no user message with text",
+          "data.empty_prompts=drop")
+
+
+def test_jsonl_line_cut_in_half_names_the_line(args, tmp_path):
+    import json as _json
+
+    lines = [_json.dumps({"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"Calculate {i} + 1."}],
+                          "reward_model": {"style": "rule", "ground_truth": str(i + 1)}}) for i in range(6)]
+    lines[4] = lines[4][: len(lines[4]) // 2]
+    path = tmp_path / "cut.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    fails([*args(), "--data.train-files", str(path)], f"data.train_files: cannot read {path} line 5: not valid JSON")
+
+
+def test_truncated_weights_name_the_file(args, tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    fails(args(model=model), f"actor.model.path: {weights} is truncated or corrupt", within=45)
+
+
 def test_overlong_prompt_names_the_row(args, arithmetic_data):
     fails([*args(), "--data.overlong-prompts", "error", "--data.max-prompt-length", "8"],
           f"data.train_files: {arithmetic_data / 'train.parquet'} row 0: prompt has", "> data.max_prompt_length=8")
@@ -178,6 +238,57 @@ def test_peer_failure_sigterm_delivered_to_the_watcher_thread_ends_the_process(t
         marker.unlink(missing_ok=True)
 
 
+# -- a launcher that dies, a rank that hangs ----------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_ranks_leave_when_torchrun_is_killed(tiny_model, arithmetic_data, tmp_path):
+    """SIGKILL to torchrun's agent alone (the OOM killer, a lost login shell): its ranks live in sessions of their own,
+    so nothing but rlspmd ends them. Every rank must be gone within seconds, having written no metric line and no
+    checkpoint after the kill. (Reward workers die with their rank: ``test_rewards.py``.)"""
+    out = tmp_path / "run"
+    proc = popen_torchrun(rl_args(tiny_model, arithmetic_data, out, steps=200, extra=["--checkpoint.save-every", "1"]),
+                          2, log=tmp_path / "log")
+    log = lambda: (tmp_path / "log").read_text()[-3000:]  # noqa: E731
+    deadline = time.monotonic() + 180
+    while not (out / "checkpoints" / "step_00000001").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log()
+        time.sleep(0.1)
+    ranks = worker_pids(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(proc.pid, signal.SIGKILL)
+    at_kill = (out / "metrics.jsonl").read_text(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in ranks.values()):
+        assert time.monotonic() < deadline, f"ranks still running 20 s after the kill: {[p for p in ranks.values() if _alive(p)]}"
+        time.sleep(0.1)
+    after = (out / "metrics.jsonl").read_text(), sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert after == at_kill, "a metric line or a checkpoint was written after torchrun was killed"
+    for rank in ranks:
+        assert f"[rlspmd] rank {rank}: the process that launched it (pid {proc.pid}" in log(), log()
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_is_named_and_the_job_ends(args, tmp_path):
+    """A reward function sleeps forever on rank 1 (in-process: no reward time limit). Rank 0 warns naming rank 1 and
+    the reward stage, and past dist.hang_timeout_s every rank exits non-zero with that message."""
+    fn = write_reward(tmp_path, "import os, time\n\ndef reward(response, ground_truth):\n"
+                                "    if os.environ['RANK'] == '1':\n        time.sleep(10**6)\n    return 0.0\n")
+    out = fails([*args(), "--reward.function", fn, "--reward.timeout-s", "None", "--dist.hang-warn-s", "4", "--dist.hang-timeout-s", "20"],
+                "[rlspmd] hang monitor: rank 1 has been in stage 'reward'",
+                "[rlspmd] hang: rank 1 has been in stage 'reward' for 2", "longer than dist.hang_timeout_s=20; ending the job on every rank",
+                "[rlspmd] rank 1: the hang monitor on rank 0 ended the job", within=90)
+    assert out.count("[rlspmd] hang monitor: rank 1 has been in stage 'reward'") >= 2, "the warning repeats"
+
+
 # -- rewards ----------------------------------------------------------------------------------------------
 
 
@@ -201,12 +312,14 @@ def test_reward_function_returning_a_non_number(args, tmp_path):
 HUGE_REWARD = "def reward(response, ground_truth):\n    return 3e38 if len(response) % 2 else 0.0\n"
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_stop_names_the_step(args, tmp_path):
     fn = write_reward(tmp_path, HUGE_REWARD)
     fails([*args(), "--reward.function", fn, "--algorithm.no-norm-adv-by-std", "--trainer.nan-policy", "stop"],
           "FloatingPointError: step 1: non-finite loss or gradient norm", "trainer.nan_policy=stop")
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_skip_counts_and_keeps_weights(args, tmp_path, tiny_model):
     from safetensors.torch import load_file
 
@@ -248,8 +361,9 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(args, two_steps, tm
     def limit_file_size():  # checkpoint shards are MBs; metrics and logs stay far below
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
-    out = fails(args(steps=4), "saving step 4 failed", "File too large", "the previous checkpoint step_00000002 is intact",
-                preexec_fn=limit_file_size)
+    out = fails(args(steps=4), "saving step 4 failed", "the previous checkpoint step_00000002 is intact", preexec_fn=limit_file_size)
+    # The cause, in the words the failing write left: torch.save's zip writer may report a short write without errno.
+    assert "File too large" in out or "a write came up short: is the disk or quota full, or a file-size limit reached?" in out
     assert f"checkpoint.dir (default <trainer.output_dir>/checkpoints)={ckpts}" in out
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]  # the failed .tmp is gone

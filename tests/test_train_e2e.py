@@ -7,7 +7,7 @@ import torch
 
 from conftest import torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # every test here trains end to end
 
 
 def read_metrics(path):

@@ -197,8 +197,6 @@ def test_reward_role_mixes_rule_and_reward_model_scores(tiny_model):
     torch.testing.assert_close(out["task_scores_B"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(out["scores_B"], torch.tensor([0.5 + 0.5, -2.0]))
     assert reward.components == (("task_scores_B", "task_score"), ("rm_scores_B", "rm_score"))
-    with pytest.raises(ValueError, match="reward.rule_weight=0"):
-        Reward(RewardConfig(rule_weight=0.0), rules=RewardManager(RewardConfig(rule_weight=0.0), tok), model=None)
 
 
 def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
@@ -268,8 +266,7 @@ class FakeMesh:
 
 
 def test_bad_settings_fail_early_naming_the_field(tmp_path):
-    from rlspmd.config import CriticConfig, FilterGroupsConfig, ModelConfig
-    from rlspmd.trainer.build import build_critic, critic_plan
+    from rlspmd.config import FilterGroupsConfig
     from rlspmd.trainer.sampling import DynamicSampling
 
     def dynamic(cfg, **kw):
@@ -284,23 +281,6 @@ def test_bad_settings_fail_early_naming_the_field(tmp_path):
         dynamic(FilterGroupsConfig(enable=True, max_rounds=0))
     with pytest.raises(ValueError, match="rollout.n >= 2"):
         dynamic(FilterGroupsConfig(enable=True), samples_per_prompt=1)
-
-    def critic(**cfg):
-        cfg = CriticConfig(**cfg)
-        plan = critic_plan(cfg, samples_per_prompt=3, train_batch_size=8, dp=2, max_response_length=16, total_steps=1)
-        return build_critic(cfg, model=ModelConfig(path=str(tmp_path / "missing")), mesh=FakeMesh(2), device=torch.device("cpu"),
-                            plan=plan, seed=0)
-
-    with pytest.raises(ValueError, match="critic.mini_batch_size=1 x rollout.n=3"):
-        critic(mini_batch_size=1)
-    with pytest.raises(ValueError, match="critic.mini_batch_size=6"):
-        critic(mini_batch_size=6)
-    with pytest.raises(ValueError, match="critic.loss_agg_mode='mean'"):
-        critic(mini_batch_size=4, loss_agg_mode="mean")
-    with pytest.raises(ValueError, match="critic.cliprange_value"):
-        critic(mini_batch_size=4, cliprange_value=0.0)
-    with pytest.raises(FileNotFoundError, match="actor.model.path: .*missing"):  # the critic starts from the actor
-        critic(mini_batch_size=4)
 
 
 def test_settings_that_do_nothing_are_reported():

@@ -79,19 +79,10 @@ def load_interaction(cfg: AgentConfig, *, field_name: str = "rollout.agent.inter
     return obj
 
 
-def check_agent(cfg: AgentConfig) -> None:
-    """The section's numbers, before anything loads."""
-    for name in ("max_turns", "max_parallel_tools", "max_tool_response_chars", "max_user_turns"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"rollout.agent.{name}={getattr(cfg, name)} must be >= 1")
-    if cfg.tool_timeout_s <= 0:
-        raise ValueError(f"rollout.agent.tool_timeout_s={cfg.tool_timeout_s} must be > 0")
-
-
 def build_agent_loop(cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id: int, max_response_length: int,
                      model_field: str) -> AgentLoop:
-    """The loop with its tools, parser, interaction and renderer; every check runs here, at start-up."""
-    check_agent(cfg)
+    """The loop with its tools, parser, interaction and renderer (``rlspmd/validate.py`` checked the section before
+    anything loaded)."""
     tools = load_tools(cfg)
     renderer = ChatRenderer(tokenizer, tools=tool_schemas(tools), field_name=model_field)
     return AgentLoop(cfg, tools=tools, parser=load_parser(cfg), interaction=load_interaction(cfg), renderer=renderer,

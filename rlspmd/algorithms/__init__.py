@@ -13,6 +13,8 @@ mask go into any policy loss through `weights_BT` / `mask_BT`.
 
 from rlspmd.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    NEEDS_GREEDY_BASELINE,
+    NEEDS_VALUES,
     gae,
     gdpo,
     gdpo_combine,
@@ -63,6 +65,8 @@ from rlspmd.algorithms.rollout_correction import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "NEEDS_GREEDY_BASELINE",
+    "NEEDS_VALUES",
     "AGG_MODES",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",

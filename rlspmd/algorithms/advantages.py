@@ -582,3 +582,8 @@ ADVANTAGE_ESTIMATORS = {
 `reinforce_pp(token_rewards_BT, mask_BT)`, `remax(token_rewards_BT, baseline_scores_B, mask_BT)`,
 `gdpo(components_BK, mask_BT, group_ids_B)`, and the group estimators `(scores_B, mask_BT, group_ids_B)`; options
 are keyword-only."""
+
+NEEDS_VALUES = frozenset({"gae"})
+"""Estimators that read ``values_BR`` (a run with one of them has a critic)."""
+NEEDS_GREEDY_BASELINE = frozenset({"remax"})
+"""Estimators that read ``baseline_scores_B`` (one greedy response per prompt, scored)."""

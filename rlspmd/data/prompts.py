@@ -7,11 +7,14 @@ unchanged. Files are read through ``datasets``; prompts are rendered with the mo
 decides the step's prompts and scatters them).
 
 Prompts longer than ``max_prompt_length`` tokens are dropped (counted and logged) or rejected with the
-file and row named.
+file and row named. A prompt without text (no user message with non-blank content) is rejected naming the file and
+row, or dropped and counted (``data.empty_prompts``): it would be trained on as if it were a question. A jsonl line
+that is not JSON (a file cut off mid-write) is named by file and line number.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -25,6 +28,19 @@ log = logging.getLogger(__name__)
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 
 
+KINDS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+
+
+def check_data_file(f: str, *, field_name: str) -> Path:
+    """The file exists and is parquet or jsonl (no reading)."""
+    path = Path(f).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"{field_name}: data file {path} does not exist")
+    if path.suffix.lower() not in KINDS:
+        raise ValueError(f"{field_name}: {path} is neither .parquet nor .jsonl")
+    return path
+
+
 def read_rows(files: list[str], *, prompt_key: str, field_name: str):
     """Load parquet/jsonl files with ``datasets``; check existence, emptiness and the required columns."""
     import datasets
@@ -33,19 +49,15 @@ def read_rows(files: list[str], *, prompt_key: str, field_name: str):
         raise ValueError(f"{field_name} is empty: give at least one parquet or jsonl file")
     tables = []
     for f in files:
-        path = Path(f).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"{field_name}: data file {path} does not exist")
-        suffix = path.suffix.lower()
-        kind = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}.get(suffix)
-        if kind is None:
-            raise ValueError(f"{field_name}: {path} is neither .parquet nor .jsonl")
+        path = check_data_file(f, field_name=field_name)
+        kind = KINDS[path.suffix.lower()]
         if _has_no_rows(path, kind):  # `datasets` would only say 'Instruction "train" corresponds to no data'
             raise ValueError(f"{field_name}: {path} has no rows")
         try:
             ds = datasets.load_dataset(kind, data_files=str(path), split="train")
-        except Exception as e:  # noqa: BLE001 - name the file for any reader failure
-            raise ValueError(f"{field_name}: cannot read {path}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - name the file (and the line, for jsonl) for any reader failure
+            where = _first_bad_json_line(path) if kind == "json" else None
+            raise ValueError(f"{field_name}: cannot read {path}{where or ''}: {type(e).__name__}: {e}") from None
         if len(ds) == 0:
             raise ValueError(f"{field_name}: {path} has no rows")
         missing = [c for c in (*REQUIRED_COLUMNS, prompt_key) if c not in ds.column_names]
@@ -53,6 +65,23 @@ def read_rows(files: list[str], *, prompt_key: str, field_name: str):
             raise ValueError(f"{field_name}: {path} lacks required column(s) {missing} (has {ds.column_names})")
         tables.append((str(path), ds))
     return tables
+
+
+def _first_bad_json_line(path: Path) -> str | None:
+    """`` line N: <why>`` for the first line of a jsonl file that is not one JSON object (``datasets`` reports only
+    a generation error), or None."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.rstrip(b"\r\n"))
+            except ValueError as e:  # also UnicodeDecodeError
+                why = f"{e.msg}: column {e.colno}" if isinstance(e, json.JSONDecodeError) else str(e)
+                return f" line {n}: not valid JSON ({why}); the file may have been cut off while it was written"
+            if not isinstance(row, dict):
+                return f" line {n}: a JSON {type(row).__name__}, not an object"
+    return None
 
 
 def _has_no_rows(path: Path, kind: str) -> bool:
@@ -67,6 +96,19 @@ def _has_no_rows(path: Path, kind: str) -> bool:
         return False
 
 
+def has_user_text(messages: list[dict]) -> bool:
+    """Some user message has non-blank text (``content`` a string, or a list of parts with ``text``)."""
+    for m in messages:
+        if m.get("role", "user") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, list):  # multimodal parts: [{"type": "text", "text": ...}, ...]
+            content = " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        if isinstance(content, str) and content.strip():
+            return True
+    return False
+
+
 class PromptDataset:
     def __init__(
         self,
@@ -76,6 +118,7 @@ class PromptDataset:
         prompt_key: str,
         max_prompt_length: int,
         overlong: str = "drop",
+        empty: str = "error",
         field_name: str = "data.train_files",
         tools: list[dict] | None = None,
     ):
@@ -85,6 +128,7 @@ class PromptDataset:
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
         self.n_dropped = 0
+        self.n_empty = 0  # dropped for having no text (empty="drop")
         for path, ds in read_rows(files, prompt_key=prompt_key, field_name=field_name):
             texts = []
             for i, row in enumerate(ds):
@@ -93,6 +137,14 @@ class PromptDataset:
                     messages = [{"role": "user", "content": messages}]
                 if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
                     raise ValueError(f"{field_name}: {path} row {i}: `{prompt_key}` must be a list of chat messages")
+                if not has_user_text(messages):
+                    if empty == "drop":
+                        self.n_empty += 1
+                        continue
+                    raise ValueError(
+                        f"{field_name}: {path} row {i}: the prompt has no user message with text ({prompt_key}={messages!r}); "
+                        "fix the row, or skip such rows with data.empty_prompts=drop"
+                    )
                 gt = (row["reward_model"] or {}).get("ground_truth")
                 if gt is None:
                     raise ValueError(f"{field_name}: {path} row {i}: reward_model.ground_truth is missing")
@@ -103,8 +155,12 @@ class PromptDataset:
                     {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1],
                      "prompt_messages": messages, "where": (path, i)}
                 )
-            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-            self.prompt_ids.extend(ids)
+            if texts:
+                self.prompt_ids.extend(tokenizer(texts, add_special_tokens=False)["input_ids"])
+        if self.n_empty:
+            log.warning("%s: dropped %d prompts with no user text (data.empty_prompts=drop)", field_name, self.n_empty)
+        if not self.prompt_ids:
+            raise ValueError(f"{field_name}: no prompt has any user text")
         keep = []
         for j, ids in enumerate(self.prompt_ids):
             if len(ids) <= max_prompt_length:

@@ -9,6 +9,11 @@ non-zero exit and terminates the other ranks within about a second. Launchers wi
 (plain srun) rely on the collective timeout instead: a rank blocked on a dead peer fails after
 ``dist.timeout_s``.
 
+A rank never outlives its launcher: under torchrun, ``init_distributed`` arms ``parent.watch_parent`` (a
+parent-death signal and a watchdog thread), so a SIGKILLed agent takes its ranks with it within a second. Hangs are
+named: ``start_hang_monitor`` starts the per-rank ``progress.HangMonitor`` (``dist.hang_warn_s``,
+``dist.hang_timeout_s``).
+
 Stop requests (preemption): SIGUSR1 and SIGTERM only set a flag (``StopRequest``); the trainer checks it
 at step boundaries, agreed over all ranks (any rank saw it -> every rank saves and exits). A signal
 handler never saves: a rank may be inside a collective when the signal arrives. One exception: torchrun's
@@ -40,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 from rlspmd.config import DistConfig
+from rlspmd.distributed.parent import watch_parent
+from rlspmd.distributed.progress import HangMonitor, job_prefix, where
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ def init_distributed(cfg: DistConfig) -> Runtime:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent: leave when it dies
+        watch_parent(who=f"rank {rank}")
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
@@ -214,24 +223,66 @@ def _peer_failed() -> bool:
         return False
 
 
+class UserError(ValueError):
+    """A mistake in what the user gave (configuration, files), reported by its message alone, without a traceback."""
+
+
+def _mark_failed() -> bool:
+    """Create this node's failure marker; True for the first rank to do so (it prints the full report)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    try:
+        os.close(os.open(_failure_marker(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def report_failure(exc: BaseException) -> None:
-    """Print the traceback once per node: the first failing rank prints it, later ones print one line."""
+    """Print the traceback once per node: the first failing rank prints it, later ones print one line. Rank 0 adds
+    where every rank was when its hang monitor last looked (a collective timeout then names the late rank)."""
     rank = os.environ.get("RANK", "0")
-    first = True
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        try:
-            os.close(os.open(_failure_marker(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            first = False
-        except OSError:
-            pass
+    if _ENDING.is_set():  # the hang monitor is ending the job and has said why; this is a consequence
+        return
+    first = _mark_failed()
     if first:
-        text = "".join(traceback.format_exception(exc))
+        text = f"{exc}\n" if isinstance(exc, UserError) else "".join(traceback.format_exception(exc))
         sys.stderr.write(f"[rlspmd] rank {rank} failed:\n{text}")
+        if _MONITOR is not None and _MONITOR.last_views:
+            sys.stderr.write(f"[rlspmd] where the ranks were at the hang monitor's last look: {where(_MONITOR.last_views, interval=_MONITOR.interval)}\n")
         sys.stderr.write("[rlspmd] ending the job on every rank.\n")
     else:
-        sys.stderr.write(f"[rlspmd] rank {rank} also failed: {type(exc).__name__}: {exc}\n")
+        sys.stderr.write(f"[rlspmd] rank {rank} also failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
     sys.stderr.flush()
+
+
+_MONITOR: HangMonitor | None = None
+_ENDING = threading.Event()
+
+
+def start_hang_monitor(cfg: DistConfig, rt: Runtime) -> HangMonitor | None:
+    """Publish this rank's progress to the job's store and, on rank 0, watch every rank's (``progress.py``).
+    Call once, after ``init_distributed``. None when both ``dist.hang_warn_s`` and ``dist.hang_timeout_s`` are 0."""
+    global _MONITOR
+    if cfg.hang_warn_s <= 0 and cfg.hang_timeout_s <= 0:
+        return None
+    # The store torchrun's agent hosts (or rank 0's, without torchrun): the one every rank already reached at init.
+    store = dist.distributed_c10d._get_default_store()
+
+    def end_job(message: str) -> None:
+        _ENDING.set()
+        _mark_failed()  # torchrun's SIGTERM to this node's other ranks then ends them at once (see StopRequest)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        if rt.rank == 0:  # let every rank find the message in the store before this rank (maybe its host) is gone
+            time.sleep(2 * _MONITOR.interval)
+        os._exit(1)
+
+    _MONITOR = HangMonitor(store, rank=rt.rank, world_size=rt.world_size, warn_s=cfg.hang_warn_s,
+                           timeout_s=cfg.hang_timeout_s, prefix=job_prefix(), end_job=end_job).start()
+    return _MONITOR
 
 
 def spmd_main(fn):

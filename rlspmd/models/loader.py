@@ -1,5 +1,9 @@
 """Loading local Hugging Face model directories and tokenizers, with errors that name the path.
 
+``check_model_dir`` and ``check_tokenizer_dir`` only look at files (no transformers import, no weights read), so the
+start-up config check (``rlspmd/validate.py``) runs them before anything heavy loads; they also read every
+safetensors header, so a truncated or corrupt weights file is named before a model is built.
+
 Simplification: every rank reads the safetensors (memory-mapped) and FSDP2 then keeps only its shard.
 That is fine up to a few billion parameters per node; larger models want meta-device init with
 rank-0 broadcast (noted in the README's roadmap).
@@ -7,12 +11,43 @@ rank-0 broadcast (noted in the README's roadmap).
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
+
+
+def check_safetensors(path: Path, *, field_name: str) -> None:
+    """The file's header parses and the file is exactly as long as the header says (a cut-off download or copy is
+    shorter). Reads the header only."""
+    size = path.stat().st_size
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{field_name}: {path} is truncated or corrupt ({why}); re-download or re-copy it")
+
+    if size < 8:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+            raise bad(f"header of {n} bytes in a file of {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise bad(f"header is not JSON: {e}") from None
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        raise bad(f"{size} bytes, but its header describes {expected}")
 
 
 def check_model_dir(path: str | Path, *, field_name: str) -> Path:
@@ -21,17 +56,32 @@ def check_model_dir(path: str | Path, *, field_name: str) -> Path:
         raise FileNotFoundError(f"{field_name}: model directory {p} does not exist")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"{field_name}: {p} has no config.json (not a Hugging Face model directory)")
-    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+    weights = sorted(p.glob("*.safetensors"))
+    if not weights and not any(p.glob("*.bin")):
         raise FileNotFoundError(f"{field_name}: {p} has no *.safetensors weights")
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        missing = sorted({f for f in json.loads(index.read_text()).get("weight_map", {}).values() if not (p / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{field_name}: {index} lists shard(s) {missing} that are not in {p}")
+    for f in weights:
+        check_safetensors(f, field_name=field_name)
+    return p
+
+
+def check_tokenizer_dir(path: str | Path, *, field_name: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise FileNotFoundError(f"{field_name}: tokenizer directory {p} does not exist")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{field_name}: {p} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
     return p
 
 
 def load_tokenizer(path: str | Path, *, field_name: str, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise FileNotFoundError(f"{field_name}: tokenizer directory {p} does not exist")
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        raise FileNotFoundError(f"{field_name}: {p} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    from transformers import AutoTokenizer
+
+    p = check_tokenizer_dir(path, field_name=field_name)
     tok = AutoTokenizer.from_pretrained(str(p))
     if require_chat_template and not tok.chat_template:
         raise ValueError(f"{field_name}: the tokenizer in {p} has no chat template (chat_template.jinja or tokenizer_config.json)")
@@ -46,8 +96,6 @@ def eos_token_ids(path: str | Path, tok: PreTrainedTokenizerBase) -> list[int]:
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     gen = Path(path).expanduser() / "generation_config.json"
     if gen.is_file():
-        import json
-
         eos = json.loads(gen.read_text()).get("eos_token_id")
         if isinstance(eos, int):
             ids.add(eos)
@@ -57,6 +105,8 @@ def eos_token_ids(path: str | Path, tok: PreTrainedTokenizerBase) -> list[int]:
 
 
 def load_causal_lm(path: str | Path, *, dtype: str, attn_implementation: str, field_name: str) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     p = check_model_dir(path, field_name=field_name)
     config = AutoConfig.from_pretrained(str(p))
     model = AutoModelForCausalLM.from_pretrained(

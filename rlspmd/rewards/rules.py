@@ -49,6 +49,12 @@ RULES = {
 PREFIX_RULES = {"reasoning_gym/": _reasoning_gym}
 
 
+def runs_in_process(data_source: str) -> bool:
+    """The built-in rules above are a bounded regular expression each: cheap enough to call in the rank's own process
+    even under ``reward.timeout_s``. Third-party checkers (``PREFIX_RULES``) go to the worker pool."""
+    return data_source in RULES
+
+
 def rule_for(data_source: str):
     if data_source in RULES:
         return RULES[data_source]

@@ -77,15 +77,10 @@ def update_plan(
     section: str, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int, max_tokens: int | None,
     loss_agg_mode: str, samples_per_prompt: int, train_batch_size: int, dp: int, max_response_length: int, total_steps: int,
 ) -> UpdatePlan:
-    """``section`` names the config section in errors (``actor``, ``critic``); sizes count prompts, as in the config."""
+    """Sizes count prompts, as in the config, which ``rlspmd.validate`` checked (``section`` names it in the asserts)."""
     rows = mini_batch_size * samples_per_prompt
-    if rows % dp:
-        raise ValueError(f"{section}.mini_batch_size={mini_batch_size} x rollout.n={samples_per_prompt} = {rows} samples "
-                         f"do not split over {dp} DP ranks")
-    if train_batch_size % mini_batch_size:
-        raise ValueError(f"data.train_batch_size={train_batch_size} is not a multiple of {section}.mini_batch_size={mini_batch_size}")
-    if loss_agg_mode not in AGG_MODES:
-        raise ValueError(f"{section}.loss_agg_mode={loss_agg_mode!r} is not one of {sorted(AGG_MODES)}")
+    assert rows % dp == 0 and train_batch_size % mini_batch_size == 0, (section, rows, dp, train_batch_size, mini_batch_size)
+    assert loss_agg_mode in AGG_MODES, (section, loss_agg_mode)
     per_step = ppo_epochs * (train_batch_size // mini_batch_size)
     return UpdatePlan(
         epochs=ppo_epochs, local_mini_batch=rows // dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens,

@@ -19,17 +19,8 @@ from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
 from rlspmd.roles.micro_batches import forward_micro_batches
 
 
-def check_critic(cfg: CriticConfig) -> None:
-    """The value loss settings, checked before a model loads."""
-    if cfg.cliprange_value is not None and cfg.cliprange_value <= 0:
-        raise ValueError(f"critic.cliprange_value must be > 0 or None, got {cfg.cliprange_value}")
-    if cfg.warmup_steps < 0:
-        raise ValueError(f"critic.warmup_steps must be >= 0, got {cfg.warmup_steps}")
-
-
 class Critic:
     def __init__(self, cfg: CriticConfig, *, engine: TrainingEngine, plan: UpdatePlan):
-        check_critic(cfg)
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.warmup_steps = cfg.warmup_steps
 

@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import KL_ESTIMATORS, POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
+from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.metrics import MetricBuffer
@@ -61,22 +61,11 @@ def build_policy_module(
                           attn_kernel=attn_kernel)
 
 
-def check_actor(cfg: ActorConfig) -> None:
-    """The policy loss settings, checked before a model loads."""
-    if cfg.policy_loss not in POLICY_LOSSES:
-        raise ValueError(f"actor.policy_loss={cfg.policy_loss!r} is not one of {sorted(POLICY_LOSSES)}")
-    if cfg.kl_loss_type not in KL_ESTIMATORS:
-        raise ValueError(f"actor.kl_loss_type={cfg.kl_loss_type!r} is not one of {sorted(KL_ESTIMATORS)}")
-    if cfg.sapo_tau_pos <= 0 or cfg.sapo_tau_neg <= 0:
-        raise ValueError(f"actor.sapo_tau_pos / sapo_tau_neg must be > 0, got {cfg.sapo_tau_pos}, {cfg.sapo_tau_neg}")
-
-
 class Policy:
     def __init__(self, cfg: ActorConfig, *, engine: TrainingEngine, plan: UpdatePlan, temperature: float,
                  reuse_update_logprobs: bool = False, seed: int = 0):
         """``reuse_update_logprobs``: the step makes one update and nothing reads old log-probs before it (the builder
         checks both), so the update's own forward provides them. ``seed``: Clip-Cov's token draws (offset per DP rank)."""
-        check_actor(cfg)
         assert plan.single_update or not reuse_update_logprobs, "reusing the update's log-probs needs a single update"
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.temperature = temperature

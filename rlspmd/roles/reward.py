@@ -18,8 +18,6 @@ from rlspmd.roles.reward_model import RewardModel
 class Reward:
     def __init__(self, cfg: RewardConfig, *, rules: RewardManager, model: RewardModel | None, agent: bool = False):
         """``agent``: the rollouts are multi-turn conversations whose batches carry ``agent_rewards_B``."""
-        if model is None and cfg.rule_weight == 0 and not agent:
-            raise ValueError("reward.rule_weight=0 without a reward model (reward.model.path) leaves no reward at all")
         self.cfg, self.rules, self.model, self.agent = cfg, rules, model, agent
         self.components: tuple[tuple[str, str], ...] = (("task_scores_B", "task_score"),) + (
             (("rm_scores_B", "rm_score"),) if model is not None else ()
@@ -29,6 +27,8 @@ class Reward:
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         """Adds ``response_text``, ``task_scores_B``, ``rm_scores_B`` (with a reward model) and ``scores_B``."""
         batch = self.rules.score(batch)
+        for k, v in self.rules.metrics().items():  # reward/timeouts of this rank, summed over ranks
+            metrics.sum(k, v)
         scores = self.cfg.rule_weight * batch["task_scores_B"]
         if self.model is not None:
             batch = self.model(batch)
@@ -36,6 +36,10 @@ class Reward:
         if self.agent:
             scores = scores + self.cfg.agent_weight * batch["agent_rewards_B"]
         return batch.set(scores_B=scores)
+
+    def close(self) -> None:
+        """Stop the reward worker processes."""
+        self.rules.close()
 
 
 class NoReward:
@@ -45,3 +49,6 @@ class NoReward:
 
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         return batch
+
+    def close(self) -> None:
+        pass

@@ -37,6 +37,7 @@ from rlspmd.agent.loop import AgentLoop
 from rlspmd.config import RolloutConfig
 from rlspmd.distributed.dispatch import all_gather_objects, even_split, redistribute_batch
 from rlspmd.distributed.mesh import DP, TP
+from rlspmd.distributed.progress import progress
 from rlspmd.engines.base import WeightStream
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
@@ -267,7 +268,8 @@ class RolloutServer:
         return exchange(Batch(), generate, link=self.link, rollout_ranks=self.rollout_ranks, device=self.local.device)
 
     def sync_weights(self, metrics: MetricBuffer) -> None:
-        self.local.sync()  # receives the broadcast units
+        with progress.waiting():  # for the actor's update to end and its weights to arrive: not this rank's own work
+            self.local.sync()  # receives the broadcast units
         self.synced = True
         report = self.local.report()  # reduced over the rollout ranks
         all_gather_objects(report, mesh=self.link)

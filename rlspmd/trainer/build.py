@@ -2,8 +2,9 @@
 
 * **Which roles exist** follows from one rule, ``RolePlan.of(config)``: a critic for estimators that read values, a
   reference when a KL term needs it, a reward model when one is configured, a greedy baseline for ReMax.
-* **Where they run** is checked once (``check_placement``): the reference, critic and reward model live on the actor's
-  ranks; the rollout shares them (colocated) or has ranks of its own (split).
+* **Where they run**: the reference, critic and reward model live on the actor's ranks; the rollout shares them
+  (colocated) or has ranks of its own (split). The config (placement, sizes, files) was checked before this runs
+  (``rlspmd/validate.py``, on every rank, before anything loads).
 * **What a rank holds** (``Roles``): on the actor's ranks the real roles; on the rollout-only ranks of a split
   placement, objects that do nothing except serve the rollout (``RolloutServer``), so every rank runs the same step.
 * Models are built, then parallelised by the engine (``engines/fsdp.py``), then handed to the role that uses them.
@@ -22,9 +23,10 @@ from typing import Literal
 
 import torch
 
+from rlspmd.algorithms import NEEDS_GREEDY_BASELINE, NEEDS_VALUES
 from rlspmd.config import ActorConfig, Config, CriticConfig, FSDPConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
-from rlspmd.distributed.mesh import DP, FOLLOWERS, ParallelDims, RoleMeshes
+from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
@@ -36,8 +38,8 @@ from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.rewards.shaping import NoShaping, OverlongShaping
 from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
-from rlspmd.roles.critic import Critic, NoCritic, check_critic
-from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, check_actor, resolve_ref_offload
+from rlspmd.roles.critic import Critic, NoCritic
+from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, resolve_ref_offload
 from rlspmd.roles.reward import NoReward, Reward
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.agent import build_agent_loop
@@ -53,12 +55,6 @@ from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepRe
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, NoCheckpointing
 
-NEEDS_CRITIC = frozenset({"gae"})
-"""Estimators that read ``values_BR``."""
-NEEDS_GREEDY_BASELINE = frozenset({"remax"})
-"""Estimators that read ``baseline_scores_B`` (one greedy response per prompt, scored)."""
-
-
 @dataclass(frozen=True)
 class RolePlan:
     """Which optional roles a run needs: the one rule, read from the config."""
@@ -72,7 +68,7 @@ class RolePlan:
     def of(cls, cfg: Config) -> "RolePlan":
         alg = cfg.algorithm
         return cls(
-            critic=alg.adv_estimator in NEEDS_CRITIC,
+            critic=alg.adv_estimator in NEEDS_VALUES,
             reference=cfg.actor.use_kl_loss or alg.use_kl_in_reward,
             reward_model=cfg.reward.model.path is not None,
             greedy_baseline=alg.adv_estimator in NEEDS_GREEDY_BASELINE,
@@ -126,30 +122,6 @@ class Balance:
         return batch
 
 
-def check_placement(dims: ParallelDims, *, engine: str) -> None:
-    """The placements the RL trainer runs: reference, critic and reward model on the actor's ranks (which include
-    rank 0); the rollout on the same ranks (colocated) or on ranks of its own (split); no idle ranks."""
-    actor = dims.role_ranks["actor"]
-    for role in FOLLOWERS:
-        assert dims.role_ranks[role] == actor, f"{role} must follow the actor (ParallelDims.from_config places it so)"
-    if 0 not in actor:
-        raise ValueError(f"mesh.actor_ranks must include rank 0 (it reads the data and logs); got {actor}")
-    rollout = dims.role_ranks["rollout"]
-    split = dims.disjoint("actor", "rollout")
-    if rollout != actor and not split:
-        raise ValueError(
-            f"mesh.rollout_ranks={rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)"
-        )
-    idle = sorted(set(range(dims.world_size)) - set(actor) - set(rollout))
-    if idle:
-        raise ValueError(f"ranks {idle} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
-    if split and engine == "vllm":
-        raise ValueError(
-            "rollout.engine=vllm runs colocated only: vLLM's external_launcher mode builds its process groups over the "
-            "whole torch world, so every rank must host an engine. Use rollout.engine=native for split placement"
-        )
-
-
 # -- roles on a training engine --------------------------------------------------------------------------------------
 
 
@@ -196,7 +168,6 @@ def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
                  reuse_update_logprobs: bool = False, seed: int = 0) -> Policy:
-    check_actor(cfg)
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
@@ -215,7 +186,6 @@ def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.d
 
 def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int) -> Critic:
     """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
-    check_critic(cfg)
     engine = build_engine("value", cfg.model_path or model.path, engine=cfg.engine, model=model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.gradient_checkpointing, seed=seed,
@@ -266,9 +236,6 @@ def build_episodes(cfg: RolloutConfig, *, tokenizer, eos_ids: list[int], pad_id:
     parser, interaction and chat template are checked here, at start-up."""
     if not cfg.agent.enabled:
         return SingleTurn()
-    if cfg.ignore_eos:
-        raise ValueError("rollout.ignore_eos (fixed-length benchmark rollouts) does not apply to multi-turn rollouts "
-                         "(rollout.agent): a turn ends at its stop token")
     return build_agent_loop(cfg.agent, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                             max_response_length=cfg.max_response_length, model_field=model_field)
 
@@ -308,11 +275,9 @@ def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | No
 
 
 def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
-    """What this rank runs. Collective over the world (every rank calls it once, in the same order)."""
-    check_placement(meshes.dims, engine=cfg.rollout.engine)
+    """What this rank runs, for a config ``rlspmd.validate.check_config`` has passed (sizes, placement, files).
+    Collective over the world (every rank calls it once, in the same order)."""
     trainer = cfg.trainer
-    if not 0 <= trainer.stop_at_step <= trainer.total_steps:
-        raise ValueError(f"trainer.stop_at_step={trainer.stop_at_step} must be in [0, trainer.total_steps={trainer.total_steps}]")
     plan = RolePlan.of(cfg)
     m = cfg.actor.model
     # The attention kernel is checked before any model loads (a kernel this device cannot run fails in seconds).
@@ -333,8 +298,6 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     mesh = meshes.get("actor", DP)
     dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
     tbs = cfg.data.train_batch_size
-    if tbs % dp:
-        raise ValueError(f"data.train_batch_size={tbs} does not split over {dp} DP ranks")
     checkpointer = Checkpointer(cfg.checkpoint, output_dir=trainer.output_dir, rank=rt.rank, world_size=dp, mesh=mesh)
     resume_from = checkpointer.prepare()
     sampling = (

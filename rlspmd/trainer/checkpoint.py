@@ -5,9 +5,9 @@ What a checkpoint holds (``Checkpointer.save``), one key per object:
     actor, critic, ...   every trainable role engine: sharded model and optimiser state, LR schedule
                          (``FSDPEngine.state_dict``; DCP reshards on load, so the world size may change)
     trainer              the step, counters, and the ``state_dict()`` of every trainer component that has one
-                         (data sampler position, KL controller, ...), as one pickled value
-    rng                  every rank's python/numpy/torch/CUDA RNG state (``rank_<r>``); the rollout sampler
-                         derives its generator from (seed, step, rank), so the step covers it
+                         (data sampler position, KL controller, ...), as one JSON string
+    rng                  every rank's python/numpy/torch/CUDA RNG state as integer/float tensors (``rank_<r>.*``);
+                         the rollout sampler derives its generator from (seed, step, rank), so the step covers it
 
 Layout of ``checkpoint.dir``:
 
@@ -22,32 +22,48 @@ Layout of ``checkpoint.dir``:
 Resume picks the newest complete ``step_*`` directory (``latest`` names the same one except in the instant
 between a rename and the pointer update). A failed save (disk full, permissions) removes its ``.tmp``
 directory and raises on every rank; the previous checkpoint and ``latest`` are untouched.
+
+Loading runs no code from the checkpoint (format 2). What is stored is data only: tensors, a JSON string, and the
+scalars of the optimiser's and LR schedule's state. DCP itself pickles two things, and both are read here with
+restricted unpicklers instead of its defaults (torch 2.13 has no safe mode for either): ``.metadata``
+(``SafeFileSystemReader``: only DCP's metadata dataclasses, ``torch.Size``, dtypes and layouts may be built) and
+the non-tensor leaves (``SafeLoadPlanner``: ``torch.load(weights_only=True)``; DCP uses ``weights_only=False``).
+Tensor shards are read by DCP with ``weights_only=True`` already. Format 1 (trainer and RNG state as pickles) is
+refused with a message that says what to do; its weights can still be exported (``scripts/export_hf.py``), which
+reads nothing but tensors.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import re
 import shutil
 import time
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PosixPath, PurePosixPath
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from rlspmd.config import CheckpointConfig
 from rlspmd.distributed.dispatch import broadcast_object, on_main
+from rlspmd.distributed.progress import progress
 from rlspmd.distributed.runtime import rng_state, set_rng_state
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class CheckpointError(RuntimeError):
@@ -93,40 +109,228 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: cannot read meta.json: {e}") from None
 
 
+def check_format(path: Path, meta: dict) -> None:
+    """Only this format is resumed: format 1 stored trainer and RNG state as pickles, which run code when loaded."""
+    found = meta.get("format")
+    if found == FORMAT_VERSION:
+        return
+    if found == 1:
+        raise CheckpointError(
+            f"checkpoint {path} is format 1, which stores the trainer and RNG state as Python pickles: loading it could "
+            f"run code, so this version (format {FORMAT_VERSION}) does not resume it. To keep its weights, export them "
+            f"(python scripts/export_hf.py {path} OUT, which reads tensors only) and start a new run from OUT; to "
+            "continue the run exactly, resume it with the rlspmd version that wrote it, if you trust where it came from"
+        )
+    raise CheckpointError(f"checkpoint {path}: meta.json has format {found!r}; this version reads format {FORMAT_VERSION}")
+
+
+def to_json_text(value, *, what: str) -> str:
+    """``value`` as JSON text, refusing anything JSON would not give back unchanged (tuples, non-str keys, numpy
+    scalars, tensors, ...): a resume must see exactly what was saved. The error names the offending entry."""
+
+    def check(v, where: str) -> None:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return
+        if isinstance(v, list):
+            for i, x in enumerate(v):
+                check(x, f"{where}[{i}]")
+            return
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"{what}: key {k!r} of {where or 'the top level'} is a {type(k).__name__}; only str keys survive JSON")
+                check(x, f"{where}.{k}" if where else k)
+            return
+        raise TypeError(
+            f"{what}: {where or 'the value'} is a {type(v).__module__}.{type(v).__name__}; a checkpoint stores only JSON types "
+            "(None, bool, int, float, str, list, dict with str keys) here, so that loading it cannot run code"
+        )
+
+    check(value, "")
+    return json.dumps(value)
+
+
 class TrainerState(Stateful):
     """The trainer's progress: a snapshot dict (the same on every rank) to save, or ``restore`` to call on load.
 
-    Stored as one pickled leaf so that DCP sees the same structure whatever components the trainer has;
-    ``meta.json`` keeps a readable copy.
+    Stored as one JSON string (``to_json_text``: only JSON types, checked at save time), so the structure DCP sees
+    does not depend on the trainer's components and loading it cannot run code; ``meta.json`` keeps a copy.
     """
 
     def __init__(self, snapshot: dict | None = None, restore: Callable[[dict], None] | None = None):
         self.snapshot, self.restore = snapshot, restore
 
     def state_dict(self) -> dict:
-        return {"pickle": pickle.dumps(self.snapshot)}
+        if self.restore is not None:  # loading: DCP replaces this placeholder with the saved string
+            return {"json": ""}
+        return {"json": to_json_text(self.snapshot, what="trainer state")}
 
     def load_state_dict(self, state: dict) -> None:
         assert self.restore is not None, "TrainerState built for saving cannot load"
-        self.restore(pickle.loads(state["pickle"]))
+        self.restore(json.loads(state["json"]))
+
+
+def encode_rng_state(state: dict) -> dict[str, torch.Tensor]:
+    """``runtime.rng_state()`` as tensors only (``decode_rng_state`` inverts it exactly).
+
+    python ``random``: (version, 625 words, gauss_next); numpy's legacy MT19937: ('MT19937', 624 words, pos,
+    has_gauss, cached_gaussian); torch CPU and CUDA states are byte tensors already. Words are uint32 values, kept
+    in int64; floats in float64 (exact for Python floats).
+    """
+    version, words, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    assert name == "MT19937", f"numpy's global generator is {name}, not MT19937"
+    out = {
+        "python.version": torch.tensor(version, dtype=torch.int64),
+        "python.words": torch.tensor(words, dtype=torch.int64),
+        "python.gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy.keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+        "numpy.pos_has_gauss": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy.cached_gaussian": torch.tensor(cached, dtype=torch.float64),
+        "torch": state["torch"].clone(),
+    }
+    for i, s in enumerate(state.get("cuda", [])):
+        out[f"cuda.{i}"] = s.clone()
+    return out
+
+
+def decode_rng_state(tensors: dict[str, torch.Tensor]) -> dict:
+    has_gauss, gauss = tensors["python.gauss"].tolist()
+    pos, numpy_has_gauss = tensors["numpy.pos_has_gauss"].tolist()
+    state = {
+        "python": (int(tensors["python.version"]), tuple(tensors["python.words"].tolist()), gauss if has_gauss else None),
+        "numpy": ("MT19937", tensors["numpy.keys"].numpy().astype(np.uint32), pos, numpy_has_gauss,
+                  float(tensors["numpy.cached_gaussian"])),
+        "torch": tensors["torch"],
+    }
+    cuda = sorted((int(k.split(".")[1]), v) for k, v in tensors.items() if k.startswith("cuda."))
+    if cuda:
+        state["cuda"] = [v for _, v in cuda]
+    return state
 
 
 class RNGState(Stateful):
-    """This rank's global RNG states under ``rank_<r>`` (ranks write distinct keys; DCP keeps them all)."""
+    """This rank's global RNG states under ``rank_<r>.*`` (ranks write distinct keys; DCP keeps them all), as
+    tensors (``encode_rng_state``)."""
 
     def __init__(self, rank: int):
         self.key = f"rank_{rank}"
+        self.only: set[str] | None = None  # on load: the parts this checkpoint holds (Checkpointer.load sets it)
 
     def state_dict(self) -> dict:
-        return {self.key: pickle.dumps(rng_state())}
+        parts = encode_rng_state(rng_state())
+        if self.only is not None:
+            parts = {k: v for k, v in parts.items() if k in self.only}
+        return {self.key: parts}
 
     def load_state_dict(self, state: dict) -> None:
-        set_rng_state(pickle.loads(state[self.key]))
+        saved = decode_rng_state(state[self.key])
+        if self.only is not None and "cuda" not in saved:  # written without CUDA: keep this process's CUDA state
+            saved.pop("cuda", None)
+        set_rng_state(saved)
+
+
+# -- reading checkpoints without running code ---------------------------------------------------------------
+
+
+def _metadata_globals() -> dict[tuple[str, str], object]:
+    """Every global a DCP ``.metadata`` pickle may name (torch 2.13): DCP's metadata dataclasses, its storage
+    record, ``torch.Size``, dtypes, layouts and paths. Building these from pickled fields runs no code of the file's
+    choosing (the classes are plain records)."""
+    classes = [
+        Metadata, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo,
+        torch.Size, OrderedDict, PosixPath, PurePosixPath,  # StorageMeta.checkpoint_id may be a path
+    ]
+    allowed: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
+    layouts = {}
+    for name, value in vars(torch).items():
+        if isinstance(value, (torch.dtype, torch.layout)):
+            allowed[("torch", name)] = value
+        if isinstance(value, torch.layout):
+            layouts[str(value)] = value
+    # A layout pickles as a call of torch.serialization._get_layout("torch.strided"): answer it from our own table.
+    allowed[("torch.serialization", "_get_layout")] = lambda name: layouts[name]
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    ALLOWED = _metadata_globals()
+
+    def find_class(self, module: str, name: str):
+        found = self.ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a DCP metadata type")
+        return found
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` of checkpoint ``path``, unpickled with only DCP's metadata types allowed."""
+    try:
+        with open(Path(path) / ".metadata", "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except Exception as e:  # noqa: BLE001 - name the file for any failure (truncated, refused global, ...)
+        raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata (.metadata): {type(e).__name__}: {e}") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"checkpoint {path}: .metadata holds a {type(md).__name__}, not DCP metadata")
+    return md
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with a restricted ``.metadata`` unpickler (``read_dcp_metadata``) instead of ``pickle.load``."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        md = read_dcp_metadata(Path(self.path))
+        if md.storage_meta is None:  # as FileSystemReader.read_metadata does
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor leaves (optimiser hyper-parameters, LR schedule counters, the
+    trainer's JSON) are read with ``torch.load(weights_only=True)``: plain containers and scalars only."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        # Hand the parent a re-serialisation of what the safe load produced: its own (unrestricted) torch.load then
+        # only sees plain data, and where to put it stays the parent's business (it changes across torch versions).
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+def dcp_load(state: dict, path: Path, *, process_group=None, no_dist: bool = False) -> None:
+    """``dcp.load`` with the safe reader and planner (``no_dist``: in this one process, e.g. a tool)."""
+    with warnings.catch_warnings():
+        # A single-process read is what no_dist asks for; DCP warns about it anyway.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+                 process_group=process_group, no_dist=no_dist)
+
+
+def read_checkpoint(path: str | Path, *, prefix: str = "") -> dict[str, object]:
+    """Every entry of a checkpoint whose key starts with ``prefix``, unsharded, in this one process (no process
+    group): flat DCP keys -> tensors or plain values. For tools and tests; memory is one full copy."""
+    path = Path(path)
+    md = read_dcp_metadata(path).state_dict_metadata
+    state: dict[str, object] = {}
+    for key, item in md.items():
+        if not key.startswith(prefix):
+            continue
+        if isinstance(item, TensorStorageMetadata):
+            state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            state[key] = None  # a non-tensor leaf: DCP replaces the placeholder
+    dcp_load(state, path, no_dist=True)  # flat keys: the planner's flattening maps each to itself
+    return state
 
 
 def _first_failure(e: BaseException) -> str:
     """The most telling failure behind a save error: an OSError (disk full, permissions) on any rank if there
-    is one (DCP wraps per-rank failures; a torch.save error often hides the OSError in its context)."""
+    is one (DCP wraps per-rank failures; a torch.save error often hides the OSError in its context). torch.save's zip
+    writer can also fail on a short write with no OSError at all; that case is said in words."""
     failures = sorted(e.failures.items()) if isinstance(e, CheckpointException) and e.failures else [(None, (e, None))]
     candidates = []
     for rank, (exc, _trace) in failures:
@@ -135,8 +339,10 @@ def _first_failure(e: BaseException) -> str:
             candidates.append((rank, chain))
             chain = chain.__cause__ or chain.__context__
     rank, exc = next(((r, x) for r, x in candidates if isinstance(x, OSError)), candidates[0])
-    where = f"rank {rank}: " if rank is not None else ""
-    return f"{where}{type(exc).__name__}: {exc}"
+    text = f"{type(exc).__name__}: {exc}"
+    if "inline_container" in text and "unexpected pos" in text:
+        text += " (a write came up short: is the disk or quota full, or a file-size limit reached?)"
+    return f"rank {rank}: {text}" if rank is not None else text
 
 
 class Checkpointer:
@@ -226,8 +432,13 @@ class Checkpointer:
         """Write checkpoint ``step``: DCP shards into ``step_N.tmp``, then ``write_files(tmp)`` (called on every
         rank; model config and tokenizer, the optional HF export), then ``meta.json``, rename, ``latest``, prune.
 
-        Any failure removes the ``.tmp`` directory and raises ``CheckpointError`` on every rank.
+        Any failure removes the ``.tmp`` directory and raises ``CheckpointError`` on every rank. The save is a
+        ``checkpoint`` stage of this rank's progress (the hang monitor names a rank stuck in it).
         """
+        with progress.stage("checkpoint", step=step):
+            return self._save(step, state, meta=meta, write_files=write_files)
+
+    def _save(self, step: int, state: dict[str, Stateful], *, meta: dict, write_files: Callable[[Path], None]) -> Path:
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
         previous = on_main(lambda: self._start(tmp), mesh=self.mesh)
@@ -279,15 +490,24 @@ class Checkpointer:
     def load(self, path: Path, state: dict[str, Stateful], *, engines: dict, components: list[str]) -> dict:
         """Restore ``state`` from checkpoint ``path``; returns its ``meta.json``.
 
-        Before reading any shard it checks that the checkpoint fits this run: the same roles, trainer
+        Before reading any shard it checks that the checkpoint fits this run: its format, the same roles, trainer
         components, and every engine's parameter names and shapes (a clear error names the first mismatch).
+        Nothing read runs code (see the module docstring). A ``resume`` stage of this rank's progress.
         """
+        with progress.stage("resume"):
+            return self._load(path, state, engines=engines, components=components)
+
+    def _load(self, path: Path, state: dict[str, Stateful], *, engines: dict, components: list[str]) -> dict:
         meta = on_main(lambda: self._check_fits(path, engines=engines, components=components), mesh=self.mesh)
         have_rng = broadcast_object(None if self.rank else self._rng_keys(path), mesh=self.mesh)
         state = dict(state)
-        if f"rng.rank_{self.rank}" not in have_rng:
+        mine = f"rng.rank_{self.rank}."
+        parts = {k[len(mine):] for k in have_rng if k.startswith(mine)}
+        if not parts:
             state.pop("rng", None)  # resuming on more ranks than wrote the checkpoint: these keep their seeds
-        dcp.load(state, checkpoint_id=str(path), process_group=self._group())
+        elif isinstance(state.get("rng"), RNGState):
+            state["rng"].only = parts  # e.g. written without CUDA: restore the parts it has
+        dcp_load(state, path, process_group=self._group())
         return meta
 
     def _group(self):
@@ -295,15 +515,12 @@ class Checkpointer:
 
     @staticmethod
     def _rng_keys(path: Path) -> set[str]:
-        md = FileSystemReader(str(path)).read_metadata()
-        return {k for k in md.state_dict_metadata if k.startswith("rng.")}
+        return {k for k in read_dcp_metadata(path).state_dict_metadata if k.startswith("rng.")}
 
     def _check_fits(self, path: Path, *, engines: dict, components: list[str]) -> dict:
         meta = read_meta(path)
-        try:
-            saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        except Exception as e:  # noqa: BLE001 - name the file
-            raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata (.metadata): {e}") from None
+        check_format(path, meta)
+        saved = read_dcp_metadata(path).state_dict_metadata
         roles = sorted({k.split(".", 1)[0] for k in saved} - {"trainer", "rng"})
         for role, engine_shapes in engines.items():
             if role not in roles:

@@ -25,7 +25,7 @@ class Prompts:
         self.train = self.val = self.sampler = None
         if is_main:
             kw = dict(prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length, overlong=cfg.overlong_prompts,
-                      tools=tools)
+                      empty=cfg.empty_prompts, tools=tools)
             self.train = PromptDataset(cfg.train_files, tokenizer, field_name="data.train_files", **kw)
             self.val = PromptDataset(cfg.val_files, tokenizer, field_name="data.val_files", **kw)
             self.sampler = EpochSampler(len(self.train), prompts_per_round, seed=seed, shuffle=cfg.shuffle)
@@ -35,7 +35,8 @@ class Prompts:
         if self.train is None:
             return None
         n_val = len(self.val) if self.cfg.max_val_samples is None else min(len(self.val), self.cfg.max_val_samples)
-        return {"train_prompts": len(self.train), "train_dropped": self.train.n_dropped, "val_prompts": n_val}
+        return {"train_prompts": len(self.train), "train_dropped": self.train.n_dropped, "train_empty_dropped": self.train.n_empty,
+                "val_prompts": n_val}
 
     def next(self) -> Batch:
         """This rank's share of the next training prompts."""

@@ -37,6 +37,7 @@ import torch
 
 from rlspmd.config import TrainerConfig
 from rlspmd.distributed.dispatch import broadcast_object
+from rlspmd.distributed.progress import progress
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.metrics import MetricBuffer, MetricLogger
 from rlspmd.protocol import Batch
@@ -71,7 +72,7 @@ class RLTrainer:
             return r.baseline(prompts, batch, m)
 
     def step(self, step: int) -> dict[str, float]:
-        r, m, t = self.roles, MetricBuffer(), StageProbe(self.rt.device)
+        r, m, t = self.roles, MetricBuffer(), StageProbe(self.rt.device, step=step)
         with t("step"):
             batch = r.sampling.collect(lambda round: self.rollout_round(step, round, m, t), m)
             with t("ref"):
@@ -116,14 +117,16 @@ class RLTrainer:
             cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=self.counters.step, enabled=self.rt.is_main
         )
         stats = r.data_stats
-        self.logger.write(f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length)")
+        self.logger.write(f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length, "
+                          f"{stats['train_empty_dropped']} empty)")
         for message in self.messages:
             self.logger.write(message)
         if r.resume_from is not None:
             self.logger.write(f"resumed from {r.resume_from} at step {self.counters.step}")
         summary = RunSummary()
         if cfg.val_before_train and self.counters.step == 0:
-            val = self.validate(0)
+            with progress.stage("validate", step=0):
+                val = self.validate(0)
             summary.add(0, val)
             self.logger.log(0, val, advance=False)
         for step in range(self.counters.step + 1, cfg.total_steps + 1):
@@ -131,7 +134,8 @@ class RLTrainer:
             self.counters.step = step
             self.apply_nan_policy(step, metrics)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
-                metrics.update(self.validate(step))
+                with progress.stage("validate", step=step):
+                    metrics.update(self.validate(step))
             summary.add(step, metrics)
             self.logger.log(step, metrics)
             signalled = self.stop_request.agreed(self.rt.device)
@@ -149,6 +153,7 @@ class RLTrainer:
             summary.write(cfg.output_dir)
             if cfg.print_summary_json:
                 print(summary.json_line(), flush=True)
+        r.reward.close()
         self.logger.close()
         return summary.last
 

@@ -5,7 +5,9 @@ right after it charges the stage's GPU time to whichever later stage first waits
 waits for the queued work first (a no-op on CPU). It is a host sync by design, so it belongs at stage boundaries
 only (a handful per step), never inside one.
 
-``StageProbe`` times named stages that way and records each stage's peak allocated device memory. Stages may nest
+``StageProbe`` times named stages that way, records each stage's peak allocated device memory, and publishes the stage
+(with the step) to this rank's ``Progress``, so the hang monitor can name the rank and stage that hold a job up
+(``rlspmd/distributed/progress.py``). Stages may nest
 (``step`` around ``gen``, ``ref``, ...): the allocator has one peak counter, so a probe resets it when a stage starts
 and hands the peak it saw to the enclosing stage when it ends, which makes every stage's figure its own true peak.
 """
@@ -16,6 +18,8 @@ import time
 from contextlib import contextmanager
 
 import torch
+
+from rlspmd.distributed.progress import progress
 
 
 def device_synchronize(device: torch.device) -> None:
@@ -30,8 +34,8 @@ class StageProbe:
     ``seconds`` and ``peak_bytes`` accumulate over repeated stages of the same name (sum and max).
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, *, step: int | None = None):
+        self.device, self.step = device, step
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}
         self._open: list[int] = []  # peak seen so far by each open stage (innermost last)
@@ -47,7 +51,8 @@ class StageProbe:
         self._open.append(0)
         t0 = time.perf_counter()
         try:
-            yield
+            with progress.stage(name, step=self.step):
+                yield
         finally:
             device_synchronize(self.device)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0

@@ -3,7 +3,7 @@
 usage: megatron_check.py MODE OUT_DIR MODEL_DIR [MODEL_DIR ...]
 
 * ``single`` (1 rank): per model, log-probs/entropy of both engines; one update (PPO clip + k3 KL + entropy bonus,
-  through ``mini_batch_updates``, 2-row micro-batches, clipping active): grad norm, AdamW's first moment (0.1 x the
+  through ``ppo_updates``, 2-row micro-batches, clipping active): grad norm, AdamW's first moment (0.1 x the
   clipped gradient) and the updated weights, all under HF names. Values of the critic (value head seeded alike).
   For the first model: 3 updates straight vs 2 updates + DCP save + load into a fresh engine + 1 update, the
   export read-back of the saved checkpoint (as ``scripts/export_hf.py`` reads it), and an HF directory written with
@@ -27,7 +27,7 @@ from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.engines.megatron import build_megatron_engine
-from rlspmd.engines.micro_batches import mini_batch_updates
+from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.value import load_value_model
 from rlspmd.protocol import Batch
@@ -74,9 +74,10 @@ def policy_loss(module, mb: Batch, agg: AggArgs) -> torch.Tensor:
 
 
 def update(engine, local: Batch, mesh) -> float:
-    stats = list(mini_batch_updates(engine, local, policy_loss, epochs=1, local_mini_batch=len(local), micro_batch_size=2,
-                                    max_tokens=None, loss_agg_mode="token-mean", norm_length=R, mesh=mesh))
-    return stats[0]["grad_norm"]
+    assert engine.mesh is mesh
+    plan = UpdatePlan(epochs=1, local_mini_batch=len(local), micro_batch_size=2, max_tokens=None, loss_agg_mode="token-mean",
+                      norm_length=R, optim_steps=1, single_update=True)
+    return float(list(ppo_updates(engine, local, policy_loss, plan))[0]["grad_norm"])
 
 
 def full(t):

@@ -39,7 +39,8 @@ def main():
                            "rollout_logprobs_BR": out["rollout_logprobs_BR"].cpu()}))
         return out
 
-    trainer.roles.reward.score = recording_score  # on the rollout-only ranks it is never given samples to score
+    if meshes.hosts("actor"):  # the rollout-only ranks score nothing (their batches are empty)
+        trainer.roles.reward.score = recording_score
     steps = [trainer.step(step) for step in (1, 2)]
     if not meshes.hosts("actor"):
         assert not seen and steps == [{}, {}]

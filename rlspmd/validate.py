@@ -1,0 +1,456 @@
+"""One pass over the configuration, on every rank, before anything heavy loads.
+
+Everything knowable from the config alone is checked here, right after parsing: sizes that must be positive,
+batch sizes that must divide (by mini-batches, by DP ranks), names that must be known (losses, estimators, loggers,
+``Literal`` fields set from a config file), role placement, and the files and functions that must exist (model and
+tokenizer directories, with every safetensors header; data files; the reward function, found without running the
+user's code). Every problem is collected and reported at once, one line each, naming the field and its value.
+
+Every rank runs the same checks on the same config, so every rank fails (or passes) together, before any
+collective. Checks that need the data or the model (prompt lengths, chat template, data sources) stay where the data
+and the model are read.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.machinery
+import importlib.util
+import typing
+from pathlib import Path
+
+from rlspmd.config import (
+    ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, MeshConfig, OptimConfig, RewardConfig, RolloutConfig,
+    SFTConfig,
+)
+from rlspmd.distributed.runtime import UserError
+
+LOGGERS = ("console", "jsonl", "tensorboard")
+
+
+class ConfigError(UserError):
+    """The configuration cannot run; the message lists every problem found, one per line."""
+
+
+class Problems:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def add(self, field: str, value, why: str) -> None:
+        self.lines.append(f"{field}={value!r}: {why}")
+
+    def at_least(self, field: str, value, low) -> None:
+        if value < low:
+            self.add(field, value, f"must be >= {low}")
+
+    def optional_at_least(self, field: str, value, low) -> None:
+        if value is not None and value < low:
+            self.add(field, value, f"must be >= {low}, or None (off)")
+
+    def one_of(self, field: str, value, known) -> None:
+        if value not in known:
+            self.add(field, value, f"must be one of {sorted(known)}")
+
+    def file_check(self, check, *args, **kwargs) -> None:
+        """Run a loader's file check; its error message already names the field and the path."""
+        try:
+            check(*args, **kwargs)
+        except (OSError, ValueError) as e:
+            self.lines.append(str(e))
+
+
+def check_config(cfg: Config, *, world_size: int, check_files: bool = True) -> None:
+    """Raise ``ConfigError`` listing every problem of an RL config for a world of ``world_size`` ranks."""
+    _raise(config_problems(cfg, world_size=world_size, check_files=check_files))
+
+
+def check_sft_config(cfg: SFTConfig, *, world_size: int, check_files: bool = True) -> None:
+    """Raise ``ConfigError`` listing every problem of an SFT config."""
+    _raise(sft_config_problems(cfg, world_size=world_size, check_files=check_files))
+
+
+def _raise(lines: list[str]) -> None:
+    if lines:
+        n = len(lines)
+        raise ConfigError(f"invalid configuration ({n} problem{'s' if n > 1 else ''}; nothing was loaded):\n  " + "\n  ".join(lines))
+
+
+def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -> list[str]:
+    """Every problem of an RL config, one line each (empty: it can run). The sections are checked by the functions
+    below, each given the sections it reads; batch arithmetic needs the actor's DP size from the placement."""
+    from rlspmd.algorithms import NEEDS_VALUES
+
+    p = Problems()
+    _literals(p, cfg, "")
+    dp = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
+    d, r = cfg.data, cfg.rollout
+    with_critic = cfg.algorithm.adv_estimator in NEEDS_VALUES
+    _data(p, d)
+    _rollout(p, r)
+    if r.agent.enabled:
+        _agent(p, r.agent, ignore_eos=r.ignore_eos)
+    _actor(p, cfg.actor, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
+    p.at_least("ref.logprob_micro_batch_size", cfg.ref.logprob_micro_batch_size, 1)
+    p.optional_at_least("ref.logprob_max_tokens_per_micro_batch", cfg.ref.logprob_max_tokens_per_micro_batch, 1)
+    if with_critic:
+        _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
+    _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
+    _reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
+    _dist(p, cfg.dist)
+    t = cfg.trainer
+    p.at_least("trainer.total_steps", t.total_steps, 1)
+    p.at_least("trainer.val_every", t.val_every, 0)
+    if not 0 <= t.stop_at_step <= t.total_steps:
+        p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
+    _loggers(p, "trainer.loggers", t.loggers)
+    p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
+    p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
+    if check_files:
+        _files(p, cfg, with_critic=with_critic)
+    return p.lines
+
+
+def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = True) -> list[str]:
+    p = Problems()
+    _literals(p, cfg, "")
+    d = cfg.data
+    if not d.train_files:
+        p.add("data.train_files", d.train_files, "give at least one parquet or jsonl file")
+    p.at_least("data.max_length", d.max_length, 1)
+    p.at_least("data.batch_size", d.batch_size, 1)
+    if d.batch_size >= 1 and d.batch_size % world_size:
+        p.add("data.batch_size", d.batch_size, f"does not split over {world_size} DP ranks (every rank is a DP rank in SFT)")
+    p.at_least("micro_batch_size", cfg.micro_batch_size, 1)
+    p.at_least("total_steps", cfg.total_steps, 1)
+    p.at_least("log_every", cfg.log_every, 1)
+    _optim(p, "optim", cfg.optim)
+    _packing(p, "model", cfg.model.attn_implementation, cfg.model.packing)
+    _dist(p, cfg.dist)
+    _loggers(p, "loggers", cfg.loggers)
+    if check_files:
+        _model_files(p, "model", cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path)
+        _data_files(p, "data.train_files", d.train_files)
+    return p.lines
+
+
+# -- sections ---------------------------------------------------------------------------------------------
+
+
+def _data(p: Problems, d: DataConfig) -> None:
+    for name, files in (("data.train_files", d.train_files), ("data.val_files", d.val_files)):
+        if not files:
+            p.add(name, files, "give at least one parquet or jsonl file")
+    p.at_least("data.max_prompt_length", d.max_prompt_length, 1)
+    p.at_least("data.train_batch_size", d.train_batch_size, 1)
+    p.at_least("data.val_batch_size", d.val_batch_size, 1)
+    p.optional_at_least("data.max_val_samples", d.max_val_samples, 1)
+    if not d.prompt_key:
+        p.add("data.prompt_key", d.prompt_key, "must name the prompt column")
+
+
+def _rollout(p: Problems, r: RolloutConfig) -> None:
+    p.at_least("rollout.n", r.n, 1)
+    p.at_least("rollout.max_response_length", r.max_response_length, 1)
+    p.at_least("rollout.max_batch_size", r.max_batch_size, 1)
+    if not r.temperature > 0:
+        p.add("rollout.temperature", r.temperature, "must be > 0 (training log-probs divide by it; greedy is val_temperature=0)")
+    p.at_least("rollout.val_temperature", r.val_temperature, 0)
+    if not 0 < r.top_p <= 1:
+        p.add("rollout.top_p", r.top_p, "must be in (0, 1]")
+    p.at_least("rollout.top_k", r.top_k, 0)
+    if r.engine == "vllm":
+        if not 0 < r.vllm.gpu_memory_utilization <= 1:
+            p.add("rollout.vllm.gpu_memory_utilization", r.vllm.gpu_memory_utilization, "must be in (0, 1]")
+        p.at_least("rollout.vllm.max_num_seqs", r.vllm.max_num_seqs, 1)
+        p.optional_at_least("rollout.vllm.kv_cache_memory_bytes", r.vllm.kv_cache_memory_bytes, 1)
+
+
+def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool) -> None:
+    """Multi-turn rollouts: the section's numbers, then its tools, parser and interaction are imported, built and
+    their schemas checked (``rlspmd.agent``: an error names the tool and the field)."""
+    from rlspmd.agent import load_interaction, load_parser, load_tools
+
+    for name in ("max_turns", "max_parallel_tools", "max_tool_response_chars", "max_user_turns"):
+        p.at_least(f"rollout.agent.{name}", getattr(ag, name), 1)
+    if not ag.tool_timeout_s > 0:
+        p.add("rollout.agent.tool_timeout_s", ag.tool_timeout_s, "must be > 0")
+    if ignore_eos:
+        p.add("rollout.ignore_eos", ignore_eos, "fixed-length benchmark rollouts do not apply to multi-turn rollouts "
+              "(rollout.agent): a turn ends at its stop token")
+    for load in (load_tools, load_parser, load_interaction):
+        p.file_check(load, ag)
+
+
+def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    from rlspmd.algorithms import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
+    _train_sizes(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
+    p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
+    p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
+    p.one_of("actor.policy_loss", a.policy_loss, POLICY_LOSSES)
+    p.one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    if a.use_kl_loss:
+        p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
+        p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
+    p.at_least("actor.clip_ratio_low", a.clip_ratio_low, 0)
+    p.at_least("actor.clip_ratio_high", a.clip_ratio_high, 0)
+    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1:
+        p.add("actor.clip_ratio_c", a.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")
+    for name, tau in (("actor.sapo_tau_pos", a.sapo_tau_pos), ("actor.sapo_tau_neg", a.sapo_tau_neg)):
+        if not tau > 0:
+            p.add(name, tau, "must be > 0")
+    _optim(p, "actor.optim", a.optim)
+    _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
+
+
+def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    from rlspmd.algorithms import AGG_MODES
+
+    _train_sizes(p, "critic", c, train_batch_size=train_batch_size, n=n, dp=dp)
+    p.at_least("critic.values_micro_batch_size", c.values_micro_batch_size, 1)
+    p.optional_at_least("critic.values_max_tokens_per_micro_batch", c.values_max_tokens_per_micro_batch, 1)
+    p.one_of("critic.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
+    if c.cliprange_value is not None and not c.cliprange_value > 0:
+        p.add("critic.cliprange_value", c.cliprange_value, "must be > 0, or None (off)")
+    p.at_least("critic.warmup_steps", c.warmup_steps, 0)
+    _optim(p, "critic.optim", c.optim)
+
+
+def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+
+    p.one_of("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGE_ESTIMATORS)
+    for name, value in (("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)):
+        if not 0 <= value <= 1:
+            p.add(name, value, "must be in [0, 1]")
+    if alg.use_kl_in_reward:
+        p.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
+        p.at_least("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef, 0)
+        if alg.kl_ctrl.type == "adaptive":
+            for name, value in (("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl), ("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)):
+                if not value > 0:
+                    p.add(name, value, "must be > 0")
+    fg = alg.filter_groups
+    if fg.enable:
+        gen = fg.gen_batch_size or train_batch_size
+        if gen < train_batch_size:
+            p.add("algorithm.filter_groups.gen_batch_size", gen, f"must be >= data.train_batch_size={train_batch_size}")
+        elif dp and gen % dp:
+            p.add("algorithm.filter_groups.gen_batch_size", gen, f"does not split over the actor's {dp} DP ranks")
+        p.at_least("algorithm.filter_groups.max_rounds", fg.max_rounds, 1)
+        if n < 2:
+            p.add("rollout.n", n, "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies")
+
+
+def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool) -> None:
+    # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions)
+    if rw.model.path is None and rw.rule_weight == 0 and not agent:
+        p.add("reward.rule_weight", rw.rule_weight, "0 without a reward model (reward.model.path) or rollout.agent leaves no reward at all")
+    if rw.model.path is not None:
+        p.at_least("reward.model.micro_batch_size", rw.model.micro_batch_size, 1)
+        p.optional_at_least("reward.model.max_tokens_per_micro_batch", rw.model.max_tokens_per_micro_batch, 1)
+    if rw.overlong_buffer.enable:
+        if not 0 < rw.overlong_buffer.len <= max_response_length:
+            p.add("reward.overlong_buffer.len", rw.overlong_buffer.len, f"must be in (0, rollout.max_response_length={max_response_length}]")
+        p.at_least("reward.overlong_buffer.penalty_factor", rw.overlong_buffer.penalty_factor, 0)
+    if rw.timeout_s is not None and not rw.timeout_s > 0:
+        p.add("reward.timeout_s", rw.timeout_s, "must be > 0, or None (no limit: functions run in this process)")
+    p.at_least("reward.num_workers", rw.num_workers, 0)
+
+
+def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
+    """Model, tokenizer and data files, the reward function, the checkpoint to resume: every path the run reads."""
+    a, rw = cfg.actor, cfg.reward
+    _model_files(p, "actor.model", a.model.path, tokenizer=a.model.tokenizer_path or a.model.path)
+    if cfg.ref.model_path is not None:  # the reference and the critic read the actor's tokens: no tokenizer of their own
+        _model_files(p, "ref.model_path", cfg.ref.model_path, tokenizer=None)
+    if with_critic and cfg.critic.model_path is not None:
+        _model_files(p, "critic.model_path", cfg.critic.model_path, tokenizer=None)
+    if rw.model.path is not None:
+        _model_files(p, "reward.model", rw.model.path, tokenizer=rw.model.tokenizer_path or rw.model.path)
+    _data_files(p, "data.train_files", cfg.data.train_files)
+    _data_files(p, "data.val_files", cfg.data.val_files)
+    if rw.function is not None:
+        p.file_check(check_function_spec, rw.function, field_name="reward.function")
+    resume = cfg.checkpoint.resume.strip()
+    if resume not in ("auto", "none"):
+        from rlspmd.trainer.checkpoint import resolve_checkpoint
+
+        p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
+
+
+def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> int:
+    """The placements the RL trainer runs (colocated, or the rollout on ranks of its own); the actor's DP size
+    (0 when the placement itself is invalid)."""
+    from rlspmd.distributed.mesh import ParallelDims
+
+    try:
+        dims = ParallelDims.from_config(mesh, world_size)  # the reference, critic and reward model follow the actor
+    except ValueError as e:
+        p.lines.append(str(e))
+        return 0
+    actor = dims.role_ranks["actor"]
+    if 0 not in actor:
+        p.add("mesh.actor_ranks", mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}")
+    rollout = dims.role_ranks["rollout"]
+    split = dims.disjoint("actor", "rollout")
+    if rollout != actor and not split:
+        p.add("mesh.rollout_ranks", mesh.rollout_ranks,
+              f"ranks {rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)")
+    idle = sorted(set(range(world_size)) - set(actor) - set(rollout))
+    if idle:
+        p.add("mesh.actor_ranks", mesh.actor_ranks, f"ranks {idle} of the {world_size} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
+    if split and engine == "vllm":
+        p.add("rollout.engine", "vllm", "runs colocated only (vLLM's external_launcher builds its process groups over the "
+              "whole torch world); use rollout.engine=native for split placement")
+    return dims.dp_size("actor")
+
+
+def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    """Epochs, mini- and micro-batch sizes of a trained role, and how the step's batch splits into them."""
+    p.at_least(f"{role}.ppo_epochs", section.ppo_epochs, 1)
+    p.at_least(f"{role}.mini_batch_size", section.mini_batch_size, 1)
+    p.at_least(f"{role}.micro_batch_size", section.micro_batch_size, 1)
+    p.optional_at_least(f"{role}.max_tokens_per_micro_batch", section.max_tokens_per_micro_batch, 1)
+    mini = section.mini_batch_size
+    if train_batch_size < 1 or mini < 1 or n < 1 or dp < 1:
+        return  # reported above
+    if role == "actor" and train_batch_size % dp:
+        p.add("data.train_batch_size", train_batch_size, f"does not split over the actor's {dp} DP ranks")
+    if train_batch_size % mini:
+        p.add(f"{role}.mini_batch_size", mini, f"does not divide data.train_batch_size={train_batch_size} (prompts per step)")
+    elif (mini * n) % dp:
+        p.add(f"{role}.mini_batch_size", mini,
+              f"x rollout.n={n} = {mini * n} samples per mini-batch do not split over the actor's {dp} DP ranks")
+
+
+def _optim(p: Problems, name: str, o: OptimConfig) -> None:
+    p.at_least(f"{name}.lr", o.lr, 0)
+    p.at_least(f"{name}.weight_decay", o.weight_decay, 0)
+    if not all(0 <= b < 1 for b in o.betas):
+        p.add(f"{name}.betas", o.betas, "each must be in [0, 1)")
+    if not o.eps > 0:
+        p.add(f"{name}.eps", o.eps, "must be > 0")
+    p.at_least(f"{name}.warmup_steps", o.warmup_steps, 0)
+    if not 0 <= o.min_lr_ratio <= 1:
+        p.add(f"{name}.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+
+
+def _packing(p: Problems, name: str, attn: str, packing: bool) -> None:
+    if packing and not (attn == "sdpa" or attn.startswith("flash_attention")):
+        p.add(f"{name}.attn_implementation", attn, f"cannot run packed sequences; use sdpa or flash_attention_2, or set {name}.packing=False")
+
+
+def _dist(p: Problems, dist_cfg: DistConfig) -> None:
+    if not dist_cfg.timeout_s > 0:
+        p.add("dist.timeout_s", dist_cfg.timeout_s, "must be > 0")
+    p.at_least("dist.hang_warn_s", dist_cfg.hang_warn_s, 0)
+    p.at_least("dist.hang_timeout_s", dist_cfg.hang_timeout_s, 0)
+
+
+def _loggers(p: Problems, name: str, loggers: list[str]) -> None:
+    unknown = sorted(set(loggers) - set(LOGGERS))
+    if unknown:
+        p.add(name, loggers, f"unknown sink(s) {unknown}; choose from {list(LOGGERS)}")
+
+
+def _literals(p: Problems, cfg, prefix: str) -> None:
+    """Fields typed ``Literal[...]`` hold one of their values (tyro checks the command line; a config file can set
+    anything)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        if dataclasses.is_dataclass(value):
+            _literals(p, value, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            p.add(f"{prefix}{f.name}", value, f"must be one of {list(typing.get_args(hint))}")
+
+
+def _model_files(p: Problems, name: str, path: str, *, tokenizer: str | None) -> None:
+    """A model directory (config, weights with sound safetensors headers) and, where the role reads text, its
+    tokenizer files (the chat template is checked when the tokenizer loads)."""
+    from rlspmd.models.loader import check_model_dir, check_tokenizer_dir
+
+    field = name if name.endswith("model_path") else f"{name}.path"
+    p.file_check(check_model_dir, path, field_name=field)
+    if tokenizer is None:
+        return
+    tok_field = field if tokenizer == path else f"{name}.tokenizer_path"
+    if tokenizer != path or Path(path).expanduser().is_dir():  # a missing model directory is reported once
+        p.file_check(check_tokenizer_dir, tokenizer, field_name=tok_field)
+
+
+def _data_files(p: Problems, name: str, files: list[str]) -> None:
+    from rlspmd.data.prompts import check_data_file
+
+    for f in files:
+        p.file_check(check_data_file, f, field_name=name)
+
+
+# -- the reward function, without running it ----------------------------------------------------------------
+
+
+def check_function_spec(spec: str, *, field_name: str) -> None:
+    """``path/to/file.py:fn`` or ``package.module:fn`` names a file or module that exists and binds ``fn`` at its
+    top level. Found and parsed, never imported: importing runs the user's code, which belongs to the run.
+    A module whose names cannot be known without running it (a ``*`` import, a module ``__getattr__``) passes."""
+    if ":" not in spec:
+        raise ValueError(f"{field_name}={spec!r}: expected 'path/to/file.py:function' or 'module:function'")
+    target, name = spec.rsplit(":", 1)
+    if target.endswith(".py"):
+        source = Path(target).expanduser()
+        if not source.is_file():
+            raise FileNotFoundError(f"{field_name}: file {source} does not exist")
+    else:
+        source = _module_source(target, spec=spec, field_name=field_name)
+        if source is None:  # a compiled or namespace module: nothing to read
+            return
+    try:
+        tree = ast.parse(source.read_text(), filename=str(source))
+    except SyntaxError as e:
+        raise ValueError(f"{field_name}={spec!r}: {source} line {e.lineno}: SyntaxError: {e.msg}") from None
+    names = _top_level_names(tree.body)
+    if name not in names and "*" not in names and "__getattr__" not in names:
+        raise ValueError(f"{field_name}={spec!r}: {source} has no function {name!r}")
+
+
+def _module_source(dotted: str, *, spec: str, field_name: str) -> Path | None:
+    """The source file of ``a.b.c``, located package by package without importing (and so running) any of them."""
+    parts = dotted.split(".")
+    found = None
+    path = None
+    for i in range(len(parts)):
+        name = ".".join(parts[: i + 1])
+        found = importlib.machinery.PathFinder.find_spec(name, path)
+        if found is None and i == 0:  # a module that is not on sys.path: frozen or built in
+            found = importlib.util.find_spec(name)
+        if found is None:
+            raise ValueError(f"{field_name}={spec!r}: cannot find module {name!r} (not on the Python path)")
+        path = found.submodule_search_locations
+    origin = found.origin if found is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def _top_level_names(body: list[ast.stmt]) -> set[str]:
+    """Names a module binds at its top level (inside top-level if/try/with blocks too)."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.If):
+            names |= _top_level_names(node.body) | _top_level_names(node.orelse)
+        elif isinstance(node, ast.With):
+            names |= _top_level_names(node.body)
+        elif isinstance(node, ast.Try):
+            names |= _top_level_names(node.body) | _top_level_names(node.orelse) | _top_level_names(node.finalbody)
+            for handler in node.handlers:
+                names |= _top_level_names(handler.body)
+    return names
