@@ -755,6 +755,14 @@ class SFTDataConfig:
     """Column with the chat messages."""
     response_key: str = "response"
     """Column with the target assistant response (plain text)."""
+    messages_key: str | None = None
+    """Column with whole conversations (lists of ``{role, content}`` messages: user, assistant, tool, ...) instead of
+    ``prompt_key`` + ``response_key``. The messages before the first assistant turn are the prompt; the loss covers the
+    assistant turns only, each its content plus EOS, and the tool/user turns between them are appended as the chat
+    template's token deltas, exactly as multi-turn rollouts build them (``rlspmd/agent/chat.py``)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools whose schemas are rendered into every prompt (the names of ``rollout.agent.tools``), so demonstrations
+    are tokenized as the RL run will see them."""
     max_length: int = 256
     """Prompt + response tokens; longer rows are dropped (counted in the log)."""
     batch_size: int = 64

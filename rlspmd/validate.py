@@ -128,6 +128,10 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
     _packing(p, "model", cfg.model.attn_implementation, cfg.model.packing)
     _dist(p, cfg.dist)
     _loggers(p, "loggers", cfg.loggers)
+    if d.tools:  # demonstrations rendered with tool schemas: the tools must build as the RL run builds them
+        from rlspmd.agent import load_tools
+
+        p.file_check(load_tools, AgentConfig(tools=d.tools), field_name="data.tools")
     if check_files:
         _model_files(p, "model", cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path)
         _data_files(p, "data.train_files", d.train_files)
