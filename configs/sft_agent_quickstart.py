@@ -3,7 +3,7 @@ conversations (``scripts/data/agent_arithmetic.py``).
 
     torchrun --nproc-per-node 2 -m rlspmd.sft --config configs/sft_agent_quickstart.py
 
-30% of the demonstrations call the calculator and copy its result; 70% answer in their head. The operands have four
+30% of the demonstrations call the calculator and copy its result; 70% answer in their head. The operands have three
 digits, more than the tiny model learns to add in a few hundred steps, so the warm start answers in its head under
 greedy decoding and gets most sums wrong: the imperfection ``configs/agent_quickstart.py``'s GRPO run has to fix.
 """

@@ -7,11 +7,14 @@ Writes, in verl's multi-turn schema (so verl's tooling reads them too):
   test.parquet   held-out prompts (no expression in it appears in train or sft)
   sft.parquet    demonstrations as whole conversations in a ``messages`` column (user, assistant, tool, assistant):
                  a share ``--sft-tool-share`` calls the calculator and copies its result,
-                 ``<tool_call>{"name": "calculator", "arguments": {"expression": "4821 + 3907"}}</tool_call>``,
-                 tool ``8728``, assistant ``#### 8728``; the others answer in their head, ``4821 + 3907 = 8728 #### 8728``
+                 ``<tool_call>{"name": "calculator", "arguments": {"expression": "482 + 397"}}</tool_call>``,
+                 tool ``879``, assistant ``#### 879``; the others answer in their head, ``482 + 397 = 879 #### 879``
 
-A warm start on this mix answers in its head under greedy decoding (the majority) and gets the sums mostly wrong;
-the calls it samples now and then are right. GRPO has to find that out from reward alone.
+Operands have three digits (``--max-value 999``): the tiny model learns to copy them into a call and to copy the
+tool's result back in a 400-step warm start, but not to add or subtract them in its head. (With four digits, 400 steps
+left it unable to copy either: no path earned any reward and GRPO had nothing to learn from.) A warm start on this mix
+answers in its head under greedy decoding (the majority) and gets the sums mostly wrong; the calls it samples now and
+then are mostly right. GRPO has to find that out from reward alone.
 
     python scripts/data/agent_arithmetic.py --out-dir data/agent_arithmetic
 """
@@ -65,7 +68,7 @@ def demonstration(expression: str, *, use_tool: bool) -> list[dict[str, str]]:
 
 
 def generate(*, num_train: int = 5000, num_test: int = 200, num_sft: int = 8000, min_terms: int = 2, max_terms: int = 2,
-             max_value: int = 9999, ops: str = "+-", sft_tool_share: float = 0.3, seed: int = 0) -> dict[str, list[dict]]:
+             max_value: int = 999, ops: str = "+-", sft_tool_share: float = 0.3, seed: int = 0) -> dict[str, list[dict]]:
     if not 0.0 <= sft_tool_share <= 1.0:
         raise ValueError(f"--sft-tool-share must be in [0, 1], got {sft_tool_share}")
     arithmetic = _arithmetic()
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-sft", type=int, default=8000)
     p.add_argument("--min-terms", type=int, default=2)
     p.add_argument("--max-terms", type=int, default=2)
-    p.add_argument("--max-value", type=int, default=9999, help="operands are drawn from [0, max-value]")
+    p.add_argument("--max-value", type=int, default=999, help="operands are drawn from [0, max-value]")
     p.add_argument("--ops", default="+-")
     p.add_argument("--sft-tool-share", type=float, default=0.3, help="share of demonstrations that call the calculator")
     p.add_argument("--seed", type=int, default=0)
