@@ -102,6 +102,9 @@ def test_sft_config_problems():
         "data.batch_size=3: does not split over 2 DP ranks (every rank is a DP rank in SFT)",
         "micro_batch_size=0: must be >= 1",
     ]
+    tools = dataclasses.replace(SFTConfig(), data=SFTDataConfig(tools=["calculator", "nope"]))
+    assert sft_config_problems(tools, world_size=2, check_files=False) == [
+        "data.tools[1]='nope': 'nope' is neither a registered name nor 'path/to/file.py:Class' / 'module:Class'"]
 
 
 def test_files_that_must_exist(tmp_path, tiny_model):
