@@ -240,6 +240,48 @@ class VllmConfig:
 
 
 @dataclass
+class CodeRunnerConfig:
+    timeout_s: float = 5.0
+    """Wall-time limit of one run of the ``python`` tool; the process group is killed when it passes."""
+    memory_mb: int = 512
+    """Address-space limit of the run (``RLIMIT_AS``): larger allocations fail with ``MemoryError``."""
+    cpu_s: int = 5
+    """CPU-time limit of the run (``RLIMIT_CPU``)."""
+    max_output_chars: int = 2000
+    """Output (stdout and stderr) the model reads back; the rest is cut and marked ``[output truncated]``."""
+
+
+@dataclass
+class AgentConfig:
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call: registered names (``calculator``, ``calc_gsm8k_reward`` alias ``gsm8k_answer``,
+    ``python``) or ``path/to/file.py:Class`` / ``module:Class`` (``rlspmd.agent.Tool``'s interface). Non-empty (or an
+    ``interaction``) turns every rollout into a multi-turn conversation; the schemas are rendered into every prompt
+    through the chat template's ``tools`` argument. Checked at start-up (import, members, schema)."""
+    parser: str = "hermes"
+    """Tool-call format: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen's) or
+    ``path/to/file.py:Class`` with ``parse(text) -> list[ToolCall | ParseError]``."""
+    max_turns: int = 4
+    """Assistant turns per conversation; a turn that calls tools past the last one ends the conversation."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run; a call past it is an error message to the model (counted as a timeout)."""
+    max_parallel_tools: int = 16
+    """Tool calls running at once on a rank (threads; a conversation's calls of one turn run in order)."""
+    max_tool_response_chars: int = 1000
+    """A tool result (or error) longer than this is cut before it is appended."""
+    interaction: str | None = None
+    """User simulator after each answer without a tool call: ``gsm8k`` or ``path/to/file.py:Class``; None: none."""
+    max_user_turns: int = 1
+    """Interaction replies per conversation."""
+    code: CodeRunnerConfig = field(default_factory=CodeRunnerConfig)
+    """Limits of the ``python`` tool."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.interaction is not None
+
+
+@dataclass
 class CriticConfig:
     """The value model of PPO (``algorithm.adv_estimator=gae``); ignored by critic-free estimators."""
 
@@ -318,6 +360,8 @@ class RolloutConfig:
     weights in place when it equals the compute dtype, and keeps its own copy otherwise."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the ``vllm`` engine (ignored by ``native``)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn rollouts with tool calls and interactions (off unless ``agent.tools`` or ``agent.interaction``)."""
 
 
 @dataclass
@@ -501,6 +545,9 @@ class RewardConfig:
     not called, so accuracy metrics read 0)."""
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Reward model (sequence classifier), combined with the rule score."""
+    agent_weight: float = 1.0
+    """Weight of the agent's rewards in the score (``rollout.agent``: tool reward deltas, the tools' final-state
+    scores, interaction rewards): ``score = rule_weight * rule + model.weight * rm + agent_weight * agent``."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """DAPO overlong reward shaping (training rewards only; validation reports the unshaped score)."""
     timeout_s: float | None = 60.0
@@ -698,6 +745,11 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append(f"algorithm.rollout_correction.tis_threshold is set but mode={rc.mode!r} does not truncate")
     if rc.mode in ("off", "tis") and (rc.mis_lower, rc.mis_upper) != (None, None):
         out.append(f"algorithm.rollout_correction.mis_lower / mis_upper are set but mode={rc.mode!r} rejects nothing")
+    ag = cfg.rollout.agent
+    if not ag.enabled and ag != AgentConfig():
+        out.append("rollout.agent.* is set but rollout.agent.tools is empty and rollout.agent.interaction is None")
+    if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
+        out.append("reward.agent_weight is set but rollout.agent is off")
     for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
         if section.engine == "fsdp" and section.megatron != MegatronConfig():
             out.append(f"{role}.megatron.* is set but {role}.engine=fsdp")
@@ -733,6 +785,14 @@ class SFTDataConfig:
     """Column with the chat messages."""
     response_key: str = "response"
     """Column with the target assistant response (plain text)."""
+    messages_key: str | None = None
+    """Column with whole conversations (lists of ``{role, content}`` messages: user, assistant, tool, ...) instead of
+    ``prompt_key`` + ``response_key``. The messages before the first assistant turn are the prompt; the loss covers the
+    assistant turns only, each its content plus EOS, and the tool/user turns between them are appended as the chat
+    template's token deltas, exactly as multi-turn rollouts build them (``rlspmd/agent/chat.py``)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools whose schemas are rendered into every prompt (the names of ``rollout.agent.tools``), so demonstrations
+    are tokenized as the RL run will see them."""
     max_length: int = 256
     """Prompt + response tokens; longer rows are dropped (counted in the log)."""
     batch_size: int = 64

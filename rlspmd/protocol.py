@@ -11,6 +11,13 @@ The layout of one sample in the ``_BL`` tensors::
      <---- P prompt ---><----- R response ---->
 
 so response token ``j`` sits at position ``P + j`` and is predicted by the hidden state at ``P + j - 1``.
+
+Two response masks: ``response_mask_BR`` says a response position holds a token (it builds ``attention_mask_BL``,
+lengths and packing); ``loss_mask_BR`` says the model generated that token. They are equal for a single-turn
+response; in a multi-turn (agent) response the tool results, template glue and interaction turns are part of the
+sequence but not the model's: ``loss_mask_BR`` is 0 there. Everything that means "the tokens that count" (policy,
+KL and entropy terms, value loss, advantages and returns, rollout correction, the step's token metrics) reads
+``loss_mask_BR``.
 """
 
 from __future__ import annotations

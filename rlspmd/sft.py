@@ -5,6 +5,10 @@
 Same runtime, mesh and FSDP2 engine as the RL trainer. The loss is the token-mean negative log-likelihood
 of the response (prompt tokens are context only), normalised over the global batch. At the end the model
 is written as a Hugging Face directory (safetensors + tokenizer) that RL configs point at.
+
+Multi-turn demonstrations (``data.messages_key``): whole conversations with tool calls and tool results, tokenized as
+the agent loop tokenizes rollouts (prompt with the tool schemas, each assistant turn's content + EOS, the turns between
+as chat-template deltas); the loss covers the assistant tokens only (``loss_mask_BR``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from rlspmd.config import MeshConfig, SFTConfig
+from rlspmd.agent import ChatRenderer, load_tools, tool_schemas
+from rlspmd.config import AgentConfig, MeshConfig, SFTConfig
 from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
@@ -30,37 +35,72 @@ from rlspmd.trainer.checkpoint import save_hf_model
 from rlspmd.validate import check_sft_config
 
 
-class SFTDataset:
-    """(chat prompt, response) pairs tokenized as ``template(prompt) + response + eos``."""
+def conversation_ids(messages: list[dict], renderer: ChatRenderer, *, eos_id: int, where: str) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt ids, response ids, loss mask)`` of a whole conversation, built as the agent loop builds a rollout:
+    the messages before the first assistant turn rendered as the prompt, then each assistant turn's content and EOS
+    (loss 1), and the messages between assistant turns as the template's token delta (loss 0)."""
+    tok = renderer.tokenizer
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if not first:
+        raise ValueError(f"{where}: a conversation needs a prompt and at least one assistant message")
+    prompt = tok(renderer.render(messages[:first], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    response, loss, between = [], [], []
+    for m in messages[first:]:
+        if m["role"] != "assistant":
+            between.append({"role": m["role"], "content": m["content"]})
+            continue
+        if between:
+            delta = renderer.delta_ids(between, stop_text=tok.eos_token)
+            response, loss, between = response + delta, loss + [0] * len(delta), []
+        ids = tok(m["content"], add_special_tokens=False)["input_ids"] + [eos_id]
+        response, loss = response + ids, loss + [1] * len(ids)
+    if between:
+        raise ValueError(f"{where}: a conversation must end with an assistant message")
+    return prompt, response, loss
 
-    def __init__(self, files: list[str], tokenizer, *, prompt_key: str, response_key: str, max_length: int):
+
+class SFTDataset:
+    """(chat prompt, response) pairs tokenized as ``template(prompt) + response + eos``; or whole conversations
+    (``messages_key``), the loss on the assistant turns only."""
+
+    def __init__(self, files: list[str], tokenizer, *, prompt_key: str, response_key: str, max_length: int,
+                 messages_key: str | None = None, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
-        self.examples: list[tuple[list[int], list[int]]] = []
+        self.examples: list[tuple[list[int], list[int], list[int]]] = []  # prompt, response, loss mask
         self.n_dropped = 0
-        for path, ds in read_rows(files, prompt_key=prompt_key, field_name="data.train_files"):
-            if response_key not in ds.column_names:
-                raise ValueError(f"data.train_files: {path} lacks the response column {response_key!r}")
-            prompts = [tokenizer.apply_chat_template(r[prompt_key], tokenize=False, add_generation_prompt=True) for r in ds]
-            responses = [r[response_key] + tokenizer.eos_token for r in ds]
-            p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-            r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-            for p, r in zip(p_ids, r_ids):
+        renderer = ChatRenderer(tokenizer, tools=tools, field_name="model.tokenizer_path") if messages_key or tools else None
+        for path, ds in read_rows(files, prompt_key=messages_key or prompt_key, field_name="data.train_files"):
+            if messages_key is not None:
+                triples = [conversation_ids(r[messages_key], renderer, eos_id=tokenizer.eos_token_id,
+                                            where=f"data.train_files: {path} row {i}") for i, r in enumerate(ds)]
+            else:
+                if response_key not in ds.column_names:
+                    raise ValueError(f"data.train_files: {path} lacks the response column {response_key!r}")
+                prompts = [tokenizer.apply_chat_template(r[prompt_key], tools=tools, tokenize=False, add_generation_prompt=True)
+                           for r in ds]
+                responses = [r[response_key] + tokenizer.eos_token for r in ds]
+                p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+                r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+                triples = [(p, r, [1] * len(r)) for p, r in zip(p_ids, r_ids)]
+            for p, r, m in triples:
                 if len(p) + len(r) > max_length:
                     self.n_dropped += 1
                 else:
-                    self.examples.append((p, r))
+                    self.examples.append((p, r, m))
         if not self.examples:
             raise ValueError(f"data.train_files: no example fits data.max_length={max_length}")
 
     def batch(self, indices: list[int]) -> Batch:
         ex = [self.examples[i] for i in indices]
-        P, R = max(len(p) for p, _ in ex), max(len(r) for _, r in ex)
+        P, R = max(len(p) for p, _, _ in ex), max(len(r) for _, r, _ in ex)
         pad = self.tokenizer.pad_token_id
         ids = torch.full((len(ex), P + R), pad, dtype=torch.long)
         mask = torch.zeros(len(ex), P + R, dtype=torch.long)
-        for i, (p, r) in enumerate(ex):
+        loss = torch.zeros(len(ex), R, dtype=torch.long)
+        for i, (p, r, m) in enumerate(ex):
             ids[i, P - len(p) : P + len(r)] = torch.tensor(p + r)
             mask[i, P - len(p) : P + len(r)] = 1
+            loss[i, : len(m)] = torch.tensor(m)
         return Batch(
             {
                 "input_ids_BL": ids,
@@ -68,6 +108,7 @@ class SFTDataset:
                 "position_ids_BL": position_ids(mask),
                 "responses_BR": ids[:, P:],
                 "response_mask_BR": mask[:, P:],
+                "loss_mask_BR": loss,
             }
         )
 
@@ -75,7 +116,7 @@ class SFTDataset:
 def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
     R = mb["responses_BR"].shape[1]
     logp, _ = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, with_entropy=False)
-    return -(logp * mb["response_mask_BR"]).sum() / global_tokens
+    return -(logp * mb["loss_mask_BR"]).sum() / global_tokens
 
 
 @spmd_main
@@ -99,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     data = sampler = None
     if rt.is_main:
         d = cfg.data
-        data = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key, max_length=d.max_length)
+        tools = tool_schemas(load_tools(AgentConfig(tools=d.tools), field_name="data.tools"))
+        data = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key, max_length=d.max_length,
+                          messages_key=d.messages_key, tools=tools)
         sampler = EpochSampler(len(data.examples), d.batch_size, seed=cfg.seed, shuffle=d.shuffle)
         print(f"SFT examples: {len(data.examples)} (dropped {data.n_dropped} over data.max_length)", flush=True)
     module = build_policy_module(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="model.path",
@@ -112,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     losses = []
     for step in range(1, cfg.total_steps + 1):
         batch = scatter_batch(data.batch(sampler.next_batch()) if rt.is_main else None, mesh=mesh, device=rt.device)
-        tokens = float(all_reduce_sum(batch["response_mask_BR"].sum(), mesh=mesh))
+        tokens = float(all_reduce_sum(batch["loss_mask_BR"].sum(), mesh=mesh))
         mb_losses = []
 
         def loss_fn(module, mb):

@@ -21,7 +21,8 @@ import typing
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig, RewardConfig, RolloutConfig,
+    ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
+    RewardConfig, RolloutConfig,
     SFTConfig,
 )
 from rlspmd.distributed.runtime import UserError
@@ -88,6 +89,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     with_critic = cfg.algorithm.adv_estimator in NEEDS_VALUES
     _data(p, d)
     _rollout(p, r)
+    if r.agent.enabled:
+        _agent(p, r.agent, ignore_eos=r.ignore_eos)
     _actor(p, cfg.actor, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     p.at_least("ref.logprob_micro_batch_size", cfg.ref.logprob_micro_batch_size, 1)
     if cfg.actor.lora.enabled and cfg.ref.model_path not in (None, cfg.actor.model.path):
@@ -97,7 +100,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     if with_critic:
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
-    _reward(p, cfg.reward, max_response_length=r.max_response_length)
+    _reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
     _dist(p, cfg.dist)
     t = cfg.trainer
     p.at_least("trainer.total_steps", t.total_steps, 1)
@@ -129,6 +132,10 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
     _packing(p, "model", cfg.model.attn_implementation, cfg.model.packing)
     _dist(p, cfg.dist)
     _loggers(p, "loggers", cfg.loggers)
+    if d.tools:  # demonstrations rendered with tool schemas: the tools must build as the RL run builds them
+        from rlspmd.agent import load_tools
+
+        p.file_check(load_tools, AgentConfig(tools=d.tools), field_name="data.tools")
     if check_files:
         _model_files(p, "model", cfg.model.path, tokenizer=cfg.model.tokenizer_path or cfg.model.path)
         _data_files(p, "data.train_files", d.train_files)
@@ -165,6 +172,22 @@ def _rollout(p: Problems, r: RolloutConfig) -> None:
             p.add("rollout.vllm.gpu_memory_utilization", r.vllm.gpu_memory_utilization, "must be in (0, 1]")
         p.at_least("rollout.vllm.max_num_seqs", r.vllm.max_num_seqs, 1)
         p.optional_at_least("rollout.vllm.kv_cache_memory_bytes", r.vllm.kv_cache_memory_bytes, 1)
+
+
+def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool) -> None:
+    """Multi-turn rollouts: the section's numbers, then its tools, parser and interaction are imported, built and
+    their schemas checked (``rlspmd.agent``: an error names the tool and the field)."""
+    from rlspmd.agent import load_interaction, load_parser, load_tools
+
+    for name in ("max_turns", "max_parallel_tools", "max_tool_response_chars", "max_user_turns"):
+        p.at_least(f"rollout.agent.{name}", getattr(ag, name), 1)
+    if not ag.tool_timeout_s > 0:
+        p.add("rollout.agent.tool_timeout_s", ag.tool_timeout_s, "must be > 0")
+    if ignore_eos:
+        p.add("rollout.ignore_eos", ignore_eos, "fixed-length benchmark rollouts do not apply to multi-turn rollouts "
+              "(rollout.agent): a turn ends at its stop token")
+    for load in (load_tools, load_parser, load_interaction):
+        p.file_check(load, ag)
 
 
 def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: int) -> None:
@@ -243,9 +266,10 @@ def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: i
             p.add("rollout.n", n, "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies")
 
 
-def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int) -> None:
-    if rw.model.path is None and rw.rule_weight == 0:
-        p.add("reward.rule_weight", rw.rule_weight, "0 without a reward model (reward.model.path) leaves no reward at all")
+def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool) -> None:
+    # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions)
+    if rw.model.path is None and rw.rule_weight == 0 and not agent:
+        p.add("reward.rule_weight", rw.rule_weight, "0 without a reward model (reward.model.path) or rollout.agent leaves no reward at all")
     if rw.model.path is not None:
         p.at_least("reward.model.micro_batch_size", rw.model.micro_batch_size, 1)
         p.optional_at_least("reward.model.max_tokens_per_micro_batch", rw.model.max_tokens_per_micro_batch, 1)

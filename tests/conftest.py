@@ -48,6 +48,12 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model(tmp_path_factory) -> Path:
+    """The tiny Qwen2 with the tool-calling chat template and tool-call tokens (``build_tiny.py --tools``)."""
+    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_tools") / "model", tools=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama")
 

@@ -244,10 +244,10 @@ def test_stage_adds_weights_applies_the_mask_and_reports_metrics():
     resolved = resolve(RolloutCorrectionConfig(mode="both", level="token", tis_threshold=1.1, mis_lower=0.5,
                                                mis_upper=2.0))
     batch = Batch({"old_logprobs_BR": TRAIN.clone(), "rollout_logprobs_BR": ROLLOUT.clone(),
-                   "response_mask_BR": MASK.clone()})
+                   "loss_mask_BR": MASK.clone()})
     metrics = MetricBuffer()
     out = RolloutCorrectionStage(resolved)(batch, metrics)
-    assert torch.equal(out["response_mask_BR"], torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]]))
+    assert torch.equal(out["loss_mask_BR"], torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]]))
     assert_close(out["rollout_is_weights_BR"], t([[1.1, 0, 1.0, 0], [R[3], 1.0, 0, 0]]))
     m = metrics.reduce(mesh=None)
     assert m["rollout_corr/masked_frac"] == pytest.approx(1 / 5)

@@ -24,7 +24,7 @@ def stage(estimator, b, **cfg):
 
 
 def batch(scores, **extra):
-    return Batch({"scores_B": torch.tensor(scores), "response_mask_BR": MASK.clone(), "uid_B": UID.clone(), **extra})
+    return Batch({"scores_B": torch.tensor(scores), "response_mask_BR": MASK.clone(), "loss_mask_BR": MASK.clone(), "uid_B": UID.clone(), **extra})
 
 
 def test_gpg_alpha_counts_non_zero_scores():

@@ -29,6 +29,7 @@ def load_script(relpath: str) -> ModuleType:
 arithmetic = load_script("scripts/data/arithmetic.py")
 gsm8k = load_script("scripts/data/gsm8k.py")
 rg_script = load_script("scripts/data/reasoning_gym.py")
+agent_arithmetic = load_script("scripts/data/agent_arithmetic.py")
 rg_reward = load_script("rlspmd/rewards/reasoning_gym.py")
 
 
@@ -114,6 +115,34 @@ def test_arithmetic_cli_writes_identical_files(tmp_path):
         assert read_rows(first) == expected[split]
     arithmetic.main(["--out-dir", str(tmp_path / "j"), "--format", "jsonl", *args])
     assert read_rows(tmp_path / "j" / "sft.jsonl") == expected["sft"]
+
+
+def test_agent_arithmetic_rows_are_verl_multiturn_and_demonstrations_are_right(tmp_path):
+    """verl's multi-turn schema (``extra_info.tools_kwargs``); demonstrations: the call's expression evaluates (with the
+    built-in calculator) to the tool turn and the final answer; about ``--sft-tool-share`` of them call the tool."""
+    from rlspmd.agent.builtin import evaluate
+
+    splits = agent_arithmetic.generate(num_train=50, num_test=20, num_sft=400, sft_tool_share=0.3, seed=3)
+    row = splits["train"][0]
+    assert row["prompt"][0]["role"] == "user" and row["extra_info"]["need_tools_kwargs"] is True
+    assert row["extra_info"]["tools_kwargs"] == {"calculator": {"create_kwargs": {"expression": row["extra_info"]["expression"]}}}
+    calls = 0
+    for r in splits["sft"]:
+        m, truth = r["messages"], r["reward_model"]["ground_truth"]
+        assert m[-1] == {"role": "assistant", "content": m[-1]["content"]} and m[-1]["content"].endswith(f"#### {truth}")
+        assert str(evaluate(r["extra_info"]["expression"])) == truth
+        if len(m) == 4:
+            calls += 1
+            call = json.loads(m[1]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+            assert call == {"name": "calculator", "arguments": {"expression": r["extra_info"]["expression"]}}
+            assert m[2] == {"role": "tool", "content": truth}
+    assert 0.25 < calls / len(splits["sft"]) < 0.35
+    seen = {r["extra_info"]["expression"] for r in splits["train"] + splits["sft"]}
+    assert not seen & {r["extra_info"]["expression"] for r in splits["test"]}
+    agent_arithmetic.main(["--out-dir", str(tmp_path), "--num-train", "50", "--num-test", "20", "--num-sft", "400", "--seed", "3"])
+    assert read_rows(tmp_path / "sft.parquet") == splits["sft"]
+    with pytest.raises(ValueError, match="--sft-tool-share"):
+        agent_arithmetic.generate(sft_tool_share=1.5)
 
 
 # ---------------------------------------------------------------- gsm8k

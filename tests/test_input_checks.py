@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig, RewardConfig,
-    RolloutConfig, SFTConfig, SFTDataConfig, load_config_file,
+    ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
+    RewardConfig, RolloutConfig, SFTConfig, SFTDataConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -44,6 +44,12 @@ def with_(cfg=None, **sections) -> Config:
     (with_(algorithm=AlgorithmConfig(adv_estimator="grpo", filter_groups=FilterGroupsConfig(enable=True, gen_batch_size=16))),
      ["algorithm.filter_groups.gen_batch_size=16: must be >= data.train_batch_size=32"]),
     (with_(reward=RewardConfig(rule_weight=0.0)), ["reward.rule_weight=0.0: 0 without a reward model"]),
+    (with_(reward=RewardConfig(rule_weight=0.0), rollout=RolloutConfig(agent=AgentConfig(tools=["calculator"]))), []),
+    (with_(rollout=RolloutConfig(agent=AgentConfig(tools=["calculator"], max_turns=0, tool_timeout_s=0.0))),
+     ["rollout.agent.max_turns=0: must be >= 1", "rollout.agent.tool_timeout_s=0.0: must be > 0"]),
+    (with_(rollout=RolloutConfig(ignore_eos=True, agent=AgentConfig(tools=["calculator"]))), ["rollout.ignore_eos=True: fixed-length"]),
+    (with_(rollout=RolloutConfig(agent=AgentConfig(tools=["calculator", "no_such_tool"]))),
+     ["rollout.agent.tools[1]='no_such_tool': 'no_such_tool' is neither a registered name"]),
     (with_(reward=RewardConfig(timeout_s=0.0)), ["reward.timeout_s=0.0: must be > 0, or None"]),
     (with_(mesh=MeshConfig(rollout_ranks="0")), ["mesh.rollout_ranks='0': ranks [0] must equal the actor's ranks [0, 1]"]),
     (with_(mesh=MeshConfig(actor_ranks="1", rollout_ranks="0")), ["mesh.actor_ranks='1': must include rank 0"]),
@@ -103,6 +109,9 @@ def test_sft_config_problems():
         "data.batch_size=3: does not split over 2 DP ranks (every rank is a DP rank in SFT)",
         "micro_batch_size=0: must be >= 1",
     ]
+    tools = dataclasses.replace(SFTConfig(), data=SFTDataConfig(tools=["calculator", "nope"]))
+    assert sft_config_problems(tools, world_size=2, check_files=False) == [
+        "data.tools[1]='nope': 'nope' is neither a registered name nor 'path/to/file.py:Class' / 'module:Class'"]
 
 
 def test_files_that_must_exist(tmp_path, tiny_model):

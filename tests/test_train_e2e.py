@@ -85,6 +85,32 @@ def test_quickstart_grpo_raises_validation_accuracy(warm_start, quickstart_data,
     assert val[-1][1] - val[0][1] >= 0.15, val
 
 
+@pytest.mark.slow
+def test_agent_quickstart_learns_to_call_the_calculator(tiny_tools_model, tmp_path):
+    """The agent quickstart's claim (README, Agentic RL), end to end on 2 ranks, GRPO shortened to 10 steps: the multi-turn
+    SFT warm start, then GRPO with the calculator raises both the greedy validation tool-call rate and accuracy by >= 15
+    points (measured by hand: 0 -> 1.0 and 0.005 -> 0.955 at step 10)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    data, sft, out = tmp_path / "data", tmp_path / "sft", tmp_path / "rl"
+    subprocess.run([sys.executable, str(ROOT / "scripts/data/agent_arithmetic.py"), "--out-dir", str(data)], check=True,
+                   capture_output=True)
+    torchrun(["-m", "rlspmd.sft", "--config", "configs/sft_agent_quickstart.py", "--model.path", str(tiny_tools_model),
+              "--data.train-files", str(data / "sft.parquet"), "--output-dir", str(sft), "--loggers", "jsonl"], 2, timeout=1800)
+    torchrun(["-m", "rlspmd.train", "--config", "configs/agent_quickstart.py", "--actor.model.path", str(sft / "hf"),
+              "--data.train-files", str(data / "train.parquet"), "--data.val-files", str(data / "test.parquet"),
+              "--trainer.total-steps", "10", "--trainer.val-every", "10", "--trainer.output-dir", str(out),
+              "--trainer.loggers", "jsonl"], 2, timeout=1800)
+    val = [r for r in read_metrics(out / "metrics.jsonl") if "val/acc" in r]
+    first, last = val[0], val[-1]
+    assert first["step"] == 0 and last["step"] == 10
+    assert last["val/agent/tool_call_rate"] - first["val/agent/tool_call_rate"] >= 0.15, val
+    assert last["val/acc"] - first["val/acc"] >= 0.15, val
+
+
 def test_reusing_the_update_forward_for_old_logprobs_changes_nothing(tiny_model, arithmetic_data, tmp_path):
     """One update per step: old log-probs from the update's forward == a separate no-grad pass (same losses,
     gradient norms and samples over 3 steps), and the no-grad pass is skipped."""

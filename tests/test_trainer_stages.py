@@ -40,10 +40,14 @@ MASK = torch.tensor(
 )
 SCORES = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5])
 UID = torch.tensor([7, 7, 3, 7, 3, 9])  # groups by id, not by position; 9 is a singleton
+# The response mask covers every position up to the last token (tool tokens are part of the sequence); the stages
+# must read the loss mask, so row 2's hole only shows if they do.
+RESPONSE_MASK = (MASK.flip(1).cummax(1).values.flip(1) > 0).long()
 
 
 def batch(**extra) -> Batch:
-    return Batch({"scores_B": SCORES.clone(), "response_mask_BR": MASK.clone(), "uid_B": UID.clone(), **extra})
+    return Batch({"scores_B": SCORES.clone(), "response_mask_BR": RESPONSE_MASK.clone(), "loss_mask_BR": MASK.clone(),
+                  "uid_B": UID.clone(), **extra})
 
 
 def test_overlong_penalty_hand_computed():

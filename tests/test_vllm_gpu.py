@@ -36,3 +36,13 @@ def test_vllm_receives_merged_lora_weights(tiny_model):
 def test_vllm_tp2_ranks_agree(tiny_model):
     proc = torchrun([dist_script("vllm_gpu_check.py"), str(tiny_model), "--tp", "2"], 2, timeout=1200)
     assert "VLLM GPU OK" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_vllm_serves_the_agent_loop(tiny_tools_model, tmp_path):
+    """Multi-turn rollouts on vLLM: each turn a request of its own on vLLM's running engine (``VllmEngine.serve``)."""
+    from conftest import load_script
+
+    load_script("scripts/data/agent_arithmetic.py").main(["--out-dir", str(tmp_path), "--num-train", "20", "--num-test", "10",
+                                                          "--num-sft", "0"])
+    proc = torchrun([dist_script("vllm_agent_check.py"), str(tiny_tools_model), str(tmp_path / "test.parquet")], 1, timeout=1200)
+    assert "VLLM AGENT OK" in proc.stdout, proc.stdout[-3000:]

@@ -187,6 +187,37 @@ class VllmBackend:
             result.append((toks, lps))
         return result
 
+    def serve(self, source, *, params, stop_token_ids: list[int]) -> dict:
+        """Request-level generation (the agent loop): each request of ``source`` (``rlspmd.rollout.continuous``) is
+        added to vLLM's running engine as it arrives (``LLMEngine.add_request``) and the engine is stepped; every
+        finished request goes back to ``source.finish`` at once, so a conversation waiting on a tool holds up no other.
+        A request's seed is a function of (conversation seed, token counter): independent of the scheduling."""
+        vllm, engine = self._vllm, self.llm.llm_engine
+        top_k = params.top_k if params.top_k > 0 else self._top_k_off
+        keys: dict[str, int] = {}
+        stats = {"requests": 0, "engine_steps": 0, "tokens": 0}
+        while True:
+            for r in source.take(block=not keys):
+                request_id = f"agent-{stats['requests']}"
+                stats["requests"] += 1
+                keys[request_id] = r.key
+                seed = None if params.greedy else (r.seed * 1_000_003 + r.counter) % (2**31 - 1)
+                sampling = vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=top_k,
+                                               max_tokens=r.max_new_tokens, seed=seed, logprobs=0,
+                                               stop_token_ids=stop_token_ids, detokenize=False)
+                engine.add_request(request_id, {"prompt_token_ids": r.ids}, sampling)
+            if not keys:
+                return stats
+            stats["engine_steps"] += 1
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                c = out.outputs[0]
+                toks = list(c.token_ids)
+                lps = [float(getattr(step[tok], "logprob", step[tok])) for step, tok in zip(c.logprobs or [], toks)]
+                stats["tokens"] += len(toks)
+                source.finish(keys.pop(out.request_id), toks, lps)
+
     @staticmethod
     def memory_in_use() -> int:
         """Bytes in use on this GPU as the driver sees them (sleep unmaps pages that the allocator counters miss)."""

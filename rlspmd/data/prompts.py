@@ -120,7 +120,10 @@ class PromptDataset:
         overlong: str = "drop",
         empty: str = "error",
         field_name: str = "data.train_files",
+        tools: list[dict] | None = None,
     ):
+        """``tools``: tool schemas rendered into every prompt through the chat template's ``tools`` argument
+        (``rollout.agent``); None renders as before."""
         self.tokenizer = tokenizer
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
@@ -145,7 +148,7 @@ class PromptDataset:
                 gt = (row["reward_model"] or {}).get("ground_truth")
                 if gt is None:
                     raise ValueError(f"{field_name}: {path} row {i}: reward_model.ground_truth is missing")
-                texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+                texts.append(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True))
                 info = dict(row.get("extra_info") or {})
                 info.setdefault("index", i)
                 self.rows.append(

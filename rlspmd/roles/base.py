@@ -96,7 +96,7 @@ def ppo_updates(engine: TrainingEngine, batch: Batch, loss_fn: Callable[[torch.n
     mesh = engine.mesh
     for _epoch in range(plan.epochs):
         for mini in batch.split(plan.local_mini_batch):
-            counts = all_reduce_sum(torch.stack(local_denominators(mini["response_mask_BR"])), mesh=mesh)
+            counts = all_reduce_sum(torch.stack(local_denominators(mini["loss_mask_BR"])), mesh=mesh)
             agg = AggArgs(mode=plan.loss_agg_mode, global_tokens=int(counts[0]), global_seqs=int(counts[1]),
                           norm_length=plan.norm_length)
             micro = split_micro_batches(mini, micro_batch_size=plan.micro_batch_size, max_tokens=plan.max_tokens, mesh=mesh)

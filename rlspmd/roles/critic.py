@@ -32,12 +32,12 @@ class Critic:
             micro_batch_size=self.cfg.values_micro_batch_size, max_tokens=self.cfg.values_max_tokens_per_micro_batch,
             mesh=self.engine.mesh,
         )
-        return batch.set(values_BR=values_BR * batch["response_mask_BR"])
+        return batch.set(values_BR=values_BR * batch["loss_mask_BR"])
 
     def update(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         steps = ppo_updates(self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), self.plan)
         record_updates(steps, metrics, prefix="critic", loss_name="vf_loss", engine=self.engine)
-        mask = batch["response_mask_BR"].float()
+        mask = batch["loss_mask_BR"].float()
         returns, values = batch["returns_BR"], batch["values_BR"]
         n_tok = mask.sum()
         # How well the rollout-time values predicted this step's returns (falls as the critic learns).
@@ -49,7 +49,7 @@ class Critic:
     def _loss(self, module, mb: Batch, agg: AggArgs, metrics: MetricBuffer) -> torch.Tensor:
         R = mb["responses_BR"].shape[1]
         values = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R)
-        mask = mb["response_mask_BR"].float()
+        mask = mb["loss_mask_BR"].float()
         loss, stats = value_loss(
             values, mb["values_BR"], mb["returns_BR"], mask, clip_range=self.cfg.cliprange_value, agg=agg
         )

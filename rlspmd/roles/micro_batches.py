@@ -27,12 +27,14 @@ def token_counts(batch: Batch) -> list[int]:
     return batch["attention_mask_BL"].sum(-1).tolist()
 
 
+MASKS = ("response_mask_BR", "loss_mask_BR")
+"""The masks a zero-weight copy empties (a scoring pass has neither: its output is simply discarded)."""
+
+
 def zero_weight_copy(batch: Batch) -> Batch:
-    """One sample whose response mask is empty: it runs through the model but contributes nothing to a masked loss."""
+    """One sample whose response masks are empty: it runs through the model but contributes nothing to a masked loss."""
     row = batch.select([0])
-    if "response_mask_BR" not in row:  # a scoring pass (reward model): its output is simply discarded
-        return row
-    return row.set(response_mask_BR=torch.zeros_like(row["response_mask_BR"]))
+    return row.set(**{k: torch.zeros_like(row[k]) for k in MASKS if k in row})
 
 
 def split_micro_batches(

@@ -49,7 +49,7 @@ def compute_logprobs(
 
 def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuffer) -> None:
     """``rollout/logprob_gap``: mean |rollout - trainer| log-prob of the sampled tokens (stale weights show here)."""
-    mask = batch["response_mask_BR"].float()
+    mask = batch["loss_mask_BR"].float()
     metrics.mean("rollout/logprob_gap", ((batch["rollout_logprobs_BR"] - old_logprobs_BR).abs() * mask).sum(), mask.sum())
 
 
@@ -99,7 +99,7 @@ class Policy:
         logp, entropy = module(
             mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, temperature=self.temperature
         )
-        mask = mb["response_mask_BR"].float()
+        mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()
         if self.reuse_update_logprobs:  # the one update of the step runs the behaviour policy itself (ratio 1)
             old_logp = logp.detach()

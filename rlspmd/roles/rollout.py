@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from rlspmd.agent.loop import AgentLoop
 from rlspmd.config import RolloutConfig
 from rlspmd.distributed.dispatch import all_gather_objects, even_split, redistribute_batch
 from rlspmd.distributed.mesh import DP, TP
@@ -84,13 +85,30 @@ def sampling_params(cfg: RolloutConfig) -> tuple[SamplingParams, SamplingParams]
     return train, val
 
 
+class SingleTurn:
+    """One response per sample: the engine's batched ``generate``."""
+
+    tool_schemas: list[dict] | None = None
+    tool_names: list[str] = []
+
+    def run(self, engine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
+            metrics: MetricBuffer) -> Batch:
+        return engine.generate(prompts, params, generator=generator)
+
+    def declare(self, metrics: MetricBuffer) -> None:
+        """Nothing of its own to report."""
+
+
 class Rollout:
     """Generation on this rank's engine (colocated placement; the rollout ranks of a split placement)."""
 
     def __init__(self, cfg: RolloutConfig, *, engine, weights: WeightSource, mesh, seed: int, device: torch.device,
-                 syncs_itself: bool = True):
+                 syncs_itself: bool = True, episodes: SingleTurn | AgentLoop | None = None):
         """``mesh``: the rollout role's 2-D (dp, tp) mesh. ``syncs_itself``: sync lazily when the engine has no
-        current weights (colocated); in split placement the actor side orders every sync."""
+        current weights (colocated); in split placement the actor side orders every sync. ``episodes``: what one
+        sample is, ``SingleTurn`` (default) or a multi-turn ``AgentLoop`` (the builder decides); the loop runs here,
+        where generation runs, so in split placement the tools run on the rollout ranks."""
+        self.episodes = episodes or SingleTurn()
         self.cfg, self.engine, self.weights = cfg, engine, weights
         self.dp_mesh, self.tp_mesh = mesh[DP], mesh[TP]
         self.seed, self.dp_rank, self.device = seed, self.dp_mesh.get_local_rank(), device
@@ -131,12 +149,12 @@ class Rollout:
         group = Batch.concat(nonempty).to(self.device)
         self.engine.wake()
         t0 = time.perf_counter()
-        out = self.engine.generate(group, params, generator=generator)
+        out = self.episodes.run(self.engine, group, params, generator, self._stats if record else MetricBuffer())
         gen_s = time.perf_counter() - t0
         self.engine.sleep()
         if record:
             self._stats.max("timing/rollout/gen", gen_s)
-            self._stats.sum("rollout/gen_tokens", out["response_mask_BR"].sum())
+            self._stats.sum("rollout/gen_tokens", out["loss_mask_BR"].sum())  # the model's own tokens only
         me = self.tp_mesh.get_local_rank() if len(parts) > 1 else 0
         start = sum(len(p) for p in parts[:me]) * params.n
         return out.slice(start, start + len(prompts) * params.n)
@@ -166,6 +184,7 @@ class Rollout:
             m.max(f"timing/rollout/{k.removesuffix('_s')}", v)
         m.max("timing/rollout/gen", 0.0)
         m.sum("rollout/gen_tokens", 0.0)
+        self.episodes.declare(m)  # every rank records the same names, also one that generated nothing
         # TP peers generate the same tokens: reduce over the DP dim only (each group counted once)
         out = m.reduce(mesh=self.dp_mesh)
         out["throughput/rollout/gen_tokens_per_s"] = out.pop("rollout/gen_tokens") / max(out["timing/rollout/gen"], 1e-9)

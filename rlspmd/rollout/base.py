@@ -36,12 +36,14 @@ class RolloutEngine(Protocol):
 
 
 def assemble_rollout(
-    batch: Batch, responses_BR: torch.Tensor, lengths_B: torch.Tensor, logprobs_BR: torch.Tensor, *, pad_id: int
+    batch: Batch, responses_BR: torch.Tensor, lengths_B: torch.Tensor, logprobs_BR: torch.Tensor, *, pad_id: int,
+    loss_mask_BR: torch.Tensor | None = None,
 ) -> Batch:
     """Add the response tensors and the concatenated training layout to ``batch`` (the repeated prompts).
 
     ``responses_BR`` may be wider than needed; it is trimmed to the longest response. Tokens past each
-    row's length are set to ``pad_id`` and masked out.
+    row's length are set to ``pad_id`` and masked out. ``loss_mask_BR``: which response tokens the model generated
+    (multi-turn rollouts); None: all of them (a single turn).
     """
     R = max(int(lengths_B.max()), 1) if len(lengths_B) else 1
     responses_BR = responses_BR[:, :R]
@@ -52,6 +54,7 @@ def assemble_rollout(
     return batch.set(
         responses_BR=responses_BR,
         response_mask_BR=mask_BR,
+        loss_mask_BR=mask_BR.clone() if loss_mask_BR is None else loss_mask_BR[:, :R] * mask_BR,
         rollout_logprobs_BR=logprobs_BR * mask_BR,
         input_ids_BL=torch.cat([batch["prompts_BP"], responses_BR], dim=1),
         attention_mask_BL=attention_mask_BL,

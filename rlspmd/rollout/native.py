@@ -20,9 +20,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from rlspmd.models.decoder import make_decoder
+from rlspmd.models.decoder import LLAMA_FAMILY, make_decoder
 from rlspmd.protocol import Batch
 from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.continuous import RequestSource, SlotDecoder, serve
 from rlspmd.rollout.cuda_graphs import StaticDecoder, static_decoder
 from rlspmd.rollout.sampling import SamplingParams, sample_next
 
@@ -147,6 +148,18 @@ class NativeEngine:
                 self.capture_s += static.capture_s
         tokens, lengths, logprobs = (torch.cat(x) for x in zip(*outs))
         return assemble_rollout(batch, tokens, lengths, logprobs, pad_id=self.pad_id)
+
+    def serve(self, source: RequestSource, params: SamplingParams, *, max_len: int, max_requests: int) -> dict:
+        """Request-level generation (``rollout/continuous.py``): continuous batching of ``source``'s requests over a
+        slotted KV cache of ``max_len`` positions, at most ``rollout.max_batch_size`` at a time (fewer when
+        ``max_requests``, the most that can be in flight, is smaller). Eager Llama-family decoding."""
+        slots = max(1, min(self.max_batch_size, max_requests))
+        with self.weights.model() as hf_model:
+            if hf_model.config.model_type not in LLAMA_FAMILY:
+                raise ValueError(f"rollout.agent: the native engine's request-level generation supports Llama-family "
+                                 f"models ({sorted(LLAMA_FAMILY)}), not model_type={hf_model.config.model_type!r}")
+            decoder = SlotDecoder(hf_model, slots=slots, max_len=max_len, device=self.device)
+            return serve(decoder, source, params, slots=slots, eos_ids=self.eos_ids.tolist())
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         if not isinstance(self.weights, OwnWeights):

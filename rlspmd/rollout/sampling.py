@@ -104,3 +104,30 @@ def _filter(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
         z = z.masked_fill(drop, float("-inf"))
     return z
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN  # int64 arithmetic wraps modulo 2**64, as the generator's unsigned arithmetic does
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def counter_uniform(seed_B: torch.Tensor, counter_B: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(B, 1)`` uniform draws in [0, 1), a pure function of each row's (seed, counter) (SplitMix64, Steele et al.
+    2014). Request-level generation samples a row's t-th token with counter t of its own seed, so its tokens do not
+    depend on which other requests share the batch or when it joined (``rollout/continuous.py``)."""
+    z = _splitmix64(_splitmix64(seed_B.long()) + counter_B.long())
+    return (_shr(z, 40).to(torch.float64) / float(1 << 24)).to(dtype)[:, None]

@@ -100,6 +100,12 @@ class VllmEngine:
         dev = batch["prompts_BP"].device
         return assemble_rollout(batch, tokens.to(dev), lengths.to(dev), logprobs.to(dev), pad_id=self.pad_id)
 
+    def serve(self, source, params: SamplingParams, *, max_len: int, max_requests: int) -> dict:
+        """Request-level generation for multi-turn rollouts (``rlspmd/agent/loop.py``): per-request calls on vLLM's
+        running engine (its own continuous batching), each turn a request of its own."""
+        self.lifecycle.apply("generate")
+        return self.backend.serve(source, params=params, stop_token_ids=self.eos_ids)
+
     def _timed(self, key: str, event: str, fn) -> None:
         self.lifecycle.apply(event)
         t0 = time.perf_counter()

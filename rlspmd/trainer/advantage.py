@@ -50,7 +50,7 @@ class TokenRewards:
     """``token_rewards_BR``: the score on the last valid response token, 0 elsewhere. Stateless."""
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
-        token_scores = token_level_scores(batch["scores_B"], batch["response_mask_BR"].float())
+        token_scores = token_level_scores(batch["scores_B"], batch["loss_mask_BR"].float())
         return batch.set(token_rewards_BR=token_scores)
 
 
@@ -79,7 +79,7 @@ class KLPenalizedTokenRewards:
             raise ValueError(f"algorithm.kl_ctrl.type={c.type!r} must be 'fixed' or 'adaptive'")
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
-        mask = batch["response_mask_BR"].float()
+        mask = batch["loss_mask_BR"].float()
         coef = self.controller.value
         rewards, kl = apply_kl_in_reward(
             token_level_scores(batch["scores_B"], mask), batch["old_logprobs_BR"], batch["ref_logprobs_BR"], mask,
@@ -117,7 +117,7 @@ class AdvantageStage:
         self.estimate = getattr(self, f"_{name}")
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
-        mask = batch["response_mask_BR"].float()
+        mask = batch["loss_mask_BR"].float()
         adv, ret = self.estimate(batch, batch["token_rewards_BR"], mask)
         return batch.set(advantages_BR=adv, returns_BR=ret)
 

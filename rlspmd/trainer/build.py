@@ -47,14 +47,16 @@ from rlspmd.roles.critic import Critic, NoCritic
 from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, resolve_ref_offload
 from rlspmd.roles.reward import NoReward, Reward
 from rlspmd.roles.reward_model import RewardModel
-from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer
+from rlspmd.agent import build_agent_loop
+from rlspmd.agent.loop import AgentLoop
+from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer, SingleTurn
 from rlspmd.rollout.native import NativeEngine, OwnWeights
 from rlspmd.rollout.weight_sync import WeightBridge
 from rlspmd.rollout.weights import BridgedWeights, InPlaceWeights, StreamedWeights
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_dir
 from rlspmd.trainer.prompts import NoPrompts, Prompts
-from rlspmd.trainer.report import NoReport, StepReport
+from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepReport
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, NoCheckpointing
 
@@ -263,13 +265,23 @@ def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype:
     return VllmEngine(backend, sleeps=sleeps, sleep_level=v.sleep_level, eos_ids=eos_ids, pad_id=pad_id, device=device)
 
 
+def build_episodes(cfg: RolloutConfig, *, tokenizer, eos_ids: list[int], pad_id: int, model_field: str) -> SingleTurn | AgentLoop:
+    """What one sample is: a single response, or a multi-turn conversation with tools (``rollout.agent``), whose tools,
+    parser, interaction and chat template are checked here, at start-up."""
+    if not cfg.agent.enabled:
+        return SingleTurn()
+    return build_agent_loop(cfg.agent, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
+                            max_response_length=cfg.max_response_length, model_field=model_field)
+
+
 def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | None, model_path: str, compute: torch.dtype,
                   eos_ids: list[int], pad_id: int, device: torch.device, seed: int, max_prompt_length: int,
-                  in_place_capable: bool = True) -> RolloutRole:
+                  in_place_capable: bool = True, episodes: SingleTurn | AgentLoop | None = None) -> RolloutRole:
     """The rollout role for this rank: ``Rollout`` (colocated), ``RolloutClient`` (split, actor ranks) or
     ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). ``in_place_capable``: the actor's engine can
-    lend its gathered weights (FSDP2; a megatron actor streams them). Collective: weight-stream manifests are local,
-    but a vLLM engine's construction spans the whole world."""
+    lend its gathered weights (FSDP2; a megatron actor streams them). ``episodes``: single- or multi-turn samples
+    (``build_episodes``); they run where generation runs (in split placement, tools run on the rollout ranks).
+    Collective: weight-stream manifests are local, but a vLLM engine's construction spans the whole world."""
     dims = meshes.dims
     dtype = rollout_dtype(cfg, compute=compute)
     kw = dict(model_path=model_path, dtype=dtype, tp=dims.role_tp["rollout"], eos_ids=eos_ids, pad_id=pad_id, device=device,
@@ -278,7 +290,8 @@ def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | No
         in_place = cfg.engine == "native" and dtype == compute and in_place_capable
         weights = InPlaceWeights(policy.engine) if in_place else StreamedWeights(policy.engine.weight_stream(dtype))
         engine = build_rollout_engine(cfg, weights=weights, sleeps=True, seed=seed + meshes.dp_rank("rollout"), **kw)
-        return Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device)
+        return Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device,
+                       episodes=episodes)
     link = meshes.link("actor", "rollout")
     bridge = WeightBridge(meshes.link("actor", "rollout", first_only=True), src=dims.role_ranks["actor"][0], device=device)
     rollout_ranks = dims.role_ranks["rollout"]
@@ -287,7 +300,8 @@ def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | No
                              device=device)
     weights = BridgedWeights(bridge)
     engine = build_rollout_engine(cfg, weights=weights, sleeps=False, seed=seed + meshes.dp_rank("rollout"), **kw)
-    local = Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device, syncs_itself=False)
+    local = Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device, syncs_itself=False,
+                    episodes=episodes)
     return RolloutServer(local, link=link, rollout_ranks=rollout_ranks)
 
 
@@ -306,9 +320,11 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
                                     field_name="actor.model.attn_kernel")
     tokenizer = load_tokenizer(m.tokenizer_path or m.path, field_name="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
+    episodes = build_episodes(cfg.rollout, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
+                              model_field="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
                       pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
-                      in_place_capable=cfg.actor.engine == "fsdp")
+                      in_place_capable=cfg.actor.engine == "fsdp", episodes=episodes)
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
                                    attn_kernel=attn_kernel)
@@ -324,7 +340,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         else SingleRound(train_batch_size=tbs)
     )
     prompts = Prompts(cfg.data, tokenizer, mesh=mesh, device=rt.device, is_main=rt.is_main,
-                      prompts_per_round=sampling.prompts_per_round, seed=trainer.seed)
+                      prompts_per_round=sampling.prompts_per_round, seed=trainer.seed, tools=episodes.tool_schemas)
     data_stats = broadcast_object(prompts.stats())  # over the world: rollout-only ranks follow the validation rounds
 
     plans = dict(samples_per_prompt=n, train_batch_size=tbs, dp=dp, max_response_length=R)
@@ -346,7 +362,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     )
     rollout = build_rollout(cfg.rollout, policy=actor, **rollout_kw)
     reward_model = build_reward_model(cfg, tokenizer=tokenizer, mesh=mesh, device=rt.device) if plan.reward_model else None
-    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model)
+    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model, agent=cfg.rollout.agent.enabled)
     shaping = OverlongShaping(cfg.reward.overlong_buffer, max_response_length=R) if cfg.reward.overlong_buffer.enable else NoShaping()
     baseline = (
         GreedyBaseline(rollout=rollout, score=lambda b, m: shaping(reward.score(b, m), m), samples_per_prompt=n)
@@ -370,7 +386,9 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         prompts=prompts, rollout=rollout, reward=reward, shaping=shaping, baseline=baseline, sampling=sampling, ref=ref,
         actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
         balance=balance,
-        report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts),
+        report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts,
+                          agent=AgentMetrics(tool_names=episodes.tool_names, mesh=mesh) if cfg.rollout.agent.enabled
+                          else NoAgentMetrics()),
         checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from, attn_kernel=attn_kernel,
     )
 

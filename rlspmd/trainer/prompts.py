@@ -18,13 +18,14 @@ from rlspmd.protocol import Batch
 
 class Prompts:
     def __init__(self, cfg: DataConfig, tokenizer, *, mesh: DeviceMesh, device: torch.device, is_main: bool,
-                 prompts_per_round: int, seed: int):
-        """Collective over ``mesh``; only rank 0 (``is_main``) reads the files."""
+                 prompts_per_round: int, seed: int, tools: list[dict] | None = None):
+        """Collective over ``mesh``; only rank 0 (``is_main``) reads the files. ``tools``: schemas rendered into
+        every prompt (``rollout.agent``)."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.train = self.val = self.sampler = None
         if is_main:
             kw = dict(prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length, overlong=cfg.overlong_prompts,
-                      empty=cfg.empty_prompts)
+                      empty=cfg.empty_prompts, tools=tools)
             self.train = PromptDataset(cfg.train_files, tokenizer, field_name="data.train_files", **kw)
             self.val = PromptDataset(cfg.val_files, tokenizer, field_name="data.val_files", **kw)
             self.sampler = EpochSampler(len(self.train), prompts_per_round, seed=seed, shuffle=cfg.shuffle)

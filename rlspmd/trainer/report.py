@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.distributed.dispatch import gather_batch
+from rlspmd.agent.loop import STOP_REASONS
+from rlspmd.distributed.dispatch import all_gather_objects, gather_batch
 from rlspmd.distributed.runtime import machine_info
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
@@ -23,18 +24,70 @@ from rlspmd.roles.rollout import truncated
 from rlspmd.trainer.timing import StageProbe
 
 
+class AgentMetrics:
+    """Multi-turn rollouts (``rollout.agent``): per step, from the batch's per-sample agent fields (``agent/loop.py``),
+    turns per sample, tool calls per sample (all, by tool, and the share of samples with one), tool errors and
+    timeouts per sample, why conversations ended, the share of response tokens masked out of the loss, and the tools'
+    own metrics (summed per sample, averaged over samples); in validation the tool-call rate and turns."""
+
+    validation_fields = ("agent_tool_calls_BK", "agent_turns_B")
+
+    def __init__(self, *, tool_names: list[str], mesh: DeviceMesh):
+        self.tool_names, self.mesh = tool_names, mesh
+
+    def step(self, batch: Batch, m: MetricBuffer) -> None:
+        n = len(batch)
+        calls = batch["agent_tool_calls_BK"]
+        m.mean("agent/turns", batch["agent_turns_B"].sum(), n)
+        m.mean("agent/user_turns", batch["agent_user_turns_B"].sum(), n)
+        m.mean("agent/tool_calls", calls.sum(), n)
+        m.mean("agent/tool_call_rate", (calls.sum(-1) > 0).float().sum(), n)
+        for k, name in enumerate(self.tool_names):
+            m.mean(f"agent/tool_calls/{name}", calls[:, k].sum(), n)
+        m.mean("agent/tool_errors", batch["agent_tool_errors_B"].sum(), n)
+        m.mean("agent/tool_timeouts", batch["agent_tool_timeouts_B"].sum(), n)
+        for reason in STOP_REASONS:
+            m.mean(f"agent/stop/{reason}", sum(s == reason for s in batch["agent_stop"]), n)
+        response = batch["response_mask_BR"].float()
+        m.mean("agent/masked_token_share", (response - batch["loss_mask_BR"].float()).sum(), response.sum())
+        # the tools' own metrics: every DP rank must record the same names, so agree on their union first
+        mine = sorted({k for d in batch["agent_tool_metrics"] for k in d})
+        for name in sorted({k for names in all_gather_objects(mine, mesh=self.mesh) for k in names}):
+            m.mean(f"agent/tool_metrics/{name}", sum(d.get(name, 0.0) for d in batch["agent_tool_metrics"]), n)
+
+    def validation(self, allv: Batch) -> dict[str, float]:
+        calls = allv["agent_tool_calls_BK"]
+        return {"val/agent/tool_call_rate": float((calls.sum(-1) > 0).float().mean()),
+                "val/agent/tool_calls": float(calls.sum(-1).mean()), "val/agent/turns": float(allv["agent_turns_B"].mean())}
+
+
+class NoAgentMetrics:
+    """Single-turn rollouts: nothing to add."""
+
+    validation_fields: tuple[str, ...] = ()
+
+    def step(self, batch: Batch, m: MetricBuffer) -> None:
+        pass
+
+    def validation(self, allv: Batch) -> dict[str, float]:
+        return {}
+
+
 class StepReport:
     def __init__(self, *, mesh: DeviceMesh, eos_ids: list[int], max_response_length: int,
-                 components: tuple[tuple[str, str], ...]):
-        """``components``: (batch field, metric name) of the reward's parts and shaping, reported as ``reward/<name>``."""
+                 components: tuple[tuple[str, str], ...], agent: AgentMetrics | NoAgentMetrics | None = None):
+        """``components``: (batch field, metric name) of the reward's parts and shaping, reported as ``reward/<name>``.
+        ``agent``: the multi-turn metrics (the builder decides; default none)."""
         self.mesh, self.eos_ids, self.max_response_length = mesh, eos_ids, max_response_length
         self.components = components
+        self.agent = agent or NoAgentMetrics()
         self._val: list[Batch] = []
 
     def step(self, batch: Batch, m: MetricBuffer, probe: StageProbe) -> dict[str, float]:
         """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks, and
         the stages' seconds and peak memory (max over ranks)."""
         scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
+        loss_mask = batch["loss_mask_BR"].float()  # the model's own tokens (all of the response in single turn)
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
         m.mean("reward/sq", scores.pow(2).sum(), n)
@@ -46,23 +99,27 @@ class StepReport:
         m.max("response_length/max", lengths.max())
         clipped = truncated(batch, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
         m.mean("response_length/clip_ratio", clipped.float().sum(), n)
-        adv, valid = batch["advantages_BR"], mask > 0
-        m.mean("adv/mean", (adv * mask).sum(), mask.sum())
+        adv, valid = batch["advantages_BR"], loss_mask > 0
+        m.mean("adv/mean", (adv * loss_mask).sum(), loss_mask.sum())
         m.max("adv/max", torch.where(valid, adv, -torch.inf).max())
         m.min("adv/min", torch.where(valid, adv, torch.inf).min())
         m.sum("tokens/response", mask.sum())
+        m.sum("tokens/generated", loss_mask.sum())
+        self.agent.step(batch, m)
         m.sum("tokens/total", batch["attention_mask_BL"].sum())
         for k, v in probe.metrics().items():
             m.max(k, v)
         out = m.reduce(mesh=self.mesh)
         out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
         out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
-        out["throughput/gen_tokens_per_s"] = out["tokens/response"] / max(out["timing/gen"], 1e-9)
+        # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response)
+        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], 1e-9)
         return out
 
     def add_validation(self, scored: Batch, n_pad: int) -> None:
         """One validation round's scored samples (``n_pad`` padding rows at the global end), gathered to rank 0."""
-        slim = Batch({"scores_B": scored["scores_B"].cpu(), "task_scores_B": scored["task_scores_B"].cpu()},
+        slim = Batch({"scores_B": scored["scores_B"].cpu(), "task_scores_B": scored["task_scores_B"].cpu(),
+                      **{k: scored[k].cpu() for k in self.agent.validation_fields}},
                      {"data_source": scored["data_source"]})
         gathered = gather_batch(slim, mesh=self.mesh)
         if gathered is not None:
@@ -75,7 +132,8 @@ class StepReport:
             return {}
         allv = Batch.concat(results)
         scores, task = allv["scores_B"], allv["task_scores_B"]
-        metrics = {"val/acc": float((task >= 1.0).float().mean()), "val/reward": float(scores.mean())}
+        metrics = {"val/acc": float((task >= 1.0).float().mean()), "val/reward": float(scores.mean()),
+                   **self.agent.validation(allv)}
         sources = allv["data_source"]
         for src in sorted(set(sources)):
             sel = torch.tensor([s == src for s in sources])
@@ -103,7 +161,7 @@ class RunSummary:
         self.t0 = time.time()
         self.val: list[tuple[int, float]] = []
         self.timings: list[dict[str, float]] = []
-        self.tokens: list[tuple[float, float]] = []  # (response tokens, all tokens) per step
+        self.tokens: list[tuple[float, float]] = []  # (generated tokens, all tokens) per step
         self.last: dict[str, float] = {}
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
@@ -112,7 +170,7 @@ class RunSummary:
         t = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
         if t:
             self.timings.append(t)
-            self.tokens.append((metrics.get("tokens/response", 0.0), metrics.get("tokens/total", 0.0)))
+            self.tokens.append((metrics.get("tokens/generated", 0.0), metrics.get("tokens/total", 0.0)))
         self.last = metrics
 
     def as_dict(self) -> dict:

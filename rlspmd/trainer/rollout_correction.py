@@ -8,7 +8,7 @@ from facts the builder knows, and applies it to a ``Batch``:
   `ResolvedRolloutCorrection`: concrete mode, level and thresholds, and a sentence saying why.
 * `check_bypass(resolved, ppo_epochs=..., mini_batch_size=..., train_batch_size=...)`: bypass mode's conditions.
 * `RolloutCorrectionStage(resolved)(batch)`: once per step, after the old log-probs (decoupled mode): adds
-  ``rollout_is_weights_BR``, replaces ``response_mask_BR`` by the mask without rejected tokens, and returns the
+  ``rollout_is_weights_BR``, replaces ``loss_mask_BR`` by the mask without rejected tokens, and returns the
   ``rollout_corr/*`` metrics. `record_correction_metrics` records them for a correction computed elsewhere (inside
   the loss, against the current policy, when there is no old-log-prob pass).
 """
@@ -145,7 +145,7 @@ def record_correction_metrics(correction: RolloutCorrection, metrics: MetricBuff
 
 
 class RolloutCorrectionStage:
-    """Adds ``rollout_is_weights_BR`` and applies the rejection to ``response_mask_BR``; its metrics go to the step's.
+    """Adds ``rollout_is_weights_BR`` and applies the rejection to ``loss_mask_BR``; its metrics go to the step's.
 
     Decoupled mode: call once per step after ``actor.log_prob`` (it reads ``old_logprobs_BR`` and
     ``rollout_logprobs_BR``) and before the advantages, as verl does. With ``mode=off`` the weights are 1 and the
@@ -157,6 +157,6 @@ class RolloutCorrectionStage:
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         correction = self.resolved.apply(batch["old_logprobs_BR"], batch["rollout_logprobs_BR"],
-                                         batch["response_mask_BR"])
+                                         batch["loss_mask_BR"])
         record_correction_metrics(correction, metrics)
-        return batch.set(rollout_is_weights_BR=correction.weights_BT, response_mask_BR=correction.mask_BT)
+        return batch.set(rollout_is_weights_BR=correction.weights_BT, loss_mask_BR=correction.mask_BT)

@@ -56,6 +56,41 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The same ChatML plus tools (``--tools``): the schemas as a compact system turn ("Tools:" then one
+# ``name(arguments): description`` line per tool, short on purpose for a model this small), tool results as a user
+# turn of ``<tool_response>`` blocks (Qwen2.5's layout), assistant ``tool_calls`` as ``<tool_call>`` JSON. Without tools
+# and tool messages it renders exactly what CHAT_TEMPLATE renders.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% endif %}"
+    "{{ 'Tools:' }}"
+    "{% for tool in tools %}{% set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ '\\n' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): ' + f['description'] }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if 'function' in call else call %}"
+    "{{ '<tool_call>' + ({'name': fn['name'], 'arguments': fn['arguments']} | tojson) + '</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+"""Added (not special) tokens of a ``--tools`` model, as in Qwen2.5: a call's tags are one token each and survive
+decoding, where the parser reads them."""
+
 _NAMES = "Tom Anna James Maria Li Sara Omar Kate Ben Nina John Emma Raj Mia Paul Zoe".split()
 _ITEMS = "apple book coin pencil cookie marble ticket flower card stamp egg shell box cup toy bottle".split()
 _WORDS = (
@@ -144,9 +179,12 @@ def build(
     tie_embeddings: bool = True,
     dtype: str = "float32",
     seed: int = 0,
+    tools: bool = False,
 ) -> Path:
     """Write the tokenizer and model to ``out`` and return it. ``vocab_size=None`` sizes the model from
-    the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes)."""
+    the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes). ``tools``: the tool-calling
+    chat template and the ``TOOL_TOKENS`` (agentic RL); the same weights as without (the default vocabulary has room
+    for the added tokens)."""
     import torch
     import transformers
 
@@ -165,17 +203,21 @@ def build(
 
     backend = train_tokenizer(vocab_size or DEFAULT_TOKENIZER_VOCAB)
     trained = backend.get_vocab_size()
-    model_vocab = vocab_size if vocab_size is not None else -(-trained // 64) * 64
-    assert trained <= model_vocab, (trained, model_vocab)
+    needed = trained + (len(TOOL_TOKENS) if tools else 0)
+    model_vocab = vocab_size if vocab_size is not None else -(-needed // 64) * 64
+    if needed > model_vocab:
+        raise ValueError(f"--vocab-size {model_vocab} is smaller than the tokenizer's {needed} tokens")
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=ENDOFTEXT,
         padding_side="left",  # rollouts left-pad prompts so generation continues from the right edge
         model_max_length=max_position,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
+    if tools:
+        tokenizer.add_tokens(TOOL_TOKENS)
     tokenizer.save_pretrained(out)
 
     ids = {tok: backend.token_to_id(tok) for tok in SPECIAL_TOKENS}
@@ -214,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tools", action="store_true", help="tool-calling chat template and tool-call tokens (agentic RL)")
     args = p.parse_args(argv)
 
     start = time.perf_counter()
@@ -230,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         tie_embeddings=args.tie_embeddings,
         dtype=args.dtype,
         seed=args.seed,
+        tools=args.tools,
     )
     config = json.loads((out / "config.json").read_text())
     print(

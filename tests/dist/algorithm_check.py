@@ -37,6 +37,7 @@ def global_batch() -> Batch:
     return Batch({
         "scores_B": scores,
         "response_mask_BR": mask,
+        "loss_mask_BR": mask,
         "uid_B": torch.arange(G).repeat_interleave(N),
         "old_logprobs_BR": -torch.rand(B, R, generator=g) * mask,
         "ref_logprobs_BR": -torch.rand(B, R, generator=g) * mask,
@@ -61,6 +62,7 @@ def fake_round(rank: int, world: int, round_index: int, prompts_per_rank: int):
     responses = (uid[:, None] * 10 + round_index).expand(rows, Rr).clone()  # tokens identify (prompt, round)
     return Batch(
         {"prompts_BP": prompts, "prompt_mask_BP": prompt_mask, "responses_BR": responses, "response_mask_BR": resp_mask,
+         "loss_mask_BR": resp_mask,
          "input_ids_BL": torch.cat([prompts, responses], 1), "attention_mask_BL": attn,
          "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0), "uid_B": uid, "task_scores_B": task, "scores_B": task.clone()},
         {"tag": [f"p{int(u)}r{round_index}" for u in uid]},

@@ -40,6 +40,7 @@ def fixed_batch(tok) -> Batch:
             "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0),
             "responses_BR": r["input_ids"],
             "response_mask_BR": r["attention_mask"],
+            "loss_mask_BR": r["attention_mask"],
         }
     )
 

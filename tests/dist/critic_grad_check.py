@@ -38,6 +38,7 @@ def global_batch(vocab: int) -> Batch:
             "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0),
             "responses_BR": responses,
             "response_mask_BR": response_mask,
+            "loss_mask_BR": response_mask,
             "values_BR": torch.randn(B, R, generator=g) * 0.3 * response_mask,
             "returns_BR": torch.rand(B, R, generator=g) * response_mask,
         }
