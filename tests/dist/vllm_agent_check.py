@@ -9,7 +9,6 @@ the trainer's log-probs of the tokens vLLM generated agree with vLLM's on the mo
 
 import sys
 
-import torch
 import torch.distributed as dist
 
 from rlspmd.config import ActorConfig, AgentConfig, DistConfig, MeshConfig, ModelConfig, RolloutConfig, VllmConfig
