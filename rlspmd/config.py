@@ -543,6 +543,13 @@ class TrainerConfig:
     """End this job after this step with a checkpoint, while the LR schedule still spans ``total_steps``
     (continue with ``--resume auto``). For chains of walltime-limited jobs, like Megatron's ``--exit-interval``.
     0 runs to ``total_steps``."""
+    max_staleness: int = 0
+    """Asynchronous RL, split placement only (``mesh.rollout_ranks`` apart from the actor's): the rollout ranks
+    generate the batch of step t + k while the actor ranks train on step t (k = ``max_staleness``), so a batch is
+    trained on with weights up to k updates newer than the ones that generated it. Every sample carries its weight
+    version (``weight_version_B``); ``rollout/staleness/*`` logs the distribution. 0: the synchronous loop. With k > 0
+    ``algorithm.rollout_correction.mode=auto`` switches the correction on. Not with dynamic sampling
+    (``algorithm.filter_groups``) or ReMax, whose extra generation rounds depend on the batch being trained."""
     print_summary_json: bool = False
     """Print the run summary as one JSON line at the very end (``sec_per_step``: median step time after the first
     step; ``gen_tokens_per_sec``; the step-time breakdown; the machine). The benchmark configs turn it on."""

@@ -83,7 +83,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
 
     p = Problems()
     _literals(p, cfg, "")
-    dp = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
+    dp, split = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
     d, r = cfg.data, cfg.rollout
     with_critic = cfg.algorithm.adv_estimator in NEEDS_VALUES
     _data(p, d)
@@ -102,6 +102,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     if not 0 <= t.stop_at_step <= t.total_steps:
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
     _loggers(p, "trainer.loggers", t.loggers)
+    _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
     p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
     if check_files:
@@ -261,16 +262,16 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
 
 
-def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> int:
+def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> tuple[int, bool]:
     """The placements the RL trainer runs (colocated, or the rollout on ranks of its own); the actor's DP size
-    (0 when the placement itself is invalid)."""
+    (0 when the placement itself is invalid) and whether the placement is split."""
     from rlspmd.distributed.mesh import ParallelDims
 
     try:
         dims = ParallelDims.from_config(mesh, world_size)  # the reference, critic and reward model follow the actor
     except ValueError as e:
         p.lines.append(str(e))
-        return 0
+        return 0, False
     actor = dims.role_ranks["actor"]
     if 0 not in actor:
         p.add("mesh.actor_ranks", mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}")
@@ -285,7 +286,27 @@ def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -
     if split and engine == "vllm":
         p.add("rollout.engine", "vllm", "runs colocated only (vLLM's external_launcher builds its process groups over the "
               "whole torch world); use rollout.engine=native for split placement")
-    return dims.dp_size("actor")
+    return dims.dp_size("actor"), split
+
+
+def _staleness(p: Problems, max_staleness: int, *, split: bool, alg: AlgorithmConfig) -> None:
+    """Asynchronous RL overlaps generation on the rollout ranks with training on the actor's: it needs them apart, and
+    a step whose generation depends on its own batch (dynamic sampling's extra rounds, ReMax's greedy baseline of the
+    same prompts) cannot be generated a step ahead."""
+    from rlspmd.algorithms import NEEDS_GREEDY_BASELINE
+
+    p.at_least("trainer.max_staleness", max_staleness, 0)
+    if max_staleness < 1:
+        return
+    if not split:
+        p.add("trainer.max_staleness", max_staleness, "asynchronous RL needs split placement (mesh.actor_ranks and "
+              "mesh.rollout_ranks on different ranks): colocated, generation and training share the devices")
+    if alg.filter_groups.enable:
+        p.add("trainer.max_staleness", max_staleness, "does not combine with dynamic sampling (algorithm.filter_groups."
+              "enable): its extra generation rounds depend on the batch being trained")
+    if alg.adv_estimator in NEEDS_GREEDY_BASELINE:
+        p.add("trainer.max_staleness", max_staleness, f"does not combine with algorithm.adv_estimator="
+              f"{alg.adv_estimator!r}, whose greedy baseline generates the trained batch's own prompts")
 
 
 def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:

@@ -67,11 +67,11 @@ def put(metrics: MetricBuffer, reduced: dict[str, float]) -> None:
         metrics.max(k, v)
 
 
-def truncated(batch: Batch, *, eos_ids: list[int], max_response_length: int) -> torch.Tensor:
-    """Samples that hit ``max_response_length`` without producing EOS."""
-    lengths = batch["response_mask_BR"].sum(-1)
-    R = batch["responses_BR"].shape[1]
-    last = batch["responses_BR"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+def truncated(responses_BR: torch.Tensor, lengths_B: torch.Tensor, *, eos_ids: list[int], max_response_length: int) -> torch.Tensor:
+    """Samples (``lengths_B`` tokens sampled each) that hit ``max_response_length`` without producing EOS."""
+    lengths = lengths_B.long()
+    R = responses_BR.shape[1]
+    last = responses_BR.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
     ended = torch.isin(last, torch.tensor(eos_ids, device=last.device))
     return (lengths >= max_response_length) & ~ended & (R >= max_response_length)
 

@@ -39,7 +39,7 @@ from rlspmd.rewards import RewardManager
 from rlspmd.rewards.shaping import NoShaping, OverlongShaping
 from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
 from rlspmd.roles.critic import Critic, NoCritic
-from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, resolve_ref_offload
+from rlspmd.roles.policy import NoPolicy, NoReference, OldLogProbs, Policy, Reference, build_policy_module, resolve_ref_offload
 from rlspmd.roles.reward import NoReward, Reward
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer
@@ -50,6 +50,9 @@ from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_dir
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import NoReport, StepReport
+from rlspmd.trainer.rollout_correction import (
+    ResolvedRolloutCorrection, RolloutCorrectionStage, check_bypass, resolve_rollout_correction,
+)
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, NoCheckpointing
 
@@ -89,6 +92,8 @@ class Roles:
     critic: CriticRole
     token_rewards: Stage
     advantage: Stage
+    correction: RolloutCorrectionStage | Stage
+    """Rollout correction of the step's batch when the old log-probs were recomputed (else the loss applies it)."""
     balance: Stage
     report: StepReport | NoReport
     checkpointing: Checkpointing | NoCheckpointing
@@ -98,6 +103,8 @@ class Roles:
     """The checkpoint to resume from (chosen before any model loads, so a bad one fails in seconds)."""
     attn_kernel: str
     """The training forwards' attention kernel (``model.attn_kernel`` resolved for this device), for the run log."""
+    rollout_correction: ResolvedRolloutCorrection
+    """``algorithm.rollout_correction`` resolved for this run (its mode and why), for the run log."""
 
 
 class Skip:
@@ -165,12 +172,13 @@ def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
-                 reuse_update_logprobs: bool = False, seed: int = 0) -> Policy:
+                 correction: ResolvedRolloutCorrection, old_logprobs: OldLogProbs = "recompute", seed: int = 0) -> Policy:
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
                           section="actor")
-    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs, seed=seed)
+    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, correction=correction, old_logprobs=old_logprobs,
+                  seed=seed)
 
 
 def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float) -> Reference:
@@ -213,8 +221,8 @@ def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype:
     private copy loaded from disk and replaced at the first sync) or vLLM (in-process, dummy weights until the first sync)."""
     if cfg.engine == "native":
         if not weights.in_place:
-            dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-            weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name, attn_implementation="sdpa", field_name="actor.model.path").to(device))
+            weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name(dtype), attn_implementation="sdpa",
+                                                field_name="actor.model.path").to(device))
         return NativeEngine(weights, eos_ids=eos_ids, pad_id=pad_id, max_batch_size=cfg.max_batch_size, device=device,
                             compile_decode=cfg.compile_decode, cuda_graphs=cfg.cuda_graphs)
     from rlspmd.rollout.vllm import VllmEngine
@@ -270,6 +278,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     attn_kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing,
                                     device=rt.device, dtype=actor_compute_dtype(cfg.actor, rt.device),
                                     field_name="actor.model.attn_kernel")
+    correction = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, rt.device),
+                                          split=meshes.dims.disjoint("actor", "rollout"))
     tokenizer = load_tokenizer(m.tokenizer_path or m.path, field_name="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
@@ -277,7 +287,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
                       in_place_capable=cfg.actor.engine == "fsdp")
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
-                                   attn_kernel=attn_kernel)
+                                   attn_kernel=attn_kernel, correction=correction)
 
     mesh = meshes.get("actor", DP)
     dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
@@ -302,10 +312,10 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         critic_rows = c_plan.local_mini_batch
     a = cfg.actor
     a_plan = actor_plan(a, total_steps=max(1, trainer.total_steps - critic.warmup_steps), **plans)
-    # One update per step and no consumer of old log-probs before it: the update's forward provides them.
-    reuse = a.reuse_update_logprobs and a_plan.single_update and not cfg.algorithm.use_kl_in_reward
+    old_logprobs = old_logprob_source(a, single_update=a_plan.single_update, correction=correction,
+                                      use_kl_in_reward=cfg.algorithm.use_kl_in_reward)
     actor = build_policy(a, mesh=mesh, device=rt.device, plan=a_plan, temperature=cfg.rollout.temperature,
-                         reuse_update_logprobs=reuse, seed=trainer.seed)
+                         correction=correction, old_logprobs=old_logprobs, seed=trainer.seed)
     ref: ReferenceRole = (
         build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature)
         if plan.reference else NoReference()
@@ -335,13 +345,45 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     return Roles(
         prompts=prompts, rollout=rollout, reward=reward, shaping=shaping, baseline=baseline, sampling=sampling, ref=ref,
         actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
-        balance=balance,
+        correction=RolloutCorrectionStage(correction) if old_logprobs == "recompute" else Skip(), balance=balance,
         report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts),
         checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from, attn_kernel=attn_kernel,
+        rollout_correction=correction,
     )
 
 
-def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan, attn_kernel: str) -> Roles:
+def build_rollout_correction(cfg: Config, *, compute: torch.dtype, split: bool) -> ResolvedRolloutCorrection:
+    """``algorithm.rollout_correction`` resolved from the facts of this run (engine, rollout and actor dtypes, placement,
+    staleness); bypass mode's conditions checked. Every rank resolves it (before any model loads), so a bad
+    combination fails everywhere at once."""
+    resolved = resolve_rollout_correction(
+        cfg.algorithm.rollout_correction, engine=cfg.rollout.engine, rollout_dtype=cfg.rollout.dtype,
+        actor_compute_dtype=dtype_name(compute), placement="split" if split else "colocated",
+        max_staleness=cfg.trainer.max_staleness,
+    )
+    a = cfg.actor
+    check_bypass(resolved, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
+                 train_batch_size=cfg.data.train_batch_size)
+    return resolved
+
+
+def old_logprob_source(cfg: ActorConfig, *, single_update: bool, correction: ResolvedRolloutCorrection,
+                       use_kl_in_reward: bool) -> OldLogProbs:
+    """Bypass mode: the rollout's log-probs. One update per step and no consumer of old log-probs before it (KL in the
+    reward reads them): the update's own forward. Otherwise a forward of their own."""
+    if correction.bypass:
+        return "rollout"
+    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward:
+        return "update"
+    return "recompute"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan, attn_kernel: str,
+                        correction: ResolvedRolloutCorrection) -> Roles:
     """Split placement, a rank that hosts only the rollout: it serves generation and the weight sync, in step with the
     actor's ranks; nothing else happens here."""
     data_stats = broadcast_object(None)
@@ -349,8 +391,9 @@ def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, pla
     return Roles(
         prompts=NoPrompts(), rollout=rollout, reward=NoReward(), shaping=NoShaping(),
         baseline=FollowGreedy(rollout=rollout) if plan.greedy_baseline else NoBaseline(), sampling=sampling,
-        ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), balance=Skip(),
-        report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None, attn_kernel=attn_kernel,
+        ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), correction=Skip(),
+        balance=Skip(), report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None,
+        attn_kernel=attn_kernel, rollout_correction=correction,
     )
 
 
@@ -374,7 +417,8 @@ def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes):
     stop_request = StopRequest().install()
     roles = build_roles(cfg, rt, meshes)
     return RLTrainer(cfg.trainer, roles=roles, rt=rt, stop_request=stop_request, val_batch_size=cfg.data.val_batch_size,
-                     messages=[f"packed attention kernel: {roles.attn_kernel}", *_warnings(cfg)])
+                     messages=[f"packed attention kernel: {roles.attn_kernel}",
+                               f"rollout correction: {roles.rollout_correction.summary()}", *_warnings(cfg)])
 
 
 def _warnings(cfg: Config) -> list[str]:

@@ -35,22 +35,25 @@ class StepReport:
         """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks, and
         the stages' seconds and peak memory (max over ranks)."""
         scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
+        # What was sampled, before a rollout correction took rejected tokens out of the response mask: the response
+        # part of the attention mask.
+        sampled = batch["attention_mask_BL"][:, batch["prompts_BP"].shape[1]:].float()
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
         m.mean("reward/sq", scores.pow(2).sum(), n)
         m.mean("acc/mean", (batch["task_scores_B"] >= 1.0).float().sum(), n)
         for key, name in self.components:
             m.mean(f"reward/{name}", batch[key].sum(), n)
-        lengths = mask.sum(-1)
+        lengths = sampled.sum(-1)
         m.mean("response_length/mean", lengths.sum(), n)
         m.max("response_length/max", lengths.max())
-        clipped = truncated(batch, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
+        clipped = truncated(batch["responses_BR"], lengths, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
         m.mean("response_length/clip_ratio", clipped.float().sum(), n)
         adv, valid = batch["advantages_BR"], mask > 0
         m.mean("adv/mean", (adv * mask).sum(), mask.sum())
         m.max("adv/max", torch.where(valid, adv, -torch.inf).max())
         m.min("adv/min", torch.where(valid, adv, torch.inf).min())
-        m.sum("tokens/response", mask.sum())
+        m.sum("tokens/response", sampled.sum())
         m.sum("tokens/total", batch["attention_mask_BL"].sum())
         for k, v in probe.metrics().items():
             m.max(k, v)
