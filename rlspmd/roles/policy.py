@@ -74,10 +74,12 @@ def build_policy_module(
 
 
 def policy_gradient_inputs(mb: Batch, logp_BR: torch.Tensor, mask_BR: torch.Tensor, *, old_logprobs: OldLogProbs,
-                           correction: ResolvedRolloutCorrection, metrics: MetricBuffer):
+                           correction: ResolvedRolloutCorrection | None, metrics: MetricBuffer):
     """``(old_logprobs_BR, mask_BR, weights_BR)`` for the policy loss of micro-batch ``mb``, rollout correction applied.
 
     ``logp_BR``: the update's log-probs of the sampled tokens (detached here). ``mask_BR``: the response mask.
+    ``correction`` None: batches built without one (tools and tests that train on a batch they made): trained as
+    given, no weights.
 
     * ``recompute``: the step's correction stage ran once against the recomputed old log-probs: its weights
       (``rollout_is_weights_BR``) and its mask (already in ``mb``, and so in the loss denominators) are used as they are.
@@ -87,6 +89,12 @@ def policy_gradient_inputs(mb: Batch, logp_BR: torch.Tensor, mask_BR: torch.Tens
     * ``rollout`` (bypass): the old log-probs are the engine's, so PPO's ratio pi_theta / pi_rollout already carries the
       importance weight; only the rejection mask applies (weights would count the ratio twice, verl's bypass mode).
     """
+    if correction is None:
+        assert old_logprobs != "rollout", "bypass mode needs a rollout correction"
+        if old_logprobs == "recompute":
+            return mb["old_logprobs_BR"], mask_BR, None
+        logprob_gap(mb, logp_BR.detach(), metrics)
+        return logp_BR.detach(), mask_BR, None
     if old_logprobs == "recompute":
         return mb["old_logprobs_BR"], mask_BR, mb["rollout_is_weights_BR"]
     train_BR = logp_BR.detach()
@@ -100,10 +108,11 @@ def policy_gradient_inputs(mb: Batch, logp_BR: torch.Tensor, mask_BR: torch.Tens
 
 class Policy:
     def __init__(self, cfg: ActorConfig, *, engine: TrainingEngine, plan: UpdatePlan, temperature: float,
-                 correction: ResolvedRolloutCorrection, old_logprobs: OldLogProbs = "recompute", seed: int = 0):
+                 correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
+                 seed: int = 0):
         """``old_logprobs``: where the old log-probs come from (the builder decided: ``update`` and ``rollout`` need one
-        update per step). ``correction``: the resolved rollout correction. ``seed``: Clip-Cov's token draws (offset per
-        DP rank)."""
+        update per step). ``correction``: the resolved rollout correction (the trainer always has one; None trains on
+        batches as given, for tools and tests). ``seed``: Clip-Cov's token draws (offset per DP rank)."""
         assert plan.single_update or old_logprobs == "recompute", f"old_logprobs={old_logprobs!r} needs a single update"
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.temperature = temperature

@@ -172,7 +172,8 @@ def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
-                 correction: ResolvedRolloutCorrection, old_logprobs: OldLogProbs = "recompute", seed: int = 0) -> Policy:
+                 correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
+                 seed: int = 0) -> Policy:
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
