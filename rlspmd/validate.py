@@ -95,6 +95,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _reward(p, cfg.reward, max_response_length=r.max_response_length)
+    _gdpo(p, cfg.algorithm, cfg.reward)
     _dist(p, cfg.dist)
     t = cfg.trainer
     p.at_least("trainer.total_steps", t.total_steps, 1)
@@ -241,6 +242,21 @@ def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int) -> None:
     p.at_least("reward.num_workers", rw.num_workers, 0)
 
 
+def _gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig) -> None:
+    """Reward components have distinct names (their metrics and columns), and GDPO's weights one per column."""
+    from rlspmd.roles.reward import component_columns
+
+    columns = component_columns(rw)
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if repeated:
+        p.add("reward.components", rw.components, f"name the function(s) {repeated} twice (or as a built-in column: "
+              "task_score, rm_score); each component needs a name of its own")
+    weights = alg.gdpo_reward_weights
+    if alg.adv_estimator == "gdpo" and weights is not None and len(weights) != len(columns):
+        p.add("algorithm.gdpo_reward_weights", weights, f"needs one weight per reward component: {len(columns)} "
+              f"columns {columns} (the rule score, the reward model's with reward.model.path, then reward.components)")
+
+
 def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     """Model, tokenizer and data files, the reward function, the checkpoint to resume: every path the run reads."""
     a, rw = cfg.actor, cfg.reward
@@ -255,6 +271,8 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     _data_files(p, "data.val_files", cfg.data.val_files)
     if rw.function is not None:
         p.file_check(check_function_spec, rw.function, field_name="reward.function")
+    for i, spec in enumerate(rw.components):
+        p.file_check(check_function_spec, spec, field_name=f"reward.components[{i}]")
     resume = cfg.checkpoint.resume.strip()
     if resume not in ("auto", "none"):
         from rlspmd.trainer.checkpoint import resolve_checkpoint

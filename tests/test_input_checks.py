@@ -13,7 +13,7 @@ import pytest
 
 from rlspmd.config import (
     ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, MeshConfig, RewardConfig, RolloutConfig, SFTConfig,
-    SFTDataConfig, load_config_file,
+    SFTDataConfig, TrainerConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -48,6 +48,20 @@ def with_(cfg=None, **sections) -> Config:
     (with_(mesh=MeshConfig(rollout_ranks="0")), ["mesh.rollout_ranks='0': ranks [0] must equal the actor's ranks [0, 1]"]),
     (with_(mesh=MeshConfig(actor_ranks="1", rollout_ranks="0")), ["mesh.actor_ranks='1': must include rank 0"]),
     (with_(mesh=MeshConfig(rollout_tp=3)), ["mesh: rollout tensor-parallel degree 3 does not divide its 2 ranks"]),
+    # asynchronous RL: split placement only, and no generation that depends on the trained batch
+    (with_(trainer=TrainerConfig(max_staleness=1)), ["trainer.max_staleness=1: asynchronous RL needs split placement"]),
+    (with_(trainer=TrainerConfig(max_staleness=-1)), ["trainer.max_staleness=-1: must be >= 0"]),
+    (with_(trainer=TrainerConfig(max_staleness=1), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
+           algorithm=AlgorithmConfig(adv_estimator="remax")),
+     ["trainer.max_staleness=1: does not combine with algorithm.adv_estimator='remax'"]),
+    (with_(trainer=TrainerConfig(max_staleness=2), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
+           algorithm=AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=True))),
+     ["trainer.max_staleness=2: does not combine with dynamic sampling"]),
+    # GDPO: one weight per column (the rule score, then reward.components), components named once
+    (with_(algorithm=AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])),
+     ["algorithm.gdpo_reward_weights=[1.0, 0.5]: needs one weight per reward component: 1 columns ['task_score']"]),
+    (with_(reward=RewardConfig(components=["a.py:fmt", "b.py:fmt"])),
+     ["reward.components=['a.py:fmt', 'b.py:fmt']: name the function(s) ['fmt'] twice"]),
 ])
 def test_config_problems_name_the_field_and_value(cfg, expected):
     got = problems(cfg)

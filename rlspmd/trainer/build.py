@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -40,7 +41,8 @@ from rlspmd.rewards.shaping import NoShaping, OverlongShaping
 from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
 from rlspmd.roles.critic import Critic, NoCritic
 from rlspmd.roles.policy import NoPolicy, NoReference, OldLogProbs, Policy, Reference, build_policy_module, resolve_ref_offload
-from rlspmd.roles.reward import NoReward, Reward
+from rlspmd.rewards.functions import spec_name
+from rlspmd.roles.reward import NoReward, Reward, component_manager
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer
 from rlspmd.rollout.native import NativeEngine, OwnWeights
@@ -54,7 +56,7 @@ from rlspmd.trainer.rollout_correction import (
     ResolvedRolloutCorrection, RolloutCorrectionStage, check_bypass, resolve_rollout_correction,
 )
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
-from rlspmd.trainer.state import Checkpointing, NoCheckpointing
+from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing
 
 @dataclass(frozen=True)
 class RolePlan:
@@ -240,11 +242,13 @@ def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype:
 
 def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | None, model_path: str, compute: torch.dtype,
                   eos_ids: list[int], pad_id: int, device: torch.device, seed: int, max_prompt_length: int,
-                  in_place_capable: bool = True) -> RolloutRole:
+                  in_place_capable: bool = True, max_staleness: int = 0,
+                  draw: Callable[[], Batch] | None = None) -> RolloutRole:
     """The rollout role for this rank: ``Rollout`` (colocated), ``RolloutClient`` (split, actor ranks) or
     ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). ``in_place_capable``: the actor's engine can
-    lend its gathered weights (FSDP2; a megatron actor streams them). Collective: weight-stream manifests are local,
-    but a vLLM engine's construction spans the whole world."""
+    lend its gathered weights (FSDP2; a megatron actor streams them). ``max_staleness`` (split only): how many steps
+    ahead the rollout ranks generate; ``draw``: the actor ranks' next prompts, which fill that pipeline. Collective:
+    weight-stream manifests are local, but a vLLM engine's construction spans the whole world."""
     dims = meshes.dims
     dtype = rollout_dtype(cfg, compute=compute)
     kw = dict(model_path=model_path, dtype=dtype, tp=dims.role_tp["rollout"], eos_ids=eos_ids, pad_id=pad_id, device=device,
@@ -259,11 +263,11 @@ def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | No
     rollout_ranks = dims.role_ranks["rollout"]
     if policy is not None:
         return RolloutClient(link=link, bridge=bridge, stream=policy.engine.weight_stream(dtype), rollout_ranks=rollout_ranks,
-                             device=device)
+                             device=device, lag=max_staleness, draw=draw)
     weights = BridgedWeights(bridge)
     engine = build_rollout_engine(cfg, weights=weights, sleeps=False, seed=seed + meshes.dp_rank("rollout"), **kw)
     local = Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device, syncs_itself=False)
-    return RolloutServer(local, link=link, rollout_ranks=rollout_ranks)
+    return RolloutServer(local, link=link, rollout_ranks=rollout_ranks, lag=max_staleness)
 
 
 # -- the whole rank --------------------------------------------------------------------------------------------------
@@ -285,7 +289,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
                       pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
-                      in_place_capable=cfg.actor.engine == "fsdp")
+                      in_place_capable=cfg.actor.engine == "fsdp", max_staleness=trainer.max_staleness)
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
                                    attn_kernel=attn_kernel, correction=correction)
@@ -321,9 +325,10 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature)
         if plan.reference else NoReference()
     )
-    rollout = build_rollout(cfg.rollout, policy=actor, **rollout_kw)
+    rollout = build_rollout(cfg.rollout, policy=actor, draw=prompts.next, **rollout_kw)
     reward_model = build_reward_model(cfg, tokenizer=tokenizer, mesh=mesh, device=rt.device) if plan.reward_model else None
-    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model)
+    extra = {spec_name(spec): component_manager(cfg.reward, spec, tokenizer) for spec in cfg.reward.components}
+    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model, extra=extra)
     shaping = OverlongShaping(cfg.reward.overlong_buffer, max_response_length=R) if cfg.reward.overlong_buffer.enable else NoShaping()
     baseline = (
         GreedyBaseline(rollout=rollout, score=lambda b, m: shaping(reward.score(b, m), m), samples_per_prompt=n)
@@ -337,8 +342,11 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     if cfg.algorithm.use_kl_in_reward:
         components["token_rewards"] = token_rewards  # the adaptive KL controller's coefficient
     engines = {"actor": actor.engine, **({"critic": critic.engine} if plan.critic else {})}
+    # Asynchronous RL: the batches generated ahead are saved, so a resume trains on exactly what the run would have.
+    pipeline = (InFlightBatches(rollout.queue, rank=mesh.get_local_rank(), device=rt.device)
+                if trainer.max_staleness else None)
     checkpointing = Checkpointing(
-        checkpointer, engines=engines, components=components, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
+        checkpointer, engines=engines, components=components, pipeline=pipeline, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
         meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": dataclasses.asdict(cfg)},
         write_files=partial(_write_model_files, cfg, tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
     )
