@@ -104,6 +104,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
     _loggers(p, "trainer.loggers", t.loggers)
     _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
+    _bypass(p, cfg, split=split)
     p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
     if check_files:
@@ -325,6 +326,28 @@ def _staleness(p: Problems, max_staleness: int, *, split: bool, alg: AlgorithmCo
     if alg.adv_estimator in NEEDS_GREEDY_BASELINE:
         p.add("trainer.max_staleness", max_staleness, f"does not combine with algorithm.adv_estimator="
               f"{alg.adv_estimator!r}, whose greedy baseline generates the trained batch's own prompts")
+
+
+def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
+    """Bypass mode (``algorithm.rollout_correction.bypass``: the rollout's log-probs are the old log-probs) needs one
+    optimiser update per step and the correction on. ``mode=auto`` is resolved here as the builder will resolve it
+    (engine, rollout dtype, the actor's compute dtype on this machine's device, placement, staleness), so an ``auto``
+    that turns the correction off is caught before anything loads."""
+    if not cfg.algorithm.rollout_correction.bypass:
+        return
+    import torch
+
+    from rlspmd.trainer.build import actor_compute_dtype, build_rollout_correction
+    from rlspmd.trainer.rollout_correction import check_bypass
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as rlspmd.distributed.runtime picks it
+    resolved = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, device), split=split)
+    a = cfg.actor
+    try:
+        check_bypass(resolved, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
+                     train_batch_size=cfg.data.train_batch_size)
+    except ValueError as e:  # its message names the fields
+        p.lines.append(str(e))
 
 
 def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, MeshConfig, RewardConfig, RolloutConfig, SFTConfig,
+    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, MeshConfig, RewardConfig, RolloutConfig,
+    RolloutCorrectionConfig, SFTConfig,
     SFTDataConfig, TrainerConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
@@ -57,6 +58,14 @@ def with_(cfg=None, **sections) -> Config:
     (with_(trainer=TrainerConfig(max_staleness=2), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
            algorithm=AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=True))),
      ["trainer.max_staleness=2: does not combine with dynamic sampling"]),
+    # bypass mode: one update per step, the correction on (auto on the native engine in fp32 resolves to off)
+    (with_(algorithm=AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(mode="tis", bypass=True)),
+           actor=ActorConfig(mini_batch_size=8)),
+     ["algorithm.rollout_correction.bypass=True needs one optimiser update per step: actor.ppo_epochs=1 and "
+      "actor.mini_batch_size = data.train_batch_size, got actor.ppo_epochs=1, actor.mini_batch_size=8"]),
+    (with_(algorithm=AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(bypass=True)),
+           actor=ActorConfig(mini_batch_size=32)),
+     ["algorithm.rollout_correction.bypass=True needs the correction on, but its mode resolved to 'off'"]),
     # GDPO: one weight per column (the rule score, then reward.components), components named once
     (with_(algorithm=AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])),
      ["algorithm.gdpo_reward_weights=[1.0, 0.5]: needs one weight per reward component: 1 columns ['task_score']"]),

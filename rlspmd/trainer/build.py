@@ -53,7 +53,7 @@ from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_d
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import NoReport, StepReport
 from rlspmd.trainer.rollout_correction import (
-    ResolvedRolloutCorrection, RolloutCorrectionStage, check_bypass, resolve_rollout_correction,
+    ResolvedRolloutCorrection, RolloutCorrectionStage, resolve_rollout_correction,
 )
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing
@@ -363,17 +363,13 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
 
 def build_rollout_correction(cfg: Config, *, compute: torch.dtype, split: bool) -> ResolvedRolloutCorrection:
     """``algorithm.rollout_correction`` resolved from the facts of this run (engine, rollout and actor dtypes, placement,
-    staleness); bypass mode's conditions checked. Every rank resolves it (before any model loads), so a bad
-    combination fails everywhere at once."""
-    resolved = resolve_rollout_correction(
+    staleness). Bypass mode's conditions on the resolution are checked by ``rlspmd.validate`` (which resolves it the
+    same way) before anything loads."""
+    return resolve_rollout_correction(
         cfg.algorithm.rollout_correction, engine=cfg.rollout.engine, rollout_dtype=cfg.rollout.dtype,
         actor_compute_dtype=dtype_name(compute), placement="split" if split else "colocated",
         max_staleness=cfg.trainer.max_staleness,
     )
-    a = cfg.actor
-    check_bypass(resolved, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
-                 train_batch_size=cfg.data.train_batch_size)
-    return resolved
 
 
 def old_logprob_source(cfg: ActorConfig, *, single_update: bool, correction: ResolvedRolloutCorrection,
