@@ -7,24 +7,30 @@ summed and whitened over the batch.
 GRPO on a summed reward gives, say, (correct, well formatted) in one group and (wrong, well formatted) in another
 the same advantage whenever the sums' group statistics match; GDPO normalises each reward in its group first, so
 the combinations stay apart, and whitens the weighted sum so its scale does not grow with the number of rewards.
-The advantage stage reads the components from the batch field ``reward_components_BK`` (one column per reward,
-the same order on every rank) and weighs them with ``algorithm.gdpo_reward_weights``; here two rewards, answer
-correctness (the task's rule score) and format (the response ends in a ``#### <number>`` line), weighted 1 and 0.5.
-
-Not runnable yet: the reward manager does not produce ``reward_components_BK``; until it does, the first step
-stops with ``algorithm.adv_estimator='gdpo' needs the batch field reward_components_BK``.
+The reward role puts the components in the batch field ``reward_components_BK`` (one column per reward: the task's
+rule score, then each function of ``reward.components``) and the advantage stage weighs them with
+``algorithm.gdpo_reward_weights``; here two rewards, answer correctness (the task's rule score) and format (the
+response ends in a ``#### <number>`` line, ``rlspmd.rewards.rules:answer_format``), weighted 1 and 0.5. Each is
+logged: ``reward/task_score``, ``reward/component/answer_format``.
 GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 """
 
 from pathlib import Path
 
-from rlspmd.config import ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig, load_config_file
+from rlspmd.config import (
+    ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainerConfig,
+    load_config_file,
+)
 
 MODEL = "models/Qwen2.5-0.5B-Instruct"  # the one line to edit: a local Hugging Face model directory
 
 
+COMPONENTS = ["rlspmd.rewards.rules:answer_format"]
+"""Rewards besides the task's rule score: columns 2.. of ``reward_components_BK``."""
+
+
 def gdpo_algorithm() -> AlgorithmConfig:
-    return AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])
+    return AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])  # correctness, format
 
 
 config = Config(
@@ -45,6 +51,7 @@ config = Config(
         train_batch_size=256, val_batch_size=1319, max_prompt_length=512,
     ),
     algorithm=gdpo_algorithm(),
+    reward=RewardConfig(components=list(COMPONENTS)),
     trainer=TrainerConfig(total_steps=300, val_every=20, output_dir="outputs/gdpo-gsm8k"),
 )
 
@@ -55,5 +62,6 @@ def cpu() -> Config:
     cfg = load_config_file(Path(__file__).with_name("quickstart.py"))
     cfg.actor.optim = OptimConfig(lr=1e-4)  # a higher constant LR than the quickstart's: demos of 10-20 steps
     cfg.algorithm = gdpo_algorithm()
+    cfg.reward.components = list(COMPONENTS)
     cfg.trainer.output_dir = "outputs/gdpo-cpu"
     return cfg

@@ -429,9 +429,10 @@ class RolloutCorrectionConfig:
 
     mode: Literal["auto", "off", "tis", "mis", "both"] = "auto"
     """``auto``: ``mis`` when the rollout's numerics differ from training (the vLLM engine, a rollout dtype unlike
-    the actor's compute dtype, or asynchronous rollouts with stale weights), ``off`` for the native engine in the
-    actor's compute dtype (it samples from the trainer's own weights and kernels). Or ``off``, ``tis``, ``mis``,
-    ``both`` explicitly."""
+    the actor's compute dtype), ``tis`` for asynchronous rollouts with stale weights (``trainer.max_staleness`` > 0:
+    an update moves the ratio far past the rejection band), ``off`` for the native engine in the actor's compute
+    dtype (it samples from the trainer's own weights and kernels). Or ``off``, ``tis``, ``mis``, ``both``
+    explicitly."""
     level: Literal["token", "sequence"] = "sequence"
     """The ratio per token, or per sequence as the geometric mean of its token ratios (length-normalised; verl and
     TRL's sequence modes use the product, which drifts from 1 on long responses)."""
@@ -482,8 +483,9 @@ class AlgorithmConfig:
     """epsilon added to the group std by grpo, grpo_passk and gdpo (verl's ``epsilon``); a group of one sample keeps
     score / (1 + epsilon)."""
     gdpo_reward_weights: list[float] | None = None
-    """gdpo: weight of each reward component (one per column of ``reward_components_BK``, in its order) in the sum
-    of the group-normalised components. None: all 1."""
+    """gdpo: weight of each reward component in the sum of the group-normalised components, one per column of
+    ``reward_components_BK`` in its order: the rule / function score, the reward model's score (with
+    ``reward.model.path``), then each of ``reward.components``. None: all 1."""
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -540,6 +542,11 @@ class RewardConfig:
     """User reward function ``path/to/file.py:fn`` or ``package.module:fn`` with signature
     ``fn(response: str, ground_truth: str, extra_info: dict, data_source: str) -> float``.
     None: rule rewards chosen by each sample's ``data_source``."""
+    components: list[str] = field(default_factory=list)
+    """Further reward functions (``path/to/file.py:fn`` or ``module:fn``, ``reward.function``'s signature), each
+    scored on every sample and logged as ``reward/component/<fn>``. They are columns of ``reward_components_BK``
+    (after the rule / function score and the reward model's), which GDPO (``algorithm.adv_estimator=gdpo``)
+    normalises one by one; they do not enter ``scores_B``."""
     rule_weight: float = 1.0
     """Weight of the rule / function score. 0 with a reward model: the reward model alone (rule functions are
     not called, so accuracy metrics read 0)."""
@@ -620,6 +627,13 @@ class TrainerConfig:
     """End this job after this step with a checkpoint, while the LR schedule still spans ``total_steps``
     (continue with ``--resume auto``). For chains of walltime-limited jobs, like Megatron's ``--exit-interval``.
     0 runs to ``total_steps``."""
+    max_staleness: int = 0
+    """Asynchronous RL, split placement only (``mesh.rollout_ranks`` apart from the actor's): the rollout ranks
+    generate the batch of step t + k while the actor ranks train on step t (k = ``max_staleness``), so a batch is
+    trained on with weights up to k updates newer than the ones that generated it. Every sample carries its weight
+    version (``weight_version_B``); ``rollout/staleness/*`` logs the distribution. 0: the synchronous loop. With k > 0
+    ``algorithm.rollout_correction.mode=auto`` switches the correction on. Not with dynamic sampling
+    (``algorithm.filter_groups``) or ReMax, whose extra generation rounds depend on the batch being trained."""
     print_summary_json: bool = False
     """Print the run summary as one JSON line at the very end (``sec_per_step``: median step time after the first
     step; ``gen_tokens_per_sec``; the step-time breakdown; the machine). The benchmark configs turn it on."""
@@ -736,6 +750,8 @@ def ignored_settings(cfg: Config) -> list[str]:
     if alg.adv_estimator == "gdpo" and alg.use_kl_in_reward:
         out.append("algorithm.use_kl_in_reward does not reach gdpo, which reads reward_components_BK, not the token "
                    "rewards (use actor.use_kl_loss)")
+    if alg.adv_estimator == "gdpo" and cfg.reward.overlong_buffer.enable:
+        out.append("reward.overlong_buffer does not reach gdpo, which reads reward_components_BK, not the shaped score")
     if alg.gdpo_reward_weights is not None and alg.adv_estimator != "gdpo":
         out.append(f"algorithm.gdpo_reward_weights is set but algorithm.adv_estimator={alg.adv_estimator!r}")
     if alg.grpo_eps != AlgorithmConfig.grpo_eps and alg.adv_estimator not in ("grpo", "grpo_passk", "gdpo"):

@@ -84,7 +84,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
 
     p = Problems()
     _literals(p, cfg, "")
-    dp = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
+    dp, split = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
     d, r = cfg.data, cfg.rollout
     with_critic = cfg.algorithm.adv_estimator in NEEDS_VALUES
     _data(p, d)
@@ -101,6 +101,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
+    _gdpo(p, cfg.algorithm, cfg.reward, agent=r.agent.enabled)
     _dist(p, cfg.dist)
     t = cfg.trainer
     p.at_least("trainer.total_steps", t.total_steps, 1)
@@ -108,6 +109,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     if not 0 <= t.stop_at_step <= t.total_steps:
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
     _loggers(p, "trainer.loggers", t.loggers)
+    _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
+    _bypass(p, cfg, split=split)
     p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
     if check_files:
@@ -282,6 +285,21 @@ def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: b
     p.at_least("reward.num_workers", rw.num_workers, 0)
 
 
+def _gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig, *, agent: bool) -> None:
+    """Reward components have distinct names (their metrics and columns), and GDPO's weights one per column."""
+    from rlspmd.roles.reward import component_columns
+
+    columns = component_columns(rw, agent=agent)
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if repeated:
+        p.add("reward.components", rw.components, f"name the function(s) {repeated} twice (or as a built-in column: "
+              "task_score, rm_score); each component needs a name of its own")
+    weights = alg.gdpo_reward_weights
+    if alg.adv_estimator == "gdpo" and weights is not None and len(weights) != len(columns):
+        p.add("algorithm.gdpo_reward_weights", weights, f"needs one weight per reward component: {len(columns)} "
+              f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with rollout.agent, then reward.components)")
+
+
 def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     """Model, tokenizer and data files, the reward function, the checkpoint to resume: every path the run reads."""
     a, rw = cfg.actor, cfg.reward
@@ -296,6 +314,8 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     _data_files(p, "data.val_files", cfg.data.val_files)
     if rw.function is not None:
         p.file_check(check_function_spec, rw.function, field_name="reward.function")
+    for i, spec in enumerate(rw.components):
+        p.file_check(check_function_spec, spec, field_name=f"reward.components[{i}]")
     resume = cfg.checkpoint.resume.strip()
     if resume not in ("auto", "none"):
         from rlspmd.trainer.checkpoint import resolve_checkpoint
@@ -303,16 +323,16 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
 
 
-def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> int:
+def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> tuple[int, bool]:
     """The placements the RL trainer runs (colocated, or the rollout on ranks of its own); the actor's DP size
-    (0 when the placement itself is invalid)."""
+    (0 when the placement itself is invalid) and whether the placement is split."""
     from rlspmd.distributed.mesh import ParallelDims
 
     try:
         dims = ParallelDims.from_config(mesh, world_size)  # the reference, critic and reward model follow the actor
     except ValueError as e:
         p.lines.append(str(e))
-        return 0
+        return 0, False
     actor = dims.role_ranks["actor"]
     if 0 not in actor:
         p.add("mesh.actor_ranks", mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}")
@@ -327,7 +347,49 @@ def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -
     if split and engine == "vllm":
         p.add("rollout.engine", "vllm", "runs colocated only (vLLM's external_launcher builds its process groups over the "
               "whole torch world); use rollout.engine=native for split placement")
-    return dims.dp_size("actor")
+    return dims.dp_size("actor"), split
+
+
+def _staleness(p: Problems, max_staleness: int, *, split: bool, alg: AlgorithmConfig) -> None:
+    """Asynchronous RL overlaps generation on the rollout ranks with training on the actor's: it needs them apart, and
+    a step whose generation depends on its own batch (dynamic sampling's extra rounds, ReMax's greedy baseline of the
+    same prompts) cannot be generated a step ahead."""
+    from rlspmd.algorithms import NEEDS_GREEDY_BASELINE
+
+    p.at_least("trainer.max_staleness", max_staleness, 0)
+    if max_staleness < 1:
+        return
+    if not split:
+        p.add("trainer.max_staleness", max_staleness, "asynchronous RL needs split placement (mesh.actor_ranks and "
+              "mesh.rollout_ranks on different ranks): colocated, generation and training share the devices")
+    if alg.filter_groups.enable:
+        p.add("trainer.max_staleness", max_staleness, "does not combine with dynamic sampling (algorithm.filter_groups."
+              "enable): its extra generation rounds depend on the batch being trained")
+    if alg.adv_estimator in NEEDS_GREEDY_BASELINE:
+        p.add("trainer.max_staleness", max_staleness, f"does not combine with algorithm.adv_estimator="
+              f"{alg.adv_estimator!r}, whose greedy baseline generates the trained batch's own prompts")
+
+
+def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
+    """Bypass mode (``algorithm.rollout_correction.bypass``: the rollout's log-probs are the old log-probs) needs one
+    optimiser update per step and the correction on. ``mode=auto`` is resolved here as the builder will resolve it
+    (engine, rollout dtype, the actor's compute dtype on this machine's device, placement, staleness), so an ``auto``
+    that turns the correction off is caught before anything loads."""
+    if not cfg.algorithm.rollout_correction.bypass:
+        return
+    import torch
+
+    from rlspmd.trainer.build import actor_compute_dtype, build_rollout_correction
+    from rlspmd.trainer.rollout_correction import check_bypass
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as rlspmd.distributed.runtime picks it
+    resolved = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, device), split=split)
+    a = cfg.actor
+    try:
+        check_bypass(resolved, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
+                     train_batch_size=cfg.data.train_batch_size)
+    except ValueError as e:  # its message names the fields
+        p.lines.append(str(e))
 
 
 def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:

@@ -192,7 +192,9 @@ def test_auto_is_off_only_for_the_native_engine_in_the_actors_dtype():
     assert (on.mode, on.level) == ("mis", "sequence") and "bfloat16" in on.reason
     assert (on.mis_lower, on.mis_upper) == (0.999, 1.001)  # verl's geometric rejection band
     assert resolve(engine="vllm", rollout_dtype="bfloat16", actor_compute_dtype="bfloat16").mode == "mis"
-    assert resolve(max_staleness=1, placement="split").mode == "mis"
+    stale = resolve(max_staleness=1, placement="split")  # stale weights: truncation, not the narrow rejection band
+    assert (stale.mode, stale.level) == ("tis", "sequence") and "1 update(s) stale" in stale.reason
+    assert resolve(engine="vllm", max_staleness=2, placement="split").mode == "tis"
     token = resolve(RolloutCorrectionConfig(level="token"), engine="vllm")
     assert (token.level, token.mis_lower, token.mis_upper) == ("token", 0.5, 2.0)
     # An explicit mode is kept, whatever the engine.

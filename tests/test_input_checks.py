@@ -13,7 +13,7 @@ import pytest
 
 from rlspmd.config import (
     ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
-    RewardConfig, RolloutConfig, SFTConfig, SFTDataConfig, load_config_file,
+    RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -61,6 +61,28 @@ def with_(cfg=None, **sections) -> Config:
     (with_(actor=ActorConfig(lora=LoraConfig(rank=4)), ref=RefConfig(model_path="other")),
      ["ref.model_path='other': with actor.lora the reference is the actor's base model"]),
     (with_(actor=ActorConfig(lora=LoraConfig(rank=0, alpha=0.0))), []),  # LoRA off: its other fields are not read
+    # asynchronous RL: split placement only, and no generation that depends on the trained batch
+    (with_(trainer=TrainerConfig(max_staleness=1)), ["trainer.max_staleness=1: asynchronous RL needs split placement"]),
+    (with_(trainer=TrainerConfig(max_staleness=-1)), ["trainer.max_staleness=-1: must be >= 0"]),
+    (with_(trainer=TrainerConfig(max_staleness=1), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
+           algorithm=AlgorithmConfig(adv_estimator="remax")),
+     ["trainer.max_staleness=1: does not combine with algorithm.adv_estimator='remax'"]),
+    (with_(trainer=TrainerConfig(max_staleness=2), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
+           algorithm=AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=True))),
+     ["trainer.max_staleness=2: does not combine with dynamic sampling"]),
+    # bypass mode: one update per step, the correction on (auto on the native engine in fp32 resolves to off)
+    (with_(algorithm=AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(mode="tis", bypass=True)),
+           actor=ActorConfig(mini_batch_size=8)),
+     ["algorithm.rollout_correction.bypass=True needs one optimiser update per step: actor.ppo_epochs=1 and "
+      "actor.mini_batch_size = data.train_batch_size, got actor.ppo_epochs=1, actor.mini_batch_size=8"]),
+    (with_(algorithm=AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(bypass=True)),
+           actor=ActorConfig(mini_batch_size=32)),
+     ["algorithm.rollout_correction.bypass=True needs the correction on, but its mode resolved to 'off'"]),
+    # GDPO: one weight per column (the rule score, then reward.components), components named once
+    (with_(algorithm=AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])),
+     ["algorithm.gdpo_reward_weights=[1.0, 0.5]: needs one weight per reward component: 1 columns ['task_score']"]),
+    (with_(reward=RewardConfig(components=["a.py:fmt", "b.py:fmt"])),
+     ["reward.components=['a.py:fmt', 'b.py:fmt']: name the function(s) ['fmt'] twice"]),
 ])
 def test_config_problems_name_the_field_and_value(cfg, expected):
     got = problems(cfg)

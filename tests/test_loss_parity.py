@@ -5,6 +5,9 @@ signature, split placement) must not change a single bit of what a run computes.
 The values in ``tests/data/loss_parity.json`` were recorded before the contracts refactor (issue 11) with
 ``RLSPMD_RECORD_LOSS_PARITY=1 python -m pytest tests/test_loss_parity.py``. A change that is *meant* to alter the
 numerics (a new kernel, a fixed estimator) re-records them in the same commit and says why.
+
+``grpo-split`` (1 actor rank + 1 rollout rank) was recorded from the synchronous split loop before asynchronous RL
+(issue 14) generalised it: with ``trainer.max_staleness=0`` the pipelined rollout client/server must reproduce it.
 """
 
 import json
@@ -45,3 +48,23 @@ def test_loss_sequence_is_bit_identical_to_the_recorded_one(algo, nproc, tiny_mo
         return
     want = json.loads(FILE.read_text())[key]
     assert got == want
+
+
+def _check_or_record(key: str, got: list[dict]) -> None:
+    if RECORD:
+        recorded = json.loads(FILE.read_text()) if FILE.is_file() else {}
+        recorded[key] = got
+        FILE.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
+        return
+    assert got == json.loads(FILE.read_text())[key]
+
+
+def test_split_placement_loss_sequence_is_bit_identical_to_the_recorded_one(tiny_model, arithmetic_data, tmp_path):
+    """Split placement, the actor on rank 0 and the rollout on rank 1, synchronous (``trainer.max_staleness=0``)."""
+    out = tmp_path / "run"
+    args = rl_args(tiny_model, arithmetic_data, out, steps=3, reward=write_reward(tmp_path),
+                   extra=["--trainer.val-every", "0", "--trainer.no-val-before-train", "--checkpoint.no-save-final",
+                          "--checkpoint.save-every", "0", "--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1"])
+    proc = run_torchrun(args, 2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_or_record("grpo-split", [{k: r[k] for k in KEYS if k in r} for r in metrics(out)])

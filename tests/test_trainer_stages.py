@@ -197,6 +197,39 @@ def test_reward_role_mixes_rule_and_reward_model_scores(tiny_model):
     torch.testing.assert_close(out["task_scores_B"], torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(out["scores_B"], torch.tensor([0.5 + 0.5, -2.0]))
     assert reward.components == (("task_scores_B", "task_score"), ("rm_scores_B", "rm_score"))
+    # GDPO's columns: the rule score and the reward model's, unweighted
+    torch.testing.assert_close(out["reward_components_BK"], torch.tensor([[1.0, 0.25], [0.0, -1.0]]))
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0])  # in this process, and in the worker pool
+def test_reward_components_are_columns_scored_by_their_own_functions(tiny_model, tmp_path, timeout_s):
+    """``reward.components``: each function scores every sample; the columns of ``reward_components_BK`` are the rule
+    score then the components in the config's order; ``scores_B`` stays the rule score; each is logged."""
+    from rlspmd.models.loader import load_tokenizer
+    from rlspmd.rewards import RewardManager
+    from rlspmd.roles.reward import Reward, component_columns, component_manager
+
+    (tmp_path / "lengths.py").write_text("def short(response, ground_truth):\n    return float(len(response) < 10)\n")
+    specs = ["rlspmd.rewards.rules:answer_format", f"{tmp_path / 'lengths.py'}:short"]
+    tok = load_tokenizer(tiny_model, field_name="t")
+    texts = ["2 + 3 = 5\n#### 5", "The answer is 5.", "#### 4"]
+    resp = tok(texts, add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt")
+    b = Batch({"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
+              {"ground_truth": ["5"] * 3, "data_source": ["arithmetic"] * 3, "extra_info": [{}, {}, {}]})
+    cfg = RewardConfig(components=specs, timeout_s=timeout_s, num_workers=1)
+    assert component_columns(cfg) == ["task_score", "answer_format", "short"]
+    reward = Reward(cfg, rules=RewardManager(cfg, tok), model=None,
+                    extra={name: component_manager(cfg, spec, tok) for name, spec in zip(["answer_format", "short"], specs)})
+    metrics = MetricBuffer()
+    try:
+        out = reward.score(b, metrics)
+    finally:
+        reward.close()
+    torch.testing.assert_close(out["reward_components_BK"], torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]]))
+    torch.testing.assert_close(out["scores_B"], torch.tensor([1.0, 0.0, 0.0]))  # the task's score only
+    assert out["response_text"] == texts and out["task_scores_B"].tolist() == [1.0, 0.0, 0.0]
+    m = metrics.reduce(mesh=None)
+    assert m["reward/component/answer_format"] == pytest.approx(2 / 3) and m["reward/component/short"] == pytest.approx(1 / 3)
 
 
 def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:

@@ -35,6 +35,15 @@ def arithmetic(response: str, ground_truth: str, extra_info: dict | None = None)
     return gsm8k(response, ground_truth, extra_info)
 
 
+_FINAL_LINE = re.compile(r"####\s*-?[\d,]*\.?\d+\s*\Z")
+
+
+def answer_format(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """1.0 when the response ends with GSM8K's answer line ``#### <number>``, right or wrong, else 0.0 (a format
+    reward: a component for GDPO, ``reward.components=["rlspmd.rewards.rules:answer_format"]``)."""
+    return float(_FINAL_LINE.search(response.strip()) is not None)
+
+
 def _reasoning_gym(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
     from rlspmd.rewards.reasoning_gym import score
 

@@ -3,14 +3,21 @@
 ``Policy.update`` runs the shared PPO update loop (``roles/base.py: ppo_updates``) with the policy loss; the
 gradient does not depend on how the batch is split over ranks or micro-batches (global loss normalisation).
 
-Old log-probs: ``Policy.old_log_prob`` recomputes the behaviour policy's log-probs under the trainer's numerics, or,
-when the builder decided that the step's one update runs the behaviour policy itself (``reuse_update_logprobs``),
-leaves them to the update's own forward (detached: ratio 1, same loss and gradient, one forward fewer).
+Old log-probs (``OldLogProbs``, decided by the builder): ``Policy.old_log_prob`` recomputes the behaviour policy's
+log-probs under the trainer's numerics (``recompute``); or, when the step's one update runs the behaviour policy
+itself, leaves them to the update's own forward (``update``: detached, ratio 1, same loss and gradient, one forward
+fewer); or, in bypass mode, takes the rollout engine's (``rollout``: PPO's ratio is then pi_theta / pi_rollout).
+
+Rollout correction (``algorithm.rollout_correction``, `rlspmd.trainer.rollout_correction`): with recomputed old
+log-probs the trainer's correction stage has already put ``rollout_is_weights_BR`` on the batch and taken the rejected
+tokens out of ``loss_mask_BR``; otherwise the loss computes the correction itself, against the current policy's
+detached log-probs (``policy_gradient_inputs``).
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +32,11 @@ from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
 from rlspmd.roles.micro_batches import forward_micro_batches
+from rlspmd.trainer.rollout_correction import ResolvedRolloutCorrection, record_correction_metrics
+
+OldLogProbs = Literal["recompute", "update", "rollout"]
+"""Where the update's old log-probs come from: a forward after generation (``actor.old_log_prob``), the update's own
+forward (one update per step), or the rollout engine (bypass mode)."""
 
 
 @torch.no_grad()
@@ -61,15 +73,50 @@ def build_policy_module(
                           attn_kernel=attn_kernel)
 
 
+def policy_gradient_inputs(mb: Batch, logp_BR: torch.Tensor, mask_BR: torch.Tensor, *, old_logprobs: OldLogProbs,
+                           correction: ResolvedRolloutCorrection | None, metrics: MetricBuffer):
+    """``(old_logprobs_BR, mask_BR, weights_BR)`` for the policy loss of micro-batch ``mb``, rollout correction applied.
+
+    ``logp_BR``: the update's log-probs of the sampled tokens (detached here). ``mask_BR``: the response mask.
+    ``correction`` None: batches built without one (tools and tests that train on a batch they made): trained as
+    given, no weights.
+
+    * ``recompute``: the step's correction stage ran once against the recomputed old log-probs: its weights
+      (``rollout_is_weights_BR``) and its mask (already in ``mb``, and so in the loss denominators) are used as they are.
+    * ``update``: pi_train is the update's own forward (the step's single update runs the behaviour policy): the
+      correction is computed here against ``logp_BR``, its metrics recorded, and its weights and mask returned; the
+      denominators stay those of the uncorrected mask (as TRL and verl do when they correct inside the loss).
+    * ``rollout`` (bypass): the old log-probs are the engine's, so PPO's ratio pi_theta / pi_rollout already carries the
+      importance weight; only the rejection mask applies (weights would count the ratio twice, verl's bypass mode).
+    """
+    if correction is None:
+        assert old_logprobs != "rollout", "bypass mode needs a rollout correction"
+        if old_logprobs == "recompute":
+            return mb["old_logprobs_BR"], mask_BR, None
+        logprob_gap(mb, logp_BR.detach(), metrics)
+        return logp_BR.detach(), mask_BR, None
+    if old_logprobs == "recompute":
+        return mb["old_logprobs_BR"], mask_BR, mb["rollout_is_weights_BR"]
+    train_BR = logp_BR.detach()
+    corrected = correction.apply(train_BR, mb["rollout_logprobs_BR"], mask_BR)
+    record_correction_metrics(corrected, metrics)
+    logprob_gap(mb, train_BR, metrics)
+    if old_logprobs == "update":
+        return train_BR, corrected.mask_BT, corrected.weights_BT
+    return mb["old_logprobs_BR"], corrected.mask_BT, None
+
+
 class Policy:
     def __init__(self, cfg: ActorConfig, *, engine: TrainingEngine, plan: UpdatePlan, temperature: float,
-                 reuse_update_logprobs: bool = False, seed: int = 0):
-        """``reuse_update_logprobs``: the step makes one update and nothing reads old log-probs before it (the builder
-        checks both), so the update's own forward provides them. ``seed``: Clip-Cov's token draws (offset per DP rank)."""
-        assert plan.single_update or not reuse_update_logprobs, "reusing the update's log-probs needs a single update"
+                 correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
+                 seed: int = 0):
+        """``old_logprobs``: where the old log-probs come from (the builder decided: ``update`` and ``rollout`` need one
+        update per step). ``correction``: the resolved rollout correction (the trainer always has one; None trains on
+        batches as given, for tools and tests). ``seed``: Clip-Cov's token draws (offset per DP rank)."""
+        assert plan.single_update or old_logprobs == "recompute", f"old_logprobs={old_logprobs!r} needs a single update"
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.temperature = temperature
-        self.reuse_update_logprobs = reuse_update_logprobs
+        self.old_logprobs, self.correction = old_logprobs, correction
         self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
         self.cov_generator = torch.Generator().manual_seed(seed + engine.mesh.get_local_rank())
 
@@ -82,8 +129,10 @@ class Policy:
         return lp
 
     def old_log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
-        if self.reuse_update_logprobs:
+        if self.old_logprobs == "update":  # the update's forward provides them
             return batch
+        if self.old_logprobs == "rollout":  # bypass: no forward at all
+            return batch.set(old_logprobs_BR=batch["rollout_logprobs_BR"])
         old = self.log_prob(batch)
         logprob_gap(batch, old, metrics)
         return batch.set(old_logprobs_BR=old)
@@ -101,17 +150,15 @@ class Policy:
         )
         mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()
-        if self.reuse_update_logprobs:  # the one update of the step runs the behaviour policy itself (ratio 1)
-            old_logp = logp.detach()
-            logprob_gap(mb, old_logp, metrics)
-        else:
-            old_logp = mb["old_logprobs_BR"]
+        old_logp, pg_mask, weights = policy_gradient_inputs(mb, logp, mask, old_logprobs=self.old_logprobs,
+                                                            correction=self.correction, metrics=metrics)
         pg_loss, pg_stats = self.loss_fn(
             logp,
             old_logp,
             mb["advantages_BR"],
-            mask,
+            pg_mask,
             agg=agg,
+            weights_BT=weights,
             clip_low=cfg.clip_ratio_low,
             clip_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c,

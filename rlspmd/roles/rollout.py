@@ -17,25 +17,36 @@ Placements (the builder picks the objects; every rank runs the same step, the tr
   (``exchange``: prompts go over with one all-to-all, rows spread evenly over the rollout ranks in order, and each
   actor rank gets its own samples back the same way). Nothing names a method across the link. The weight sync
   gathers each unit on the actor mesh and broadcasts it from the actor's first rank to the rollout ranks.
+* **Asynchronous split** (``trainer.max_staleness`` = k > 0): the same two objects, pipelined. The exchange's two
+  halves are entered one step apart: ``generate`` at step t sends the prompts of step t + k (``send_prompts``) and
+  returns the batch of step t, generated earlier; the rollout ranks generate while the actor ranks train (no
+  collective joins them meanwhile: Gloo and NCCL block only the ranks in a collective), and at the end of the step
+  the weight sync goes over and the new samples come back (``return_samples``). Each sample carries the version of
+  the weights that generated it (``weight_version_B``); rank 0 still decides everything (which prompts, when the
+  pipeline fills), and with k = 0 the sequence of collectives is the synchronous one.
 
 Per-step metrics: ``sync_weights(metrics)`` adds them to the step's buffer, already reduced over the rollout ranks.
 Bytes: ``weight_sync/gathered_bytes`` (per actor rank, the unit all-gathers), ``weight_sync/broadcast_bytes`` (per
 rollout rank, split placement), ``weight_sync/loaded_bytes`` (per engine; 0 when reading in place). Seconds (wall
 clock, so under ``timing/``): ``timing/rollout/weight_sync`` (every sync of the step, lazy re-syncs included),
 ``timing/rollout/wake``, ``timing/rollout/sleep``, ``timing/rollout/gen`` (engine time of the training generations),
-and ``throughput/rollout/gen_tokens_per_s``.
+and ``throughput/rollout/gen_tokens_per_s``; staleness of the trained samples ``rollout/staleness/{mean,max,frac_<s>}``
+(0 in synchronous runs); pipelined, ``timing/rollout/receive`` (the actor side's wait for the next batch after the
+weight sync).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from rlspmd.agent.loop import AgentLoop
 from rlspmd.config import RolloutConfig
-from rlspmd.distributed.dispatch import all_gather_objects, even_split, redistribute_batch
+from rlspmd.distributed.dispatch import all_gather_objects, broadcast_object, even_split, redistribute_batch
 from rlspmd.distributed.mesh import DP, TP
 from rlspmd.distributed.progress import progress
 from rlspmd.engines.base import WeightStream
@@ -51,7 +62,10 @@ SYNC_S = "timing/rollout/weight_sync"
 
 class RolloutRole(Protocol):
     def generate(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
-        """``rollout.n`` samples per prompt, with ``rollout_logprobs_BR``; metrics are kept until ``sync_weights``."""
+        """``rollout.n`` samples per prompt, with ``rollout_logprobs_BR`` and the weight version that generated them
+        (``weight_version_B``); metrics are kept until ``sync_weights``. Asynchronous (split placement,
+        ``trainer.max_staleness`` = k > 0): the samples returned are those of the prompts given k steps earlier,
+        generated while the trainer updated; these prompts are generated for step + k (``RolloutClient``)."""
 
     def generate_validation(self, prompts: Batch, *, step: int) -> Batch: ...
 
@@ -68,11 +82,11 @@ def put(metrics: MetricBuffer, reduced: dict[str, float]) -> None:
         metrics.max(k, v)
 
 
-def truncated(batch: Batch, *, eos_ids: list[int], max_response_length: int) -> torch.Tensor:
-    """Samples that hit ``max_response_length`` without producing EOS."""
-    lengths = batch["response_mask_BR"].sum(-1)
-    R = batch["responses_BR"].shape[1]
-    last = batch["responses_BR"].gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+def truncated(responses_BR: torch.Tensor, lengths_B: torch.Tensor, *, eos_ids: list[int], max_response_length: int) -> torch.Tensor:
+    """Samples (``lengths_B`` tokens sampled each) that hit ``max_response_length`` without producing EOS."""
+    lengths = lengths_B.long()
+    R = responses_BR.shape[1]
+    last = responses_BR.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
     ended = torch.isin(last, torch.tensor(eos_ids, device=last.device))
     return (lengths >= max_response_length) & ~ended & (R >= max_response_length)
 
@@ -126,6 +140,15 @@ class Rollout:
         return g
 
     def generate(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
+        """Colocated: the engine reads (or was synced to) the weights of the last update, version ``step - 1``."""
+        batch = self.sample(prompts, step=step, round=round)
+        if len(batch):
+            batch = _versioned(batch, step - 1)
+            staleness_metrics(batch, current=step - 1, max_staleness=0, metrics=self._stats)
+        return batch
+
+    def sample(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
+        """The training samples of step ``step`` (its generator), with the weights the engine holds now."""
         return self._run(prompts, self.train_params, self._generator(step, TRAIN, round), record=True)
 
     def generate_greedy(self, prompts: Batch) -> Batch:
@@ -198,43 +221,124 @@ def _plan(link, rollout_ranks: list[int], total: int) -> list[int]:
     return [share.get(g, 0) for g in link.mesh.tolist()]
 
 
-def exchange(prompts: Batch, generate, *, link, rollout_ranks: list[int], device: torch.device) -> Batch:
-    """One generation call across the link, entered by every rank of it: the actor ranks' prompts go to the rollout
-    ranks, ``generate`` runs there (on the actor ranks it receives nothing and returns an empty batch), and each
-    actor rank gets the samples of its own prompts back, in order. Returns this rank's samples (none on rollout ranks)."""
+def send_prompts(prompts: Batch, *, link, rollout_ranks: list[int], device: torch.device) -> tuple[Batch, list[int]]:
+    """The first half of a generation call across the link, entered by every rank of it: the actor ranks' prompts go
+    to the rollout ranks (evenly, in order). Returns this rank's prompts to generate (none on actor ranks) and every
+    actor rank's prompt count, which ``return_samples`` needs."""
     counts = all_gather_objects(len(prompts), mesh=link)
     plan = _plan(link, rollout_ranks, sum(counts))
     mine = redistribute_batch(prompts if len(prompts) else None, mesh=link, sizes_in=counts, sizes_out=plan, device=device)
-    out = generate(mine)  # also with no rows: TP peers gather together
-    back = all_gather_objects(len(out), mesh=link)
+    return mine, counts
+
+
+def return_samples(samples: Batch, counts: list[int], *, link, device: torch.device) -> Batch:
+    """The second half: each actor rank gets the samples of its own prompts back, in order (``counts``: what
+    ``send_prompts`` returned). Returns this rank's samples (none on rollout ranks)."""
+    back = all_gather_objects(len(samples), mesh=link)
     per_prompt = sum(back) // max(sum(counts), 1)
-    return redistribute_batch(out if len(out) else None, mesh=link, sizes_in=back,
+    return redistribute_batch(samples if len(samples) else None, mesh=link, sizes_in=back,
                               sizes_out=[n * per_prompt for n in counts], device=device)
 
 
-class RolloutClient:
-    """Split placement, actor ranks: generation and weight syncs run on the rollout ranks (``RolloutServer``)."""
+def exchange(prompts: Batch, generate, *, link, rollout_ranks: list[int], device: torch.device) -> Batch:
+    """One generation call across the link, both halves at once: ``generate`` runs on the rollout ranks (on the actor
+    ranks it receives nothing and returns an empty batch). Returns this rank's samples (none on rollout ranks)."""
+    mine, counts = send_prompts(prompts, link=link, rollout_ranks=rollout_ranks, device=device)
+    return return_samples(generate(mine), counts, link=link, device=device)  # also with no rows: TP peers gather
 
-    def __init__(self, *, link, bridge: WeightBridge, stream: WeightStream, rollout_ranks: list[int], device: torch.device):
+
+def staleness_metrics(batch: Batch, *, current: int, max_staleness: int, metrics: MetricBuffer) -> None:
+    """``rollout/staleness/{mean,max}`` and ``rollout/staleness/frac_<s>`` (s = 0..max_staleness): how many updates
+    older than the trainer's current weights (version ``current``) the weights that generated each sample were."""
+    staleness = (current - batch["weight_version_B"]).double()
+    metrics.mean("rollout/staleness/mean", staleness.sum(), len(batch))
+    metrics.max("rollout/staleness/max", staleness.max() if len(batch) else 0.0)
+    for s in range(max_staleness + 1):
+        metrics.mean(f"rollout/staleness/frac_{s}", (staleness == s).double().sum(), len(batch))
+
+
+def _versioned(batch: Batch, version: int) -> Batch:
+    return batch.set(weight_version_B=torch.full((len(batch),), version, dtype=torch.long,
+                                                 device=batch["responses_BR"].device))
+
+
+class RolloutClient:
+    """Split placement, actor ranks: generation and weight syncs run on the rollout ranks (``RolloutServer``).
+
+    Pipelined ``lag`` = ``trainer.max_staleness`` steps deep (0: synchronous). ``generate`` at step t sends the
+    prompts of step t + lag to the rollout ranks (``send_prompts``) and returns the batch of step t, generated earlier;
+    the rollout ranks generate while this side trains, and ``sync_weights`` at the end of the step sends the new
+    weights and then takes the new batch back (``return_samples``). So the actor ranks never wait in a collective
+    while the rollout ranks generate, except for what generation takes beyond training. The batches in flight are
+    ``queue`` (checkpointed, ``trainer/state.py: InFlightBatches``). At the first step, and after a resume that saved
+    fewer than ``lag`` batches, the pipeline fills itself: those batches are generated at once with the current
+    weights, their prompts drawn by ``draw`` (rank 0 samples them, as any step's).
+
+    Weight versions: the rollout ranks hold the weights of version v, the step whose update produced them (0: the
+    initial weights); every sample carries the version that generated it (``weight_version_B``), and its staleness
+    when trained at step t is t - 1 - v (``staleness_metrics``).
+    """
+
+    def __init__(self, *, link, bridge: WeightBridge, stream: WeightStream, rollout_ranks: list[int], device: torch.device,
+                 lag: int = 0, draw: Callable[[], Batch] | None = None):
+        """``draw``: the next step's prompts on this rank (``Prompts.next``; collective over the actor mesh); needed
+        when ``lag`` > 0."""
+        assert lag == 0 or draw is not None, "a pipelined client draws the prompts that fill its pipeline"
         self.link, self.bridge, self.stream = link, bridge, stream
         self.rollout_ranks, self.device = rollout_ranks, device
+        self.lag, self.draw = lag, draw
         self.synced = False  # the rollout engine starts with disk (native) or dummy (vLLM) weights
+        self.version: int | None = None  # of the weights the rollout ranks hold; known at the first sync
+        self.queue: deque[Batch] = deque()  # batches generated for the coming steps, oldest first
+        self.pending: tuple[list[int], int] | None = None  # prompts sent, samples not yet back: (counts, version)
+        self._stats = MetricBuffer()
 
     def generate(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
-        return self._exchange(prompts)
+        self._synced(version=step - 1)
+        for _ in range(self._fill(step)):  # the pipeline's first steps: generate now, with the current weights
+            self.queue.append(_versioned(self._exchange(prompts), self.version))
+            prompts = self.draw()
+        mine, counts = send_prompts(prompts, link=self.link, rollout_ranks=self.rollout_ranks, device=self.device)
+        assert not len(mine), "an actor rank generates nothing"
+        self.pending = (counts, self.version)
+        if self.lag == 0:
+            self._receive()
+        batch = self.queue.popleft()
+        staleness_metrics(batch, current=step - 1, max_staleness=self.lag, metrics=self._stats)
+        return batch
+
+    def _fill(self, step: int) -> int:
+        """How many batches the pipeline lacks; rank 0 decides and tells the rollout ranks (with the first step's)."""
+        if self.lag == 0:
+            return 0
+        missing = self.lag - len(self.queue)
+        return broadcast_object((missing, step + len(self.queue)), mesh=self.link)[0]
+
+    def _receive(self) -> None:
+        counts, version = self.pending
+        self.pending = None
+        samples = return_samples(Batch(), counts, link=self.link, device=self.device)
+        self.queue.append(_versioned(samples, version))
 
     def generate_validation(self, prompts: Batch, *, step: int) -> Batch:
+        self._synced(version=step)
         return self._exchange(prompts)
 
     def generate_greedy(self, prompts: Batch) -> Batch:
+        """After the round's ``generate``, which synced the weights."""
+        assert self.lag == 0 and self.synced, "ReMax's greedy baseline follows generate in the synchronous loop"
         return self._exchange(prompts)
 
-    def _exchange(self, prompts: Batch) -> Batch:
+    def _synced(self, *, version: int) -> None:
+        """Before the first generation: the rollout ranks get the actor's weights (initial, or restored: ``version``)."""
         if not self.synced:
-            self.sync_weights(MetricBuffer())
+            self._send_weights(MetricBuffer())
+            self.version = version
+
+    def _exchange(self, prompts: Batch) -> Batch:
         return exchange(prompts, lambda _: Batch(), link=self.link, rollout_ranks=self.rollout_ranks, device=self.device)
 
-    def sync_weights(self, metrics: MetricBuffer) -> None:
+    def _send_weights(self, metrics: MetricBuffer) -> None:
         t0 = time.perf_counter()
         stats = self.bridge.send(self.stream)
         self.synced = True
@@ -244,33 +348,69 @@ class RolloutClient:
         remote["weight_sync/gathered_bytes"] = float(stats.gathered_bytes)
         put(metrics, remote)
 
+    def sync_weights(self, metrics: MetricBuffer) -> None:
+        """The step's update to the rollout ranks (which finish generating the next batch first, when pipelined),
+        then that batch back."""
+        self._send_weights(metrics)
+        self.version = None if self.version is None else self.version + 1  # None: no generation yet (benchmarks)
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            self._receive()
+            metrics.max("timing/rollout/receive", time.perf_counter() - t0)
+        metrics.merge(self._stats)
+        self._stats = MetricBuffer()
+
 
 class RolloutServer:
-    """Split placement, rollout ranks: the same calls as ``RolloutClient``, served by the local ``Rollout``. The
-    batches these ranks carry through the step are empty; the samples live on the actor's ranks."""
+    """Split placement, rollout ranks: the same calls as ``RolloutClient``, served by the local ``Rollout``, in the
+    same order of collectives. The batches these ranks carry through the step are empty; the samples live on the actor's
+    ranks. Pipelined (``lag`` > 0), ``generate`` generates the batch of step t + lag and keeps it until ``sync_weights``
+    has received the step's update, then sends it back."""
 
-    def __init__(self, local: Rollout, *, link, rollout_ranks: list[int]):
-        self.local, self.link, self.rollout_ranks = local, link, rollout_ranks
+    def __init__(self, local: Rollout, *, link, rollout_ranks: list[int], lag: int = 0):
+        self.local, self.link, self.rollout_ranks, self.lag = local, link, rollout_ranks, lag
         self.synced = False
+        self.pending: tuple[Batch, list[int]] | None = None  # generated, not yet sent back: (samples, counts)
 
     def generate(self, prompts: Batch, *, step: int, round: int = 0) -> Batch:
-        return self._exchange(lambda p: self.local.generate(p, step=step, round=round))
+        self._synced()
+        missing, first = broadcast_object(None, mesh=self.link) if self.lag else (0, step)
+        for i in range(missing):  # the pipeline fills: the client's first steps, generated now
+            self._exchange(lambda p, s=first + i: self.local.sample(p, step=s))
+        mine, counts = send_prompts(Batch(), link=self.link, rollout_ranks=self.rollout_ranks, device=self.local.device)
+        samples = self.local.sample(mine, step=step + self.lag, round=round)  # the generation that overlaps training
+        if self.lag == 0:
+            return_samples(samples, counts, link=self.link, device=self.local.device)
+        else:
+            self.pending = (samples, counts)
+        return Batch()
 
     def generate_validation(self, prompts: Batch, *, step: int) -> Batch:
+        self._synced()
         return self._exchange(lambda p: self.local.generate_validation(p, step=step))
 
     def generate_greedy(self, prompts: Batch) -> Batch:
+        assert self.lag == 0 and self.synced, "ReMax's greedy baseline follows generate in the synchronous loop"
         return self._exchange(self.local.generate_greedy)
 
-    def _exchange(self, generate) -> Batch:
+    def _synced(self) -> None:
         if not self.synced:
-            self.sync_weights(MetricBuffer())
+            self._receive_weights(MetricBuffer())
+
+    def _exchange(self, generate) -> Batch:
         return exchange(Batch(), generate, link=self.link, rollout_ranks=self.rollout_ranks, device=self.local.device)
 
-    def sync_weights(self, metrics: MetricBuffer) -> None:
+    def _receive_weights(self, metrics: MetricBuffer) -> None:
         with progress.waiting():  # for the actor's update to end and its weights to arrive: not this rank's own work
             self.local.sync()  # receives the broadcast units
         self.synced = True
         report = self.local.report()  # reduced over the rollout ranks
         all_gather_objects(report, mesh=self.link)
         put(metrics, report)
+
+    def sync_weights(self, metrics: MetricBuffer) -> None:
+        self._receive_weights(metrics)
+        if self.pending is not None:  # generated with the previous weights while the actor trained
+            samples, counts = self.pending
+            self.pending = None
+            return_samples(samples, counts, link=self.link, device=self.local.device)

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -44,8 +45,9 @@ from rlspmd.rewards import RewardManager
 from rlspmd.rewards.shaping import NoShaping, OverlongShaping
 from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
 from rlspmd.roles.critic import Critic, NoCritic
-from rlspmd.roles.policy import NoPolicy, NoReference, Policy, Reference, build_policy_module, resolve_ref_offload
-from rlspmd.roles.reward import NoReward, Reward
+from rlspmd.roles.policy import NoPolicy, NoReference, OldLogProbs, Policy, Reference, build_policy_module, resolve_ref_offload
+from rlspmd.rewards.functions import spec_name
+from rlspmd.roles.reward import NoReward, Reward, component_manager
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.agent import build_agent_loop
 from rlspmd.agent.loop import AgentLoop
@@ -57,8 +59,11 @@ from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_dir
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepReport
+from rlspmd.trainer.rollout_correction import (
+    ResolvedRolloutCorrection, RolloutCorrectionStage, resolve_rollout_correction,
+)
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
-from rlspmd.trainer.state import Checkpointing, NoCheckpointing
+from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing
 
 @dataclass(frozen=True)
 class RolePlan:
@@ -96,6 +101,8 @@ class Roles:
     critic: CriticRole
     token_rewards: Stage
     advantage: Stage
+    correction: RolloutCorrectionStage | Stage
+    """Rollout correction of the step's batch when the old log-probs were recomputed (else the loss applies it)."""
     balance: Stage
     report: StepReport | NoReport
     checkpointing: Checkpointing | NoCheckpointing
@@ -105,6 +112,8 @@ class Roles:
     """The checkpoint to resume from (chosen before any model loads, so a bad one fails in seconds)."""
     attn_kernel: str
     """The training forwards' attention kernel (``model.attn_kernel`` resolved for this device), for the run log."""
+    rollout_correction: ResolvedRolloutCorrection
+    """``algorithm.rollout_correction`` resolved for this run (its mode and why), for the run log."""
 
 
 class Skip:
@@ -195,12 +204,14 @@ def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
-                 reuse_update_logprobs: bool = False, seed: int = 0) -> Policy:
+                 correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
+                 seed: int = 0) -> Policy:
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
                           section="actor", lora=cfg.lora)
-    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, reuse_update_logprobs=reuse_update_logprobs, seed=seed)
+    return Policy(cfg, engine=engine, plan=plan, temperature=temperature, correction=correction, old_logprobs=old_logprobs,
+                  seed=seed)
 
 
 def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float,
@@ -249,8 +260,8 @@ def build_rollout_engine(cfg: RolloutConfig, *, weights, model_path: str, dtype:
     private copy loaded from disk and replaced at the first sync) or vLLM (in-process, dummy weights until the first sync)."""
     if cfg.engine == "native":
         if not weights.in_place:
-            dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
-            weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name, attn_implementation="sdpa", field_name="actor.model.path").to(device))
+            weights = OwnWeights(load_causal_lm(model_path, dtype=dtype_name(dtype), attn_implementation="sdpa",
+                                                field_name="actor.model.path").to(device))
         return NativeEngine(weights, eos_ids=eos_ids, pad_id=pad_id, max_batch_size=cfg.max_batch_size, device=device,
                             compile_decode=cfg.compile_decode, cuda_graphs=cfg.cuda_graphs)
     from rlspmd.rollout.vllm import VllmEngine
@@ -276,12 +287,15 @@ def build_episodes(cfg: RolloutConfig, *, tokenizer, eos_ids: list[int], pad_id:
 
 def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | None, model_path: str, compute: torch.dtype,
                   eos_ids: list[int], pad_id: int, device: torch.device, seed: int, max_prompt_length: int,
-                  in_place_capable: bool = True, episodes: SingleTurn | AgentLoop | None = None) -> RolloutRole:
+                  in_place_capable: bool = True, episodes: SingleTurn | AgentLoop | None = None, max_staleness: int = 0,
+                  draw: Callable[[], Batch] | None = None) -> RolloutRole:
     """The rollout role for this rank: ``Rollout`` (colocated), ``RolloutClient`` (split, actor ranks) or
     ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). ``in_place_capable``: the actor's engine can
     lend its gathered weights (FSDP2; a megatron actor streams them). ``episodes``: single- or multi-turn samples
     (``build_episodes``); they run where generation runs (in split placement, tools run on the rollout ranks).
-    Collective: weight-stream manifests are local, but a vLLM engine's construction spans the whole world."""
+    ``max_staleness`` (split only): how many steps ahead the rollout ranks generate; ``draw``: the actor ranks' next
+    prompts, which fill that pipeline. Collective: weight-stream manifests are local, but a vLLM engine's construction
+    spans the whole world."""
     dims = meshes.dims
     dtype = rollout_dtype(cfg, compute=compute)
     kw = dict(model_path=model_path, dtype=dtype, tp=dims.role_tp["rollout"], eos_ids=eos_ids, pad_id=pad_id, device=device,
@@ -297,12 +311,12 @@ def build_rollout(cfg: RolloutConfig, *, meshes: RoleMeshes, policy: Policy | No
     rollout_ranks = dims.role_ranks["rollout"]
     if policy is not None:
         return RolloutClient(link=link, bridge=bridge, stream=policy.engine.weight_stream(dtype), rollout_ranks=rollout_ranks,
-                             device=device)
+                             device=device, lag=max_staleness, draw=draw)
     weights = BridgedWeights(bridge)
     engine = build_rollout_engine(cfg, weights=weights, sleeps=False, seed=seed + meshes.dp_rank("rollout"), **kw)
     local = Rollout(cfg, engine=engine, weights=weights, mesh=meshes.get("rollout"), seed=seed, device=device, syncs_itself=False,
                     episodes=episodes)
-    return RolloutServer(local, link=link, rollout_ranks=rollout_ranks)
+    return RolloutServer(local, link=link, rollout_ranks=rollout_ranks, lag=max_staleness)
 
 
 # -- the whole rank --------------------------------------------------------------------------------------------------
@@ -318,16 +332,18 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     attn_kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing,
                                     device=rt.device, dtype=actor_compute_dtype(cfg.actor, rt.device),
                                     field_name="actor.model.attn_kernel")
+    correction = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, rt.device),
+                                          split=meshes.dims.disjoint("actor", "rollout"))
     tokenizer = load_tokenizer(m.tokenizer_path or m.path, field_name="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     eos_ids, pad_id = eos_token_ids(m.path, tokenizer), tokenizer.pad_token_id
     episodes = build_episodes(cfg.rollout, tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id,
                               model_field="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
                       pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
-                      in_place_capable=cfg.actor.engine == "fsdp", episodes=episodes)
+                      in_place_capable=cfg.actor.engine == "fsdp", episodes=episodes, max_staleness=trainer.max_staleness)
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
-                                   attn_kernel=attn_kernel)
+                                   attn_kernel=attn_kernel, correction=correction)
 
     mesh = meshes.get("actor", DP)
     dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
@@ -352,17 +368,19 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         critic_rows = c_plan.local_mini_batch
     a = cfg.actor
     a_plan = actor_plan(a, total_steps=max(1, trainer.total_steps - critic.warmup_steps), **plans)
-    # One update per step and no consumer of old log-probs before it: the update's forward provides them.
-    reuse = a.reuse_update_logprobs and a_plan.single_update and not cfg.algorithm.use_kl_in_reward
+    old_logprobs = old_logprob_source(a, single_update=a_plan.single_update, correction=correction,
+                                      use_kl_in_reward=cfg.algorithm.use_kl_in_reward)
     actor = build_policy(a, mesh=mesh, device=rt.device, plan=a_plan, temperature=cfg.rollout.temperature,
-                         reuse_update_logprobs=reuse, seed=trainer.seed)
+                         correction=correction, old_logprobs=old_logprobs, seed=trainer.seed)
     ref: ReferenceRole = (
         build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature, policy=actor)
         if plan.reference else NoReference()
     )
-    rollout = build_rollout(cfg.rollout, policy=actor, **rollout_kw)
+    rollout = build_rollout(cfg.rollout, policy=actor, draw=prompts.next, **rollout_kw)
     reward_model = build_reward_model(cfg, tokenizer=tokenizer, mesh=mesh, device=rt.device) if plan.reward_model else None
-    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model, agent=cfg.rollout.agent.enabled)
+    extra = {spec_name(spec): component_manager(cfg.reward, spec, tokenizer) for spec in cfg.reward.components}
+    reward = Reward(cfg.reward, rules=RewardManager(cfg.reward, tokenizer), model=reward_model, agent=cfg.rollout.agent.enabled,
+                    extra=extra)
     shaping = OverlongShaping(cfg.reward.overlong_buffer, max_response_length=R) if cfg.reward.overlong_buffer.enable else NoShaping()
     baseline = (
         GreedyBaseline(rollout=rollout, score=lambda b, m: shaping(reward.score(b, m), m), samples_per_prompt=n)
@@ -376,8 +394,11 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     if cfg.algorithm.use_kl_in_reward:
         components["token_rewards"] = token_rewards  # the adaptive KL controller's coefficient
     engines = {"actor": actor.engine, **({"critic": critic.engine} if plan.critic else {})}
+    # Asynchronous RL: the batches generated ahead are saved, so a resume trains on exactly what the run would have.
+    pipeline = (InFlightBatches(rollout.queue, rank=mesh.get_local_rank(), device=rt.device)
+                if trainer.max_staleness else None)
     checkpointing = Checkpointing(
-        checkpointer, engines=engines, components=components, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
+        checkpointer, engines=engines, components=components, pipeline=pipeline, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
         meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": dataclasses.asdict(cfg)},
         write_files=partial(_write_model_files, cfg, tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
     )
@@ -385,15 +406,43 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     return Roles(
         prompts=prompts, rollout=rollout, reward=reward, shaping=shaping, baseline=baseline, sampling=sampling, ref=ref,
         actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
-        balance=balance,
+        correction=RolloutCorrectionStage(correction) if old_logprobs == "recompute" else Skip(), balance=balance,
         report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts,
                           agent=AgentMetrics(tool_names=episodes.tool_names, mesh=mesh) if cfg.rollout.agent.enabled
                           else NoAgentMetrics()),
         checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from, attn_kernel=attn_kernel,
+        rollout_correction=correction,
     )
 
 
-def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan, attn_kernel: str) -> Roles:
+def build_rollout_correction(cfg: Config, *, compute: torch.dtype, split: bool) -> ResolvedRolloutCorrection:
+    """``algorithm.rollout_correction`` resolved from the facts of this run (engine, rollout and actor dtypes, placement,
+    staleness). Bypass mode's conditions on the resolution are checked by ``rlspmd.validate`` (which resolves it the
+    same way) before anything loads."""
+    return resolve_rollout_correction(
+        cfg.algorithm.rollout_correction, engine=cfg.rollout.engine, rollout_dtype=cfg.rollout.dtype,
+        actor_compute_dtype=dtype_name(compute), placement="split" if split else "colocated",
+        max_staleness=cfg.trainer.max_staleness,
+    )
+
+
+def old_logprob_source(cfg: ActorConfig, *, single_update: bool, correction: ResolvedRolloutCorrection,
+                       use_kl_in_reward: bool) -> OldLogProbs:
+    """Bypass mode: the rollout's log-probs. One update per step and no consumer of old log-probs before it (KL in the
+    reward reads them): the update's own forward. Otherwise a forward of their own."""
+    if correction.bypass:
+        return "rollout"
+    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward:
+        return "update"
+    return "recompute"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, plan: RolePlan, attn_kernel: str,
+                        correction: ResolvedRolloutCorrection) -> Roles:
     """Split placement, a rank that hosts only the rollout: it serves generation and the weight sync, in step with the
     actor's ranks; nothing else happens here."""
     data_stats = broadcast_object(None)
@@ -401,8 +450,9 @@ def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, pla
     return Roles(
         prompts=NoPrompts(), rollout=rollout, reward=NoReward(), shaping=NoShaping(),
         baseline=FollowGreedy(rollout=rollout) if plan.greedy_baseline else NoBaseline(), sampling=sampling,
-        ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), balance=Skip(),
-        report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None, attn_kernel=attn_kernel,
+        ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), correction=Skip(),
+        balance=Skip(), report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None,
+        attn_kernel=attn_kernel, rollout_correction=correction,
     )
 
 
@@ -426,7 +476,8 @@ def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes):
     stop_request = StopRequest().install()
     roles = build_roles(cfg, rt, meshes)
     return RLTrainer(cfg.trainer, roles=roles, rt=rt, stop_request=stop_request, val_batch_size=cfg.data.val_batch_size,
-                     messages=[f"packed attention kernel: {roles.attn_kernel}", *_warnings(cfg)])
+                     messages=[f"packed attention kernel: {roles.attn_kernel}",
+                               f"rollout correction: {roles.rollout_correction.summary()}", *_warnings(cfg)])
 
 
 def _warnings(cfg: Config) -> list[str]:

@@ -8,6 +8,8 @@ What a checkpoint holds (``Checkpointer.save``), one key per object:
                          (data sampler position, KL controller, ...), as one JSON string
     rng                  every rank's python/numpy/torch/CUDA RNG state as integer/float tensors (``rank_<r>.*``);
                          the rollout sampler derives its generator from (seed, step, rank), so the step covers it
+    pipeline             asynchronous RL only: each actor rank's batches generated for the coming steps, as tensors
+                         (``rank_<r>.batch_<i>.*``; per-sample objects as JSON text in a uint8 tensor)
 
 Layout of ``checkpoint.dir``:
 
@@ -64,6 +66,8 @@ from rlspmd.distributed.runtime import rng_state, set_rng_state
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 FORMAT_VERSION = 2
+PIPELINE = "pipeline"
+"""The key of asynchronous RL's in-flight batches (``trainer/state.py: InFlightBatches``): not a trained role."""
 
 
 class CheckpointError(RuntimeError):
@@ -310,6 +314,14 @@ def dcp_load(state: dict, path: Path, *, process_group=None, no_dist: bool = Fal
                  process_group=process_group, no_dist=no_dist)
 
 
+def saved_tensors(path: Path, *, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of every tensor of checkpoint ``path`` whose key starts with ``prefix`` (removed from the keys),
+    from its DCP metadata, read safely."""
+    md = read_dcp_metadata(path).state_dict_metadata
+    return {k[len(prefix):]: (item.size, item.properties.dtype) for k, item in md.items()
+            if k.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+
+
 def read_checkpoint(path: str | Path, *, prefix: str = "") -> dict[str, object]:
     """Every entry of a checkpoint whose key starts with ``prefix``, unsharded, in this one process (no process
     group): flat DCP keys -> tensors or plain values. For tools and tests; memory is one full copy."""
@@ -521,7 +533,7 @@ class Checkpointer:
         meta = read_meta(path)
         check_format(path, meta)
         saved = read_dcp_metadata(path).state_dict_metadata
-        roles = sorted({k.split(".", 1)[0] for k in saved} - {"trainer", "rng"})
+        roles = sorted({k.split(".", 1)[0] for k in saved} - {"trainer", "rng", PIPELINE})
         for role, engine_shapes in engines.items():
             if role not in roles:
                 raise CheckpointError(f"checkpoint {path} has no {role!r} state (it holds {roles}); it was written by a different kind of run")

@@ -87,7 +87,9 @@ class StepReport:
         """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks, and
         the stages' seconds and peak memory (max over ranks)."""
         scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
-        loss_mask = batch["loss_mask_BR"].float()  # the model's own tokens (all of the response in single turn)
+        # the model's own tokens (all of the response in single turn), less what a rollout correction rejected;
+        # response_mask_BR keeps every sampled position
+        loss_mask = batch["loss_mask_BR"].float()
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
         m.mean("reward/sq", scores.pow(2).sum(), n)
@@ -97,7 +99,7 @@ class StepReport:
         lengths = mask.sum(-1)
         m.mean("response_length/mean", lengths.sum(), n)
         m.max("response_length/max", lengths.max())
-        clipped = truncated(batch, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
+        clipped = truncated(batch["responses_BR"], lengths, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
         m.mean("response_length/clip_ratio", clipped.float().sum(), n)
         adv, valid = batch["advantages_BR"], loss_mask > 0
         m.mean("adv/mean", (adv * loss_mask).sum(), loss_mask.sum())

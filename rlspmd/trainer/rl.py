@@ -11,6 +11,7 @@
       -> critic.values         PPO only (no-op otherwise)
       -> token rewards         score on the last token, minus the KL penalty when it is in the reward
       -> advantages            pure functions in rlspmd.algorithms
+      -> rollout correction    importance weights / rejection for pi_rollout != pi_train (trainer/rollout_correction.py)
       -> balance               move samples between DP ranks to even out tokens (within each mini-batch)
       -> critic.update, actor.update   (the actor waits for critic.warmup_steps)
       -> rollout.sync_weights  actor -> rollout
@@ -84,6 +85,9 @@ class RLTrainer:
             with t("adv"):
                 batch = r.token_rewards(batch, m)
                 batch = r.advantage(batch, m)
+                # Rollout correction with recomputed old log-probs: weights and rejected tokens for the updates (after
+                # the advantages, whose group statistics see every sample). Otherwise the loss computes it.
+                batch = r.correction(batch, m)
             with t("balance"):
                 batch = r.balance(batch, m)
             with t("update_critic"):

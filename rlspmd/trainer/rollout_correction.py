@@ -7,9 +7,11 @@ from facts the builder knows, and applies it to a ``Batch``:
 * `resolve_rollout_correction(cfg, engine=..., rollout_dtype=..., actor_compute_dtype=..., placement=...)` ->
   `ResolvedRolloutCorrection`: concrete mode, level and thresholds, and a sentence saying why.
 * `check_bypass(resolved, ppo_epochs=..., mini_batch_size=..., train_batch_size=...)`: bypass mode's conditions.
-* `RolloutCorrectionStage(resolved)(batch)`: once per step, after the old log-probs (decoupled mode): adds
-  ``rollout_is_weights_BR``, replaces ``loss_mask_BR`` by the mask without rejected tokens, and returns the
-  ``rollout_corr/*`` metrics. `record_correction_metrics` records them for a correction computed elsewhere (inside
+* `RolloutCorrectionStage(resolved)(batch, metrics)`: once per step when the old log-probs were recomputed (decoupled
+  mode; the trainer runs it right after the advantages, so a rejected sample still counts in its group's statistics
+  and its score is still placed on its last token, as in verl): adds ``rollout_is_weights_BR``, replaces
+  ``loss_mask_BR`` by the mask without rejected tokens (so the update's loss denominators exclude them), and
+  records the ``rollout_corr/*`` metrics. `record_correction_metrics` records them for a correction computed elsewhere (inside
   the loss, against the current policy, when there is no old-log-prob pass).
 """
 
@@ -51,6 +53,15 @@ class ResolvedRolloutCorrection:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    def summary(self) -> str:
+        """One line for the run's log: the mode, its settings, bypass, and why."""
+        settings = {"off": "", "tis": f", tis_threshold={self.tis_threshold:g}",
+                    "mis": f", band [{self.mis_lower:g}, {self.mis_upper:g}]",
+                    "both": f", tis_threshold={self.tis_threshold:g}, band [{self.mis_lower:g}, {self.mis_upper:g}]"}
+        level = "" if self.mode == "off" else f" at {self.level} level"
+        bypass = "; bypass: the rollout's log-probs are the old log-probs" if self.bypass else ""
+        return f"{self.mode}{level}{settings[self.mode]}{bypass} ({self.reason})"
+
     def apply(self, train_logprobs_BT, rollout_logprobs_BT, mask_BT) -> RolloutCorrection:
         """`rollout_correction` with these settings."""
         return rollout_correction(train_logprobs_BT, rollout_logprobs_BT, mask_BT, mode=self.mode, level=self.level,
@@ -68,7 +79,10 @@ def resolve_rollout_correction(cfg: RolloutCorrectionConfig, *, engine: str, rol
     sampling from the same logits), its weights are in the actor's compute dtype (the colocated engine then reads
     the actor's gathered weights in place; a split engine receives a bit-identical copy after every update) and
     they are current (``max_staleness`` 0). Anything else (``vllm``, a rollout dtype unlike the actor's, weights
-    up to ``max_staleness`` updates old) makes pi_rollout differ from pi_train, and auto switches the correction on.
+    up to ``max_staleness`` updates old) makes pi_rollout differ from pi_train, and auto switches the correction on:
+    rejection (``mis``) for numerics alone, whose ratios stay within the narrow default band of an exact sampler;
+    truncated weights (``tis``) when the weights are stale, since one update moves a sequence's ratio far past that
+    band and rejection would drop nearly every stale sample (measured: all of them, on the tiny model at lr 1e-3).
     An explicit mode is kept as it is.
 
     Args:
@@ -103,6 +117,10 @@ def resolve_rollout_correction(cfg: RolloutCorrectionConfig, *, engine: str, rol
         differs.append(f"weights up to {max_staleness} update(s) stale")
     if cfg.mode != "auto":
         mode, reason = cfg.mode, f"mode={cfg.mode} set in the config"
+    elif max_staleness > 0:
+        # An update moves the policy far past a band meant for kernel noise (+-0.1% per sequence would reject nearly
+        # every stale sample): truncated weights instead, AReaL's decoupled PPO.
+        mode, reason = "tis", f"auto -> tis at {cfg.level} level: " + ", ".join(differs) + f" ({placement})"
     elif differs:
         mode, reason = "mis", f"auto -> mis at {cfg.level} level: " + ", ".join(differs) + f" ({placement})"
     else:
@@ -147,9 +165,10 @@ def record_correction_metrics(correction: RolloutCorrection, metrics: MetricBuff
 class RolloutCorrectionStage:
     """Adds ``rollout_is_weights_BR`` and applies the rejection to ``loss_mask_BR``; its metrics go to the step's.
 
-    Decoupled mode: call once per step after ``actor.log_prob`` (it reads ``old_logprobs_BR`` and
-    ``rollout_logprobs_BR``) and before the advantages, as verl does. With ``mode=off`` the weights are 1 and the
-    mask is unchanged, and the metrics are still recorded.
+    Decoupled mode: call once per step after ``actor.old_log_prob`` (it reads ``old_logprobs_BR`` and
+    ``rollout_logprobs_BR``); the trainer calls it after the advantages, which read the scores of every sample (verl
+    computes its token rewards before the correction changes the mask, to the same effect). With ``mode=off`` the
+    weights are 1 and the mask is unchanged, and the metrics are still recorded.
     """
 
     def __init__(self, resolved: ResolvedRolloutCorrection):

@@ -1,0 +1,95 @@
+"""Asynchronous RL benchmark: seconds per step and accuracy rise, synchronous split loop vs ``trainer.max_staleness``.
+Prints JSON.
+
+    bash scripts/quickstart.sh                         # once: the tiny model, the data, the SFT warm start
+    python scripts/bench/async_rl.py --steps 10        # 2 CPU ranks: actor on rank 0, rollout on rank 1
+
+Each run is the quickstart (``configs/quickstart.py``) under its own ``torchrun``, in split placement (1 actor rank,
+1 rollout rank, ``OMP_NUM_THREADS=1``: one thread each), with the workload made so that generation and training
+take comparable time: one optimiser update per step (``actor.mini_batch_size = data.train_batch_size``, so the
+update's own forward gives the old log-probs) and no reference model (no KL loss). Then:
+
+* ``sync``: ``trainer.max_staleness=0``, the synchronous loop: the actor rank waits while the rollout rank generates,
+  and the other way round.
+* ``async``: ``trainer.max_staleness=--staleness``: the rollout rank generates step t+k's batch while the actor
+  trains on step t (``algorithm.rollout_correction.mode=auto`` resolves to ``tis``).
+
+Per run: ``sec_per_step`` (the trainer's median step time after the first step), the mean stage times, validation
+accuracy before training and after ``--steps`` steps (greedy, ``--val-samples`` held-out prompts) and its rise.
+Summary: ``speedup`` = sync / async seconds per step, ``acc_rise_gap`` = sync rise - async rise (points).
+The machine is described in ``machine`` (load average before and after): on a shared machine re-run for final
+figures and compare only ratios taken in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, emit  # noqa: E402
+from weight_sync import _free_port  # noqa: E402
+
+
+def run(args, staleness: int, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "rlspmd.train", "--config", "configs/quickstart.py",
+           "--actor.model.path", args.model, "--data.train-files", str(Path(args.data) / "train.parquet"),
+           "--data.val-files", str(Path(args.data) / "test.parquet"), "--data.max-val-samples", str(args.val_samples),
+           "--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1",
+           "--actor.mini-batch-size", "32", "--actor.no-use-kl-loss",
+           "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.steps),
+           "--trainer.max-staleness", str(staleness), "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl",
+           "--checkpoint.save-every", "0", "--checkpoint.no-save-final"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run with max_staleness={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
+    train = [r for r in rows if r["step"] > 0]
+    return {
+        "max_staleness": staleness,
+        "sec_per_step": summary["sec_per_step"],
+        "wall_s": summary["wall_s"],
+        "mean_step_s": {k: round(v, 4) for k, v in summary["mean_step_s"].items() if v > 1e-3},
+        "val_acc_before": val[0],
+        "val_acc_after": val[args.steps],
+        "acc_rise": val[args.steps] - val[0],
+        "train_acc": [round(r["acc/mean"], 4) for r in train],
+        "staleness_mean": [r.get("rollout/staleness/mean") for r in train],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="outputs/quickstart-sft/hf", help="the quickstart's SFT warm start")
+    ap.add_argument("--data", default="data/arithmetic", help="the quickstart's data directory")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--staleness", type=int, default=1)
+    ap.add_argument("--val-samples", type=int, default=200)
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    with tempfile.TemporaryDirectory() as tmp:
+        sync = run(args, 0, Path(tmp) / "sync")
+        asyn = run(args, args.staleness, Path(tmp) / "async")
+    result = {
+        "bench": "async_rl", "steps": args.steps, "placement": "split: actor rank 0, rollout rank 1, 1 thread each",
+        "sync": sync, "async": asyn,
+        "speedup": sync["sec_per_step"] / asyn["sec_per_step"],
+        "acc_rise_gap_points": 100 * (sync["acc_rise"] - asyn["acc_rise"]),
+        "load_avg_start": load_start,
+    }
+    emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
