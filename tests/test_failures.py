@@ -20,13 +20,12 @@ pytestmark = pytest.mark.dist
 
 
 def fails(target: list[str], *needles: str, nproc: int = 2, preexec_fn=None, within: float = 60) -> str:
-    """Run, expect a non-zero exit within ``within`` seconds, and every needle in the output; returns the output."""
-    t0 = time.monotonic()
+    """Run, expect a non-zero exit and every needle in the output; returns the output. ``within``: the seconds the
+    failure takes on a quiet machine; a job still running 60 s past it hangs and fails the test (a margin, not a
+    timing assertion: CI's 2 cores run other tests' ranks too)."""
     proc = run_torchrun(target, nproc, preexec_fn=preexec_fn, timeout=within + 60)
-    elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert elapsed < within, f"took {elapsed:.0f}s"
     for needle in needles:
         assert needle in out, f"{needle!r} not in output:\n{out[-4000:]}"
     return out

@@ -40,7 +40,7 @@ def test_user_function_from_file(tmp_path):
     f.write_text("def score(response, ground_truth, extra_info, data_source):\n    return float(response.startswith(ground_truth)) + extra_info['index'] / 100\n")
     m = RewardManager(RewardConfig(function=f"{f}:score"), FakeTok())
     out = m.score(batch())
-    assert out["scores_B"].tolist() == pytest.approx([1.10, 1.11, 0.12])
+    assert out["task_scores_B"].tolist() == pytest.approx([1.10, 1.11, 0.12])
 
 
 def test_user_function_from_module_with_two_args():

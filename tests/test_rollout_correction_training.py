@@ -48,12 +48,12 @@ def resolved(**kw):
 
 
 def micro_batch(**extra):
-    return Batch({"rollout_logprobs_BR": ROLLOUT.clone(), "response_mask_BR": MASK.clone(), "advantages_BR": ADV.clone(),
-                  **extra})
+    return Batch({"rollout_logprobs_BR": ROLLOUT.clone(), "response_mask_BR": MASK.clone(), "loss_mask_BR": MASK.clone(),
+                  "advantages_BR": ADV.clone(), **extra})
 
 
 def inputs(source, mb, logp, metrics=None, **kw):
-    return policy_gradient_inputs(mb, logp, mb["response_mask_BR"], old_logprobs=source, correction=resolved(**kw),
+    return policy_gradient_inputs(mb, logp, mb["loss_mask_BR"], old_logprobs=source, correction=resolved(**kw),
                                   metrics=metrics if metrics is not None else MetricBuffer())
 
 
@@ -85,12 +85,13 @@ def test_update_path_corrects_inside_the_loss_with_the_uncorrected_denominators(
 
 
 def test_recompute_path_uses_the_stage_once_and_its_mask_in_the_denominators():
-    """Old log-probs recomputed: the step's stage adds the weights and takes the rejected token out of the response
+    """Old log-probs recomputed: the step's stage adds the weights and takes the rejected token out of the loss
     mask, which the update's denominators then count (4 tokens)."""
     batch = micro_batch(old_logprobs_BR=TRAIN.clone())
     metrics = MetricBuffer()
     batch = RolloutCorrectionStage(resolved())(batch, metrics)
-    assert_close(batch["response_mask_BR"], CORRECTED_MASK)
+    assert_close(batch["loss_mask_BR"], CORRECTED_MASK)
+    assert_close(batch["response_mask_BR"], MASK)  # every sampled position still holds its token
     assert_close(batch["rollout_is_weights_BR"], WEIGHTS)
     assert metrics.reduce(mesh=None)["rollout_corr/masked_frac"] == pytest.approx(1 / 5)
     logp = (TRAIN + 0.0).requires_grad_()  # the first update: the policy is still the behaviour policy
@@ -99,7 +100,7 @@ def test_recompute_path_uses_the_stage_once_and_its_mask_in_the_denominators():
     assert old is batch["old_logprobs_BR"] and weights is batch["rollout_is_weights_BR"]
     assert_close(mask, CORRECTED_MASK)
     assert loss_metrics.reduce(mesh=None) == {}  # the stage recorded the metrics; the loss adds none
-    denominator = int(batch["response_mask_BR"].sum())  # what ppo_updates counts from the mini-batch
+    denominator = int(batch["loss_mask_BR"].sum())  # what ppo_updates counts from the mini-batch
     loss = ppo_token_mean(logp, old, mask, weights, denominator=denominator)
     assert denominator == 4
     assert loss.item() == pytest.approx(-(1.1 + 1.0 - 0.5 * math.exp(-0.1) - 0.5) / 4, abs=1e-12)
@@ -134,7 +135,7 @@ def test_every_policy_loss_and_aggregation_gets_the_hand_computed_correction(nam
         batch = RolloutCorrectionStage(resolved())(batch, MetricBuffer())
     logp = (TRAIN if source == "update" else current).clone().requires_grad_()
     old, mask, weights = inputs(source, batch, logp, bypass=source == "rollout")
-    agg = AggArgs.from_mask(batch["response_mask_BR"], mode=mode, norm_length=4)  # ppo_updates' denominators
+    agg = AggArgs.from_mask(batch["loss_mask_BR"], mode=mode, norm_length=4)  # ppo_updates' denominators
     loss, _ = fn(logp, old, ADV, mask, agg=agg, weights_BT=weights, generator=torch.Generator().manual_seed(0), **OPTIONS)
     loss.backward()
 

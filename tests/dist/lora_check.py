@@ -44,7 +44,8 @@ def batch(vocab: int) -> Batch:
     prompts, responses = torch.randint(3, vocab, (B, P), generator=g) * pm, torch.randint(3, vocab, (B, R), generator=g) * rm
     attn = torch.cat([pm, rm], 1)
     return Batch({"input_ids_BL": torch.cat([prompts, responses], 1), "attention_mask_BL": attn,
-                  "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0), "responses_BR": responses, "response_mask_BR": rm,
+                  "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0), "responses_BR": responses,
+                  "response_mask_BR": rm, "loss_mask_BR": rm,
                   "old_logprobs_BR": -torch.rand(B, R, generator=g) - 2, "ref_logprobs_BR": -torch.rand(B, R, generator=g) - 2,
                   "advantages_BR": torch.randn(B, R, generator=g) * rm})
 
