@@ -103,8 +103,8 @@ def test_start_up_checks_name_the_tool_and_the_field(tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("import not_a_module_anywhere\n")
     cases = [
-        ([f"{broken}:X"], r"rollout.agent.tools\[0\]=.*broken.py:X.*failed to import: ModuleNotFoundError"),
-        ([f"{f}:Missing"], r"rollout.agent.tools\[0\].*defines no 'Missing'"),
+        ([f"{broken}:X"], r"rollout.agent.tools\[0\]=.*broken.py:X.*broken.py failed to import: ModuleNotFoundError"),
+        ([f"{f}:Missing"], r"rollout.agent.tools\[0\]=.*my_tools.py has no class 'Missing' \(it defines \['BadSchema', 'Mismatch', 'NoCall'\]\)"),
         (["calculator", f"{f}:NoCall"], r"rollout.agent.tools\[1\].*lacks \['call'\]"),
         ([f"{f}:BadSchema"], r"rollout.agent.tools\[0\].*invalid tool schema: property 'x' needs a 'type'"),
         ([f"{f}:Mismatch"], r"name 'other' differs from its schema's function.name 'bad'"),
@@ -114,7 +114,7 @@ def test_start_up_checks_name_the_tool_and_the_field(tmp_path):
     for specs, match in cases:
         with pytest.raises(ValueError, match=match):
             load_tools(AgentConfig(tools=specs))
-    with pytest.raises(ValueError, match=r"rollout.agent.parser: 'nope' is neither"):
+    with pytest.raises(ValueError, match=r"rollout.agent.parser='nope': neither a registered name \(hermes\)"):
         load_parser(AgentConfig(parser="nope"))
     with pytest.raises(ValueError, match=r"rollout.agent.interaction=.*lacks"):
         load_interaction(AgentConfig(interaction=f"{f}:NoCall"))

@@ -6,16 +6,15 @@ start-up; ``build_agent_loop`` assembles the loop the rollout role runs (``roles
 
 from __future__ import annotations
 
-import inspect
-
 from rlspmd.agent.builtin import Calculator, Gsm8kAnswer, PythonRunner
 from rlspmd.agent.chat import ChatRenderer
 from rlspmd.agent.interaction import INTERACTIONS, InteractionSample
 from rlspmd.agent.interaction import MEMBERS as INTERACTION_MEMBERS
 from rlspmd.agent.loop import STOP_REASONS, AgentLoop
 from rlspmd.agent.parser import PARSERS, HermesParser, ParseError, ToolCall
-from rlspmd.agent.tools import Tool, ToolSample, check_arguments, check_schema, check_tool, function_schema, load_object
+from rlspmd.agent.tools import Tool, ToolSample, check_arguments, check_schema, check_tool, function_schema
 from rlspmd.config import AgentConfig, CodeRunnerConfig
+from rlspmd.utils.imports import load_object
 
 __all__ = [
     "AgentLoop", "Calculator", "ChatRenderer", "Gsm8kAnswer", "HermesParser", "InteractionSample", "ParseError",
@@ -31,8 +30,6 @@ def _builtin_tools(code: CodeRunnerConfig) -> dict:
 
 
 def _instantiate(obj, *, where: str):
-    if not inspect.isclass(obj) and not callable(obj):
-        raise ValueError(f"{where}: expected a class, got {type(obj).__name__}")
     try:
         return obj()
     except Exception as e:  # noqa: BLE001 - a tool that cannot be built stops the run naming it
@@ -45,7 +42,7 @@ def load_tools(cfg: AgentConfig, *, field_name: str = "rollout.agent.tools") -> 
     tools, names = [], {}
     for i, spec in enumerate(cfg.tools):
         where = f"{field_name}[{i}]={spec!r}"
-        factory = builtin.get(spec) or load_object(spec, field_name=where)
+        factory = builtin.get(spec) or load_object(spec, field_name=f"{field_name}[{i}]", kind="class", registered=list(builtin))
         tool = _instantiate(factory, where=where)
         check_tool(tool, where=where)
         if tool.name in names:
@@ -61,7 +58,7 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
 
 def load_parser(cfg: AgentConfig, *, field_name: str = "rollout.agent.parser"):
-    parser = _instantiate(PARSERS.get(cfg.parser) or load_object(cfg.parser, field_name=field_name),
+    parser = _instantiate(PARSERS.get(cfg.parser) or load_object(cfg.parser, field_name=field_name, kind="class", registered=list(PARSERS)),
                           where=f"{field_name}={cfg.parser!r}")
     if not callable(getattr(parser, "parse", None)):
         raise ValueError(f"{field_name}={cfg.parser!r}: a parser needs parse(text) -> list[ToolCall | ParseError]")
@@ -72,7 +69,9 @@ def load_interaction(cfg: AgentConfig, *, field_name: str = "rollout.agent.inter
     if cfg.interaction is None:
         return None
     where = f"{field_name}={cfg.interaction!r}"
-    obj = _instantiate(INTERACTIONS.get(cfg.interaction) or load_object(cfg.interaction, field_name=field_name), where=where)
+    cls = INTERACTIONS.get(cfg.interaction) or load_object(cfg.interaction, field_name=field_name, kind="class",
+                                                            registered=list(INTERACTIONS))
+    obj = _instantiate(cls, where=where)
     missing = [m for m in INTERACTION_MEMBERS if not callable(getattr(obj, m, None))]
     if missing:
         raise ValueError(f"{where}: an interaction needs {list(INTERACTION_MEMBERS)}; {type(obj).__name__} lacks {missing}")

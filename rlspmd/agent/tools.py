@@ -15,7 +15,7 @@ A tool is a class (subclass ``Tool``, or any class with the same members) with
 * ``release(state)``: the conversation is over (free what ``create`` took).
 
 Tools are configured as ``rollout.agent.tools``: registered names (``calculator``, ``gsm8k_answer``, ``python``) or
-``path/to/file.py:Class`` / ``package.module:Class``. ``load_tools`` builds and checks them at start-up: a class that
+``path/to/file.py:Class`` / ``package.module:Class`` (``rlspmd/utils/imports.py``). ``load_tools`` builds and checks them at start-up: a class that
 does not import, lacks a member or has an invalid schema stops the run naming the tool and the field. At run time
 nothing a model writes raises: bad arguments come back as an error message (``check_arguments``).
 
@@ -26,11 +26,8 @@ should be plain data.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 JSON_TYPES = {"string", "integer", "number", "boolean", "array", "object", "null"}
@@ -139,28 +136,6 @@ def check_arguments(schema: dict, arguments: Any) -> str | None:
         if "enum" in spec and value not in spec["enum"]:
             return f"argument {key!r} must be one of {spec['enum']}"
     return None
-
-
-def load_object(spec: str, *, field_name: str) -> Any:
-    """``path/to/file.py:Name`` or ``package.module:Name`` -> the object; errors name the field and the spec."""
-    if ":" not in spec:
-        raise ValueError(f"{field_name}: {spec!r} is neither a registered name nor 'path/to/file.py:Class' / 'module:Class'")
-    target, name = spec.rsplit(":", 1)
-    try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise FileNotFoundError(f"file {path} does not exist")
-            mod_spec = importlib.util.spec_from_file_location(f"_rlspmd_agent_{path.stem}", path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
-    except Exception as e:  # noqa: BLE001 - any import failure stops the run naming the tool
-        raise ValueError(f"{field_name}: {spec!r} failed to import: {type(e).__name__}: {e}") from None
-    if not hasattr(module, name):
-        raise ValueError(f"{field_name}: {spec!r}: {target} defines no {name!r}")
-    return getattr(module, name)
 
 
 def check_tool(tool: Any, *, where: str) -> None:

@@ -6,36 +6,17 @@ Imports nothing heavy (no torch): reward worker processes (``worker.py``) use it
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable
-from pathlib import Path
 
 from rlspmd.rewards.rules import rule_for
+from rlspmd.utils.imports import load_object
 
 
 def load_function(spec: str, *, field_name: str = "reward.function") -> Callable:
-    """``path/to/file.py:fn`` or ``package.module:fn`` -> the function (imports, and so runs, its module)."""
-    if ":" not in spec:
-        raise ValueError(f"{field_name}={spec!r}: expected 'path/to/file.py:function' or 'module:function'")
-    target, name = spec.rsplit(":", 1)
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise FileNotFoundError(f"{field_name}: file {path} does not exist")
-        mod_spec = importlib.util.spec_from_file_location(f"_rlspmd_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise ValueError(f"{field_name}={spec!r}: cannot import module {target!r}: {e}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"{field_name}={spec!r}: {target} has no function {name!r}")
-    return fn
+    """``path/to/file.py:fn`` or ``package.module:fn`` -> the function (imports, and so runs, its module; errors name
+    the field, the spec and the file: ``rlspmd/utils/imports.py``)."""
+    return load_object(spec, field_name=field_name, kind="callable")
 
 
 def function_name(fn: Callable) -> str:

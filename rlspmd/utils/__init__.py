@@ -1,0 +1,1 @@
+"""Small helpers shared across the package (no torch imported here: reward worker processes use them)."""
