@@ -258,6 +258,11 @@ class AgentConfig:
     ``python``) or ``path/to/file.py:Class`` / ``module:Class`` (``rlspmd.agent.Tool``'s interface). Non-empty (or an
     ``interaction``) turns every rollout into a multi-turn conversation; the schemas are rendered into every prompt
     through the chat template's ``tools`` argument. Checked at start-up (import, members, schema)."""
+    tool_prompt: Literal["template", "system"] = "template"
+    """How the tool schemas reach the prompt: ``template``, the chat template's ``tools`` argument (start-up error if
+    the template ignores it); ``system``, rlspmd writes them into the system message itself (a ``<tools>`` block and
+    the ``<tool_call>`` syntax the ``hermes`` parser reads) for templates without tool support, e.g. SmolLM2's. The
+    run's tokenizer then renders that way everywhere: prompts, appended turns, the exported checkpoint."""
     parser: str = "hermes"
     """Tool-call format: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen's) or
     ``path/to/file.py:Class`` with ``parse(text) -> list[ToolCall | ParseError]``."""

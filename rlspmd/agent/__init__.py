@@ -7,7 +7,7 @@ start-up; ``build_agent_loop`` assembles the loop the rollout role runs (``roles
 from __future__ import annotations
 
 from rlspmd.agent.builtin import Calculator, Gsm8kAnswer, PythonRunner
-from rlspmd.agent.chat import ChatRenderer
+from rlspmd.agent.chat import ChatRenderer, system_tool_template, use_system_tool_prompt
 from rlspmd.agent.interaction import INTERACTIONS, InteractionSample
 from rlspmd.agent.interaction import MEMBERS as INTERACTION_MEMBERS
 from rlspmd.agent.loop import STOP_REASONS, AgentLoop
@@ -17,7 +17,7 @@ from rlspmd.config import AgentConfig, CodeRunnerConfig
 from rlspmd.utils.imports import load_object
 
 __all__ = [
-    "AgentLoop", "Calculator", "ChatRenderer", "Gsm8kAnswer", "HermesParser", "InteractionSample", "ParseError",
+    "AgentLoop", "Calculator", "ChatRenderer", "system_tool_template", "use_system_tool_prompt", "Gsm8kAnswer", "HermesParser", "InteractionSample", "ParseError",
     "PythonRunner", "STOP_REASONS", "Tool", "ToolCall", "ToolSample", "build_agent_loop", "check_arguments",
     "check_schema", "function_schema", "load_interaction", "load_parser", "load_tools", "tool_schemas",
 ]
@@ -83,6 +83,10 @@ def build_agent_loop(cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id:
     """The loop with its tools, parser, interaction and renderer (``rlspmd/validate.py`` checked the section before
     anything loaded)."""
     tools = load_tools(cfg)
+    if cfg.tool_prompt not in ("template", "system"):
+        raise ValueError(f"rollout.agent.tool_prompt={cfg.tool_prompt!r}: expected 'template' or 'system'")
+    if cfg.tool_prompt == "system" and tools:
+        use_system_tool_prompt(tokenizer)  # the run's one tokenizer: the prompt dataset renders with it too
     renderer = ChatRenderer(tokenizer, tools=tool_schemas(tools), field_name=model_field)
     return AgentLoop(cfg, tools=tools, parser=load_parser(cfg), interaction=load_interaction(cfg), renderer=renderer,
                      tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id, max_response_length=max_response_length)

