@@ -480,9 +480,9 @@ def check_function_spec(spec: str, *, field_name: str) -> None:
     """``path/to/file.py:fn`` or ``package.module:fn`` names a file or module that exists and binds ``fn`` at its
     top level. Found and parsed, never imported: importing runs the user's code, which belongs to the run.
     A module whose names cannot be known without running it (a ``*`` import, a module ``__getattr__``) passes."""
-    if ":" not in spec:
-        raise ValueError(f"{field_name}={spec!r}: expected 'path/to/file.py:function' or 'module:function'")
-    target, name = spec.rsplit(":", 1)
+    from rlspmd.utils.imports import split_spec  # the same spec syntax as the loader that imports it later
+
+    target, name = split_spec(spec, field_name=field_name, example="function")
     if target.endswith(".py"):
         source = Path(target).expanduser()
         if not source.is_file():

@@ -49,7 +49,7 @@ def with_(cfg=None, **sections) -> Config:
      ["rollout.agent.max_turns=0: must be >= 1", "rollout.agent.tool_timeout_s=0.0: must be > 0"]),
     (with_(rollout=RolloutConfig(ignore_eos=True, agent=AgentConfig(tools=["calculator"]))), ["rollout.ignore_eos=True: fixed-length"]),
     (with_(rollout=RolloutConfig(agent=AgentConfig(tools=["calculator", "no_such_tool"]))),
-     ["rollout.agent.tools[1]='no_such_tool': 'no_such_tool' is neither a registered name"]),
+     ["rollout.agent.tools[1]='no_such_tool': neither a registered name (calc_gsm8k_reward, calculator, gsm8k_answer, python)"]),
     (with_(reward=RewardConfig(timeout_s=0.0)), ["reward.timeout_s=0.0: must be > 0, or None"]),
     (with_(mesh=MeshConfig(rollout_ranks="0")), ["mesh.rollout_ranks='0': ranks [0] must equal the actor's ranks [0, 1]"]),
     (with_(mesh=MeshConfig(actor_ranks="1", rollout_ranks="0")), ["mesh.actor_ranks='1': must include rank 0"]),
@@ -133,7 +133,7 @@ def test_sft_config_problems():
     ]
     tools = dataclasses.replace(SFTConfig(), data=SFTDataConfig(tools=["calculator", "nope"]))
     assert sft_config_problems(tools, world_size=2, check_files=False) == [
-        "data.tools[1]='nope': 'nope' is neither a registered name nor 'path/to/file.py:Class' / 'module:Class'"]
+        "data.tools[1]='nope': neither a registered name (calc_gsm8k_reward, calculator, gsm8k_answer, python) nor 'path/to/file.py:Class' / 'package.module:Class'"]
 
 
 def test_files_that_must_exist(tmp_path, tiny_model):
