@@ -42,7 +42,8 @@ def load_tools(cfg: AgentConfig, *, field_name: str = "rollout.agent.tools") -> 
     tools, names = [], {}
     for i, spec in enumerate(cfg.tools):
         where = f"{field_name}[{i}]={spec!r}"
-        factory = builtin.get(spec) or load_object(spec, field_name=f"{field_name}[{i}]", kind="class", registered=list(builtin))
+        factory = builtin.get(spec) or load_object(spec, field_name=f"{field_name}[{i}]", kind="class",
+                                                   registered=list(builtin))
         tool = _instantiate(factory, where=where)
         check_tool(tool, where=where)
         if tool.name in names:
@@ -58,8 +59,8 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
 
 def load_parser(cfg: AgentConfig, *, field_name: str = "rollout.agent.parser"):
-    parser = _instantiate(PARSERS.get(cfg.parser) or load_object(cfg.parser, field_name=field_name, kind="class", registered=list(PARSERS)),
-                          where=f"{field_name}={cfg.parser!r}")
+    cls = PARSERS.get(cfg.parser) or load_object(cfg.parser, field_name=field_name, kind="class", registered=list(PARSERS))
+    parser = _instantiate(cls, where=f"{field_name}={cfg.parser!r}")
     if not callable(getattr(parser, "parse", None)):
         raise ValueError(f"{field_name}={cfg.parser!r}: a parser needs parse(text) -> list[ToolCall | ParseError]")
     return parser
