@@ -103,7 +103,7 @@ def test_system_tool_template_writes_the_schemas_once(tiny_tools_model):
 def test_smollm2_template_ignores_tools_and_the_system_prompt_carries_them(smollm2_tok, smollm2_l2, data):
     tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
     with pytest.raises(ValueError, match=r"actor.model.path: the chat template ignores its `tools` argument .*"
-                                         r"rollout.agent.tool_prompt=system"):
+                                         r"\(RL runs\) set rollout.agent.tool_prompt=system"):
         loop_for(tok, tool_prompt="template")
     loop = loop_for(tok)
     ds = PromptDataset([str(data)], tok, prompt_key="prompt", max_prompt_length=768, tools=loop.tool_schemas)

@@ -89,8 +89,8 @@ class ChatRenderer:
         if missing:
             raise ValueError(f"{field_name}: the chat template ignores its `tools` argument (tools {missing} do not appear "
                              "in the prompt), so the model would never see the tool schemas; use a template with tool "
-                             "support, or set rollout.agent.tool_prompt=system to have rlspmd write the schemas into the "
-                             "system message")
+                             "support, or (RL runs) set rollout.agent.tool_prompt=system to have rlspmd write the schemas "
+                             "into the system message")
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
