@@ -30,6 +30,7 @@ arithmetic = load_script("scripts/data/arithmetic.py")
 gsm8k = load_script("scripts/data/gsm8k.py")
 rg_script = load_script("scripts/data/reasoning_gym.py")
 agent_arithmetic = load_script("scripts/data/agent_arithmetic.py")
+gsm8k_multiturn = load_script("scripts/data/gsm8k_multiturn.py")
 rg_reward = load_script("rlspmd/rewards/reasoning_gym.py")
 
 
@@ -214,6 +215,29 @@ def test_gsm8k_errors_name_file_and_row(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="train.jsonl/test.jsonl"):
         gsm8k.load_splits(tmp_path / "empty")
+
+
+def test_gsm8k_multiturn_keeps_the_single_turn_rows_and_adds_verl_tool_fields(tmp_path):
+    """Every layout gsm8k.py reads; the multi-turn row is the single-turn row with the system prompt, verl's tool and
+    interaction kwargs; errors still name the file and row."""
+    write_jsonl(tmp_path / "train.jsonl", FAKE_GSM8K["train"])
+    single, multi = gsm8k.load_splits(tmp_path)["train"], gsm8k_multiturn.from_gsm8k(tmp_path)["train"]
+    for s, m in zip(single, multi):
+        assert {k: v for k, v in m.items() if k not in ("prompt", "extra_info")} == {
+            k: v for k, v in s.items() if k not in ("prompt", "extra_info")}
+        assert m["prompt"] == [{"role": "system", "content": gsm8k_multiturn.SYSTEM_PROMPT}, s["prompt"][0]]
+        truth = s["reward_model"]["ground_truth"]
+        assert m["extra_info"] == {**s["extra_info"], "need_tools_kwargs": True,
+                                   "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+                                   "interaction_kwargs": {"name": "gsm8k", "query": s["extra_info"]["question"],
+                                                          "ground_truth": truth}}
+    gsm8k_multiturn.main(["--input", str(tmp_path / "train.jsonl"), "--split", "train", "--out-dir", str(tmp_path / "out")])
+    assert read_rows(tmp_path / "out" / "train.parquet") == multi
+    write_jsonl(tmp_path / "bad.jsonl", [{"question": "q?", "answer": "no marker"}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl: row 0: .*####"):
+        gsm8k_multiturn.from_gsm8k(tmp_path / "bad.jsonl")
+    with pytest.raises(SystemExit):  # one source is required
+        gsm8k_multiturn.main(["--out-dir", str(tmp_path / "none")])
 
 
 # ---------------------------------------------------------------- reasoning_gym
