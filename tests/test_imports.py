@@ -61,8 +61,8 @@ def test_same_stem_in_two_directories_are_two_modules(tmp_path):
     ("file.py:", "callable", ValueError, r"expected 'path/to/file.py:function'"),
     ("{d}/missing.py:score", "callable", FileNotFoundError, r"reward.function='.*missing.py:score': file .*missing.py does not exist"),
     ("{f}:nope", "callable", ValueError, r"reward.function='.*user_code.py:nope': .*user_code.py has no function 'nope' \(it defines \['Counter', 'State', 'score'\]\)"),
-    ("{f}:NOT_CALLABLE", "callable", ValueError, r"user_code.py: NOT_CALLABLE is a int \(3\), expected a function or other callable"),
-    ("{f}:score", "class", ValueError, r"user_code.py: score is a function .*expected a class"),
+    ("{f}:NOT_CALLABLE", "callable", ValueError, r"user_code.py: NOT_CALLABLE is an object of type int \(3\), expected a function or other callable"),
+    ("{f}:score", "class", ValueError, r"user_code.py: score is an object of type function .*expected a class"),
     ("{d}/raises.py:f", "callable", ValueError, r"reward.function='.*raises.py:f': .*raises.py failed to import: ZeroDivisionError"),
     ("not_a_module_anywhere.sub:f", "callable", ValueError, r"module 'not_a_module_anywhere.sub' failed to import: ModuleNotFoundError"),
     ("rlspmd.rewards.rules:nope", "callable", ValueError, r"rlspmd.rewards.rules has no function 'nope'"),
@@ -92,7 +92,7 @@ def test_every_agent_field_uses_it(user_file):
     with pytest.raises(ValueError, match=r"rollout.agent.tools\[0\]='x': neither a registered name \(calc_gsm8k_reward, "
                                           r"calculator, gsm8k_answer, python\)"):
         load_tools(AgentConfig(tools=["x"]))
-    with pytest.raises(ValueError, match=r"rollout.agent.tools\[0\]=.*user_code.py: score is a function"):
+    with pytest.raises(ValueError, match=r"rollout.agent.tools\[0\]=.*user_code.py: score is an object of type function"):
         load_tools(AgentConfig(tools=[f"{user_file}:score"]))
     with pytest.raises(FileNotFoundError, match=r"rollout.agent.parser=.*missing.py:P': file .*missing.py does not exist"):
         load_parser(AgentConfig(parser=f"{user_file.parent}/missing.py:P"))

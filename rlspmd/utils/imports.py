@@ -109,4 +109,4 @@ def _describe(obj: Any) -> str:
         return f"the class {obj.__name__}"
     if inspect.ismodule(obj):
         return f"the module {obj.__name__}"
-    return f"a {type(obj).__name__} ({obj!r:.40})"
+    return f"an object of type {type(obj).__name__} ({obj!r:.40})"
