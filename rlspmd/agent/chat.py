@@ -15,8 +15,8 @@ Templates without tool support (SmolLM2's ChatML template ignores its ``tools`` 
 ``rollout.agent.tool_prompt="system"`` the run's tokenizer gets ``system_tool_template``, a wrapper that writes the
 schemas into the system message itself, in the format the ``hermes`` parser reads (a ``<tools>`` block of JSON schemas
 and the ``<tool_call>`` call syntax), and then renders with the original template. It is installed on the one tokenizer
-object of the run, so the prompt dataset, the appended turns and the checkpoint's exported tokenizer all render the
-same text; ``tool_prompt="template"`` (the default) keeps the template's own rendering and stops the run at start-up if
+object of the run, so the prompt dataset, the appended turns and the Hugging Face export (``checkpoint.save_hf``) all
+render the same text; ``tool_prompt="template"`` (the default) keeps the template's own rendering and stops the run at start-up if
 the template ignores the tools.
 """
 
