@@ -262,7 +262,7 @@ class AgentConfig:
     """How the tool schemas reach the prompt: ``template``, the chat template's ``tools`` argument (start-up error if
     the template ignores it); ``system``, rlspmd writes them into the system message itself (a ``<tools>`` block and
     the ``<tool_call>`` syntax the ``hermes`` parser reads) for templates without tool support, e.g. SmolLM2's. The
-    run's tokenizer then renders that way everywhere: prompts, appended turns, and the Hugging Face export of ``checkpoint.save_hf``."""
+    run's tokenizer then renders that way everywhere: prompts, appended turns, the ``checkpoint.save_hf`` export."""
     parser: str = "hermes"
     """Tool-call format: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Qwen's) or
     ``path/to/file.py:Class`` with ``parse(text) -> list[ToolCall | ParseError]``."""
