@@ -4,9 +4,9 @@ answer-check tool (``calc_gsm8k_reward``: the model hears "correct" / "incorrect
     python scripts/models/smollm2.py                                               # the HF dir, offline (once)
     python scripts/data/gsm8k_multiturn.py --gsm-symbolic --out-dir data/gsm8k_tool  # or --input ~/gsm8k (a local copy)
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/gsm8k_tool_smollm2.py                  # a GPU node
-    python -m rlspmd.train --config configs/gsm8k_tool_smollm2.py --trainer.total-steps 2 \\
-        --data.train-batch-size 4 --actor.mini-batch-size 4 --rollout.n 4 --data.val-batch-size 8 \\
-        --data.max-val-samples 8                                                  # CPU, slowly (minutes per step)
+    python -m rlspmd.train --config configs/gsm8k_tool_smollm2.py --trainer.total-steps 1 \\
+        --data.train-batch-size 2 --actor.mini-batch-size 2 --rollout.n 4 --data.val-batch-size 4 \\
+        --data.max-val-samples 4 --rollout.max-response-length 256    # CPU, slowly (tens of minutes on 2 shared cores)
 
 Every sample is a conversation (``rollout.agent``): the model reasons, calls
 ``<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>``, reads the verdict as a
