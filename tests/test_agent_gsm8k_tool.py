@@ -5,6 +5,8 @@ offline wheel is absent).
 """
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, load_script
-from rlspmd.agent import ChatRenderer, build_agent_loop, system_tool_template
+from rlspmd.agent import build_agent_loop, load_tools, system_tool_template, tool_schemas
 from rlspmd.agent.chat import tool_system_text
 from rlspmd.config import AgentConfig, load_config_file
 from rlspmd.data.prompts import PromptDataset
@@ -40,11 +42,6 @@ def data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gsm8k_tool")
     multiturn.main(["--input", str(src), "--out-dir", str(out)])
     return out / "train.parquet"
-
-
-@pytest.fixture(scope="module")
-def smollm2_tok(smollm2_l2):
-    return AutoTokenizer.from_pretrained(str(smollm2_l2))
 
 
 def loop_for(tokenizer, *, max_response_length: int = 256, **cfg):
@@ -100,7 +97,7 @@ def test_system_tool_template_writes_the_schemas_once(tiny_tools_model):
         loop_for(tok, tool_prompt="json")
 
 
-def test_smollm2_template_ignores_tools_and_the_system_prompt_carries_them(smollm2_tok, smollm2_l2, data):
+def test_smollm2_template_ignores_tools_and_the_system_prompt_carries_them(smollm2_l2, data):
     tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
     with pytest.raises(ValueError, match=r"actor.model.path: the chat template ignores its `tools` argument .*"
                                          r"\(RL runs\) set rollout.agent.tool_prompt=system"):
@@ -174,3 +171,27 @@ def test_config_resolves_and_passes_the_start_up_checks(smollm2_l2, data):
                          "--data.train-files", str(data), "--data.val-files", str(data), "--data.train-batch-size", "4",
                          "--actor.mini-batch-size", "4", "--rollout.n", "4"])
     assert config_problems(cfg, world_size=1) == []  # files, model, tools and parser load as the run loads them
+
+
+@pytest.mark.slow
+def test_recipe_runs_a_step_through_the_trainer(smollm2_l2, data, tmp_path):
+    """``configs/gsm8k_tool_smollm2.py`` as written, shortened, on the 2-layer SmolLM2 (1 rank, CPU): the trainer builds
+    the agent loop with the system tool prompt, validates, trains a step, and the Hugging Face export's tokenizer
+    renders the tools as the run did (the wrapped template was installed on the run's one tokenizer)."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlspmd.train", "--config", "configs/gsm8k_tool_smollm2.py", "--actor.model.path", str(smollm2_l2),
+         "--data.train-files", str(data), "--data.val-files", str(data), "--trainer.total-steps", "1",
+         "--data.train-batch-size", "2", "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--rollout.n", "2",
+         "--data.val-batch-size", "2", "--data.max-val-samples", "2", "--rollout.max-response-length", "16",
+         "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl", "--checkpoint.save-hf"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val/agent/tool_call_rate" in r] == [0, 1]
+    train = next(r for r in rows if r["step"] == 1 and "agent/turns" in r)
+    assert train["agent/turns"] >= 1 and "agent/tool_calls/calc_gsm8k_reward" in train
+    hf = AutoTokenizer.from_pretrained(str(out / "checkpoints/step_00000001/hf"))
+    messages = [{"role": "user", "content": "Q?"}]
+    schemas = tool_schemas(load_tools(AgentConfig(tools=["calc_gsm8k_reward"])))
+    assert '"name": "calc_gsm8k_reward"' in hf.apply_chat_template(messages, tools=schemas, tokenize=False)
