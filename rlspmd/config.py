@@ -814,6 +814,9 @@ class SFTDataConfig:
     tools: list[str] = field(default_factory=list)
     """Tools whose schemas are rendered into every prompt (the names of ``rollout.agent.tools``), so demonstrations
     are tokenized as the RL run will see them."""
+    tool_prompt: Literal["template", "system"] = "template"
+    """How the tool schemas reach the prompt, as ``rollout.agent.tool_prompt``: ``system`` for chat templates without
+    tool support (SmolLM2's); the exported model's tokenizer then renders tools that way too."""
     max_length: int = 256
     """Prompt + response tokens; longer rows are dropped (counted in the log)."""
     batch_size: int = 64

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from rlspmd.agent import ChatRenderer, load_tools, tool_schemas
+from rlspmd.agent import ChatRenderer, load_tools, tool_schemas, use_system_tool_prompt
 from rlspmd.config import AgentConfig, MeshConfig, SFTConfig
 from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     if rt.is_main:
         print(f"packed attention kernel: {kernel}", flush=True)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, field_name="model.tokenizer_path")
+    if cfg.data.tool_prompt == "system" and cfg.data.tools:
+        use_system_tool_prompt(tokenizer)  # as rollout.agent.tool_prompt=system renders them; the export keeps it
     data = sampler = None
     if rt.is_main:
         d = cfg.data

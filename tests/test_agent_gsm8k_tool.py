@@ -195,3 +195,32 @@ def test_recipe_runs_a_step_through_the_trainer(smollm2_l2, data, tmp_path):
     messages = [{"role": "user", "content": "Q?"}]
     schemas = tool_schemas(load_tools(AgentConfig(tools=["calc_gsm8k_reward"])))
     assert '"name": "calc_gsm8k_reward"' in hf.apply_chat_template(messages, tools=schemas, tokenize=False)
+
+
+def test_sft_demonstrations_render_the_system_tool_prompt_as_rollouts_do(smollm2_l2, data, tmp_path):
+    """``data.tool_prompt=system`` in SFT (a warm start for the recipe): a demonstration through SmolLM2's template
+    tokenizes to the prompt, ids and loss mask the agent loop builds for the same turns; without it SFT refuses the
+    template, naming the field to set."""
+    import datasets
+
+    from rlspmd.sft import SFTDataset
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
+    loop = loop_for(tok)
+    batch = PromptDataset([str(data)], tok, prompt_key="prompt", max_prompt_length=768, tools=loop.tool_schemas).batch([0])
+    turns = [call("calc_gsm8k_reward", answer="7"), "#### 7"]
+    out = loop.run(ScriptedModel(tok, {0: turns}), batch, GREEDY, None, MetricBuffer())
+    ids, loss, _ = response(out, 0)
+    messages = batch["prompt_messages"][0] + [{"role": "assistant", "content": turns[0]}, {"role": "tool", "content": "correct"},
+                                              {"role": "assistant", "content": turns[1]}]
+    path = tmp_path / "sft.parquet"
+    row = {"data_source": "openai/gsm8k", "reward_model": {"style": "rule", "ground_truth": "7"}, "messages": messages}
+    datasets.Dataset.from_list([row]).to_parquet(str(path))
+    ds = SFTDataset([str(path)], tok, prompt_key="prompt", response_key="response", max_length=1024, messages_key="messages",
+                    tools=loop.tool_schemas)
+    prompt, resp, mask = ds.examples[0]
+    assert prompt == batch["prompts_BP"][0][batch["prompt_mask_BP"][0].bool()].tolist()
+    assert resp == ids and mask == loss and 0 < sum(mask) < len(mask)
+    with pytest.raises(ValueError, match="ignores its `tools` argument"):
+        SFTDataset([str(path)], AutoTokenizer.from_pretrained(str(smollm2_l2)), prompt_key="prompt", response_key="response",
+                   max_length=1024, messages_key="messages", tools=loop.tool_schemas)
