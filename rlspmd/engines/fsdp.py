@@ -221,10 +221,12 @@ class FSDPEngine:
         if train_mesh is not None:
             assert tuple(train_mesh.mesh.flatten().tolist()) == tuple(mesh.mesh.flatten().tolist()), "one set of ranks"
             apply_tp(hf_model, tp_mesh=train_mesh["tp"])
-            TPGroupRows(module, train_mesh["tp"].get_group())
         if gradient_checkpointing:
             apply_ac(module, hf_model)
         apply_fsdp(module, hf_model, mesh=mesh if train_mesh is None else train_mesh["dp"], cfg=fsdp, device=device)
+        if train_mesh is not None:
+            # after fully_shard: FSDP2's forward hooks see the group's outputs, ours then cut this rank's rows
+            TPGroupRows(module, train_mesh["tp"].get_group())
         if weights is not None:
             # FSDP2's CPU offload keeps the sharded parameters in host memory
             materialize(module, device=torch.device("cpu") if fsdp.cpu_offload else device)
