@@ -23,8 +23,8 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    torchrun([dist_script("tp_check.py"), "single", str(out), str(tiny_model)], 1)
     torchrun([dist_script("tp_check.py"), "parallel", str(out), str(tiny_model)], 4)
+    torchrun([dist_script("tp_check.py"), "single", str(out), str(tiny_model)], 1)  # also loads parallel's checkpoint
     load = lambda name: torch.load(out / name, weights_only=False)  # noqa: E731
     return load("single_rank0.pt"), load("parallel_rank0.pt"), load("parallel_rank3.pt")
 
@@ -80,6 +80,13 @@ def test_weight_stream_of_the_2d_actor_is_the_full_state_dict(runs):
 def test_dcp_round_trip_on_the_2d_mesh(runs):
     _, tp, _ = runs
     assert tp["dcp_ok"] == len(tp["names"]) + 1  # every model entry (the tied head too) and the AdamW state reloaded exactly
+
+
+def test_2d_checkpoint_loads_at_tp_1(runs):
+    one, tp, _ = runs
+    assert sorted(one["resharded"]) == sorted(tp["params"])
+    for name, w in tp["params"].items():  # the 2-D engine's weights after its step, bit for bit
+        torch.testing.assert_close(one["resharded"][name], w, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_bad_actor_tp_names_the_field(tiny_model):

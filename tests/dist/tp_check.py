@@ -2,7 +2,8 @@
 
 usage: tp_check.py MODE OUT_DIR MODEL_DIR
 
-* ``single`` (1 rank, ``actor_tp=1``): the whole batch on one FSDP engine.
+* ``single`` (1 rank, ``actor_tp=1``): the whole batch on one FSDP engine; then loads ``parallel``'s checkpoint
+  (run it first) into a fresh 1-D engine.
 * ``parallel`` (4 ranks, ``actor_tp=2``: a 2 dp x 2 tp mesh, ranks {0,1} and {2,3} are TP groups), each rank with its
   own quarter of the batch, as the trainer dispatches it.
 
@@ -119,6 +120,10 @@ def run(model_dir: str, out_dir: Path, rt, *, tp: int) -> dict:
     out["values"] = gather_rows(values, mesh)
     del critic
     if tp == 1:
+        # the 2-D run's checkpoint (run first) loads into this 1-D engine: DCP reshards across TP degrees
+        fresh = engine("policy", model_dir, mesh=mesh, train_mesh=None, optim=OPTIM)
+        dcp.load({"actor": fresh}, checkpoint_id=str(out_dir / "ckpt_tp"))
+        out["resharded"] = {k: full(p) for k, p in fresh.module.named_parameters()}
         return out
     # The weight stream: every rank gets every full tensor; the full state dict (rank 0) to compare against.
     stream = policy.weight_stream(torch.float32)
