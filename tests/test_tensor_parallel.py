@@ -30,7 +30,9 @@ def runs(tiny_model, tmp_path_factory):
 
 
 def test_two_d_layout_is_tensor_and_data_parallel(runs):
-    _, tp, _ = runs
+    _, tp, tp3 = runs
+    assert tp["groups"] == {"tp": [0, 1], "dp": [0, 2]}  # consecutive ranks form a TP group
+    assert tp3["groups"] == {"tp": [2, 3], "dp": [1, 3]}
     placements = tp["placements"]
     # column-wise: FSDP's strided shard over dp of TP's row shard; row-wise: dp on rows, tp on columns
     assert placements["hf.model.layers.0.self_attn.q_proj.weight"] == ["_S(0, 2)", "S(0)"]

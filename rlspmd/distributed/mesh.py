@@ -3,7 +3,8 @@
 Nobody else calls ``DeviceMesh``/``init_device_mesh``. Roles are ``actor``, ``rollout``, ``ref``,
 ``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
 placement gives roles their own rank ranges (``actor: 0-5, rollout: 6-7``). Each role mesh is 2-D with
-dims ``(dp, tp)``; training roles use ``tp = 1`` (FSDP over ``dp``), the rollout may use ``tp > 1`` for
+dims ``(dp, tp)``; training roles use ``tp = 1`` there (their data is per rank; their engines' own tensor
+parallelism is ``train_mesh``, below), the rollout may use ``tp > 1`` for
 engines that shard weights (vLLM), with consecutive ranks forming a TP group.
 
 Roles with the same rank set and dims share one ``DeviceMesh`` (and its process groups).

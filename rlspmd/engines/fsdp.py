@@ -270,10 +270,11 @@ class FSDPEngine:
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         if self.train_mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:  # parameters on two meshes (2-D TP weights, 1-D FSDP norms): torch's one-stack norm cannot mix them
+        else:  # parameters on two meshes (2-D TP weights, 1-D FSDP norms): norms per mesh, then clip_grad_norm_'s rule
             grad_norm = grad_norm_2d(params)
+            scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
             for p in params:
-                p.grad.mul_(torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0))
+                p.grad.mul_(scale)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         skipped = (~torch.isfinite(grad_norm)).float()

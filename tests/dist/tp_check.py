@@ -143,6 +143,7 @@ def run(model_dir: str, out_dir: Path, rt, *, tp: int) -> dict:
             torch.testing.assert_close(full(loaded["optim"]["state"][k][s]), full(st[s]), rtol=0, atol=0)
     out["dcp_ok"] = len(saved["model"])
     out["placements"] = {k: [str(x) for x in p.placements] for k, p in params.items()}
+    out["groups"] = {"tp": train_mesh["tp"].mesh.tolist(), "dp": train_mesh["dp"].mesh.tolist()}
     return out
 
 
