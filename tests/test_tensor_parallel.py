@@ -47,6 +47,8 @@ def test_forward_equals_one_rank(runs):
     for key in ("logprobs", "entropy", "values"):
         assert one[key].abs().sum() > 0
         torch.testing.assert_close(tp[key], one[key], rtol=0, atol=ATOL, msg=lambda m: f"{key}: {m}")
+    # the same with the model loaded whole and then distributed (model.sharded_load=False)
+    torch.testing.assert_close(tp["logprobs_whole_load"], one["logprobs"], rtol=0, atol=ATOL)
 
 
 def test_update_equals_one_rank(runs):

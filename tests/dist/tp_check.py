@@ -64,8 +64,9 @@ def global_batch(vocab: int, seed: int) -> Batch:
     })
 
 
-def engine(kind: str, model_dir: str, *, mesh, train_mesh, optim):
-    return build_engine(kind, model_dir, engine="fsdp", model=ModelConfig(path=model_dir, gradient_checkpointing=True),
+def engine(kind: str, model_dir: str, *, mesh, train_mesh, optim, sharded_load: bool = True):
+    model = ModelConfig(path=model_dir, gradient_checkpointing=True, sharded_load=sharded_load)
+    return build_engine(kind, model_dir, engine="fsdp", model=model,
                         fsdp=FP32, megatron=MegatronConfig(), mesh=mesh, device=torch.device("cpu"), optim=optim,
                         total_optim_steps=4, gradient_checkpointing=True, seed=7, field_name="m", section="actor",
                         train_mesh=train_mesh)
@@ -144,6 +145,10 @@ def run(model_dir: str, out_dir: Path, rt, *, tp: int) -> dict:
     out["dcp_ok"] = len(saved["model"])
     out["placements"] = {k: [str(x) for x in p.placements] for k, p in params.items()}
     out["groups"] = {"tp": train_mesh["tp"].mesh.tolist(), "dp": train_mesh["dp"].mesh.tolist()}
+    # the whole-model load path (model.sharded_load=False): TP distributes the loaded tensors, same forward
+    whole = engine("policy", model_dir, mesh=mesh, train_mesh=train_mesh, optim=None, sharded_load=False)
+    lp, _ = compute_logprobs(whole.module, local, micro_batch_size=2, temperature=TEMPERATURE, mesh=mesh)
+    out["logprobs_whole_load"] = gather_rows(lp, mesh)
     return out
 
 
