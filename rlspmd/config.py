@@ -587,6 +587,13 @@ class MeshConfig:
     reference, critic and reward model always live on the actor's ranks."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout engine (consecutive ranks form a TP group)."""
+    actor_tp: int = 1
+    """Tensor-parallel degree of the FSDP engine's training roles (actor, reference, critic, on the actor's ranks): the
+    actor's ranks form a 2-D ``(dp, tp)`` mesh, consecutive ranks a TP group; attention heads and MLP columns/rows are
+    sharded over ``tp`` (``torch.distributed.tensor.parallel``), FSDP2 shards over ``dp``. Data stays per rank: a TP
+    group runs its members' micro-batches together. Must divide the actor's ranks and the model's attention and KV
+    heads; ``actor.engine=fsdp`` only (megatron has ``actor.megatron.tp``), no ``actor.lora``, and the native rollout
+    then keeps its own copy of the weights (synced through the weight stream) instead of reading them in place."""
 
 
 @dataclass

@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import importlib.machinery
 import importlib.util
+import json
 import typing
 from pathlib import Path
 
@@ -99,6 +100,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     p.optional_at_least("ref.logprob_max_tokens_per_micro_batch", cfg.ref.logprob_max_tokens_per_micro_batch, 1)
     if with_critic:
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
+    if cfg.mesh.actor_tp > 1:
+        _actor_tp(p, cfg, with_critic=with_critic, check_files=check_files)
     _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
     _gdpo(p, cfg.algorithm, cfg.reward, agent=r.agent.enabled)
@@ -214,6 +217,26 @@ def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: in
     _optim(p, "actor.optim", a.optim)
     _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
     _lora(p, a.lora, engine=a.engine)
+
+
+def _actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool) -> None:
+    """Tensor parallelism of the FSDP training roles (``mesh.actor_tp``; its divisibility of the ranks is a placement
+    check): the FSDP engine, no LoRA, and heads that split (read from config.json when files are checked)."""
+    tp = cfg.mesh.actor_tp
+    if cfg.actor.engine != "fsdp":
+        p.add("mesh.actor_tp", tp, f"is the fsdp engine's tensor parallelism; actor.engine={cfg.actor.engine!r} has its own "
+              "(actor.megatron.tp)")
+    if with_critic and cfg.critic.engine != "fsdp":
+        p.add("mesh.actor_tp", tp, f"also applies to the critic, which needs critic.engine='fsdp' (got {cfg.critic.engine!r})")
+    if cfg.actor.lora.enabled:
+        p.add("mesh.actor_tp", tp, "is not supported with actor.lora (adapters are not tensor-parallel); use actor_tp=1")
+    config_json = Path(cfg.actor.model.path).expanduser() / "config.json"
+    if check_files and config_json.is_file():
+        c = json.loads(config_json.read_text())
+        heads = c.get("num_attention_heads")
+        kv = c.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and (heads % tp or kv % tp):
+            p.add("mesh.actor_tp", tp, f"must divide the model's {heads} attention heads and {kv} KV heads ({config_json})")
 
 
 def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:

@@ -3,10 +3,17 @@
 Nobody else calls ``DeviceMesh``/``init_device_mesh``. Roles are ``actor``, ``rollout``, ``ref``,
 ``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
 placement gives roles their own rank ranges (``actor: 0-5, rollout: 6-7``). Each role mesh is 2-D with
-dims ``(dp, tp)``; training roles use ``tp = 1`` (FSDP over ``dp``), the rollout may use ``tp > 1`` for
+dims ``(dp, tp)``; training roles use ``tp = 1`` there (their data is per rank; their engines' own tensor
+parallelism is ``train_mesh``, below), the rollout may use ``tp > 1`` for
 engines that shard weights (vLLM), with consecutive ranks forming a TP group.
 
 Roles with the same rank set and dims share one ``DeviceMesh`` (and its process groups).
+
+**Tensor parallelism of the training roles** (``mesh.actor_tp``) does not change how data is dispatched: the trainer
+still hands every actor rank its own samples over the role's flat DP mesh (``get("actor", DP)``, all its ranks), as
+it does for megatron. The FSDP engine gets a second, 2-D ``(dp, tp)`` mesh over the same ranks (``train_mesh``;
+``tp`` fastest, so a TP group is consecutive ranks): tensor parallelism over ``tp``, FSDP2 over ``dp``, and a TP
+group runs its members' micro-batches together (``distributed/tp_batch.py``).
 
 The RL config (``MeshConfig``) places the actor and the rollout; ``ref``, ``critic`` and ``reward`` follow the actor
 (``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
@@ -25,6 +32,7 @@ from rlspmd.config import MeshConfig
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 FOLLOWERS = ("ref", "critic", "reward")  # the RL config places them on the actor's ranks
+TRAINED = ("actor", "ref", "critic")  # the roles whose FSDP engine ``mesh.actor_tp`` tensor-parallelises
 DP = "dp"
 TP = "tp"
 LINK = "link"
@@ -60,6 +68,8 @@ class ParallelDims:
     world_size: int
     role_ranks: dict[str, list[int]]
     role_tp: dict[str, int] = field(default_factory=dict)
+    train_tp: int = 1
+    """Tensor-parallel degree of the training engines of ``TRAINED`` roles (``mesh.actor_tp``); not a data dim."""
 
     def __post_init__(self):
         for role in ROLES:
@@ -72,6 +82,13 @@ class ParallelDims:
                     f"mesh: {role} tensor-parallel degree {tp} does not divide its {n} ranks "
                     f"(world size {self.world_size})"
                 )
+        n = len(self.role_ranks["actor"])
+        if self.train_tp < 1 or n % self.train_tp:
+            raise ValueError(f"mesh.actor_tp={self.train_tp} must be a positive divisor of the actor's {n} ranks "
+                             f"(mesh.actor_ranks); consecutive ranks form a tensor-parallel group")
+        for role in TRAINED:
+            if self.train_tp > 1 and self.role_ranks[role] != self.role_ranks["actor"]:
+                raise ValueError(f"mesh.actor_tp={self.train_tp}: the {role} must live on the actor's ranks")
 
     @classmethod
     def from_config(cls, cfg: MeshConfig, world_size: int) -> "ParallelDims":
@@ -79,7 +96,7 @@ class ParallelDims:
         actor = parse_ranks(cfg.actor_ranks, world_size, field_name="mesh.actor_ranks")
         ranks = {"actor": actor, "rollout": parse_ranks(cfg.rollout_ranks, world_size, field_name="mesh.rollout_ranks")}
         ranks.update({role: list(actor) for role in FOLLOWERS})
-        return cls(world_size=world_size, role_ranks=ranks, role_tp={"rollout": cfg.rollout_tp})
+        return cls(world_size=world_size, role_ranks=ranks, role_tp={"rollout": cfg.rollout_tp}, train_tp=cfg.actor_tp)
 
     def dp_size(self, role: str) -> int:
         return len(self.role_ranks[role]) // self.role_tp[role]
@@ -98,8 +115,9 @@ class ParallelDims:
         lines = [f"world size {self.world_size}, placement {'colocated' if self.is_colocated else 'split'}"]
         for role in ROLES:
             ranks = self.role_ranks[role]
+            train = f" (engine: dp={len(ranks) // self.train_tp} x tp={self.train_tp})" if role in TRAINED and self.train_tp > 1 else ""
             lines.append(
-                f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}"
+                f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}{train}"
             )
         return "\n".join(lines)
 
@@ -129,6 +147,12 @@ class RoleMeshes:
                 layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // tp, tp)
                 built[key] = DeviceMesh(device_type, layout, mesh_dim_names=(DP, TP))
             self._meshes[role] = built[key]
+        # The training engines' 2-D (dp, tp) mesh (mesh.actor_tp > 1), over the actor's ranks, tp fastest.
+        self._train: DeviceMesh | None = None
+        if dims.train_tp > 1:
+            ranks = dims.role_ranks["actor"]
+            layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // dims.train_tp, dims.train_tp)
+            self._train = DeviceMesh(device_type, layout, mesh_dim_names=(DP, TP))
         # Split placement: the actor <-> rollout links (every rank takes part in creating their groups).
         self._links: dict[tuple[str, str, bool], DeviceMesh] = {}
         if dims.disjoint("actor", "rollout"):
@@ -150,6 +174,13 @@ class RoleMeshes:
             return None
         mesh = self._meshes[role]
         return mesh if dim is None else mesh[dim]
+
+    def train_mesh(self, role: str) -> DeviceMesh | None:
+        """The 2-D ``(dp, tp)`` mesh a training role's FSDP engine parallelises over (``mesh.actor_tp`` > 1); None with
+        ``actor_tp`` 1 (the engine shards over the role's DP mesh), for other roles, and on ranks without the role."""
+        if role not in self._meshes:
+            raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        return self._train if role in TRAINED and self.hosts(role) else None
 
     def dp_rank(self, role: str) -> int | None:
         mesh = self.get(role, DP)

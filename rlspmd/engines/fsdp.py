@@ -1,9 +1,20 @@
 """The FSDP2 training engine (``engines/base.py: InPlaceEngine``): the one parallelize path shared by actor,
 reference, critic and reward model.
 
-``parallelize`` applies, in this order: activation checkpointing (``apply_ac``), then FSDP2 per decoder
-layer and at the root (``apply_fsdp``). Roles build their module (policy, value model, ...) and hand it
-here; nothing else wraps models.
+The engine applies, in this order (torchtitan's): tensor parallelism (``apply_tp``, with ``mesh.actor_tp`` > 1),
+activation checkpointing (``apply_ac``), then FSDP2 per decoder layer and at the root (``apply_fsdp``). Roles build
+their module (policy, value model, ...) and hand it here; nothing else wraps models.
+
+**Tensor parallel + FSDP2 (2-D).** Given a ``(dp, tp)`` mesh (``RoleMeshes.train_mesh``), each decoder layer gets a
+``parallelize_module`` plan on ``tp``: q/k/v and gate/up column-wise, o/down row-wise (Megatron's MLP/attention
+split: one all-reduce after attention and one after the MLP, in forward and in backward). Attention needs no patch:
+HF's Llama/Qwen2/Qwen3 attention and rlspmd's packed kernels read the head count from the projections' output
+shapes (``view(..., -1, head_dim)``), so they see the local heads. The embedding, final norm, norms and LM head stay
+replicated over ``tp`` (FSDP2 still shards them over ``dp``): exact with no vocab-parallel cross entropy, and the
+log-prob kernel (``models/logprobs.py``) and packing run unchanged on full-vocabulary logits; the cost is the vocab
+matrix not split over ``tp``. ``fully_shard`` then runs on ``dp``, making every TP parameter a 2-D DTensor. Data: the
+trainer gives every rank its own rows (``engine.mesh`` stays the role's flat mesh over all its ranks); hooks on the
+root run the TP group's micro-batches together and hand each rank its own outputs (``distributed/tp_batch.py``).
 
 Gradients are *summed* over DP ranks (gradient divide factor 1): losses are already normalised by the
 global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
@@ -28,12 +39,88 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rlspmd.config import FSDPConfig, OptimConfig
+from rlspmd.distributed.tp_batch import gather_group_rows, keep_own_rows
 from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
+
+
+TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
+    "self_attn.o_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel,
+}
+"""Per decoder layer (Llama-family names): column-wise projections into the heads / MLP columns, row-wise out."""
+
+
+def check_tp(hf_model: nn.Module, tp: int) -> None:
+    """``tp`` divides the heads and KV heads, and every layer has the plan's projections (a clear ValueError)."""
+    cfg = hf_model.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % tp or kv % tp:
+        raise ValueError(f"mesh.actor_tp={tp} must divide the model's {heads} attention heads and {kv} KV heads "
+                         f"({cfg.model_type}); pick a divisor of both")
+    for i, layer in enumerate(decoder_layers(hf_model)):
+        missing = [name for name in TP_PLAN if not _has_submodule(layer, name)]
+        if missing:
+            raise ValueError(f"mesh.actor_tp={tp}: decoder layer {i} of {type(hf_model).__name__} has no {missing} "
+                             f"(tensor parallelism knows Llama-family layers: {sorted(TP_PLAN)})")
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(module.get_submodule(name), nn.Linear)
+    except AttributeError:
+        return False
+
+
+def apply_tp(hf_model: nn.Module, *, tp_mesh: DeviceMesh) -> None:
+    """Shard each decoder layer's heads and MLP columns/rows over ``tp_mesh`` (``TP_PLAN``); the rest stays replicated."""
+    check_tp(hf_model, tp_mesh.size())
+    for layer in decoder_layers(hf_model):
+        parallelize_module(layer, tp_mesh, {name: style() for name, style in TP_PLAN.items()})
+
+
+class TPGroupRows:
+    """Forward hooks on the root module: its ``(input_ids, attention_mask, position_ids)`` become the TP group's rows
+    (``gather_group_rows``) and its outputs this rank's rows again (``keep_own_rows``). The role calls the module as
+    it does without TP."""
+
+    def __init__(self, module: nn.Module, group):
+        self.group, self.rows = group, None
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, with_kwargs=True)
+
+    def before(self, module, args, kwargs):
+        assert len(args) == 3, "the TP engine's module takes (input_ids_BL, attention_mask_BL, position_ids_BL) positionally"
+        args, self.rows = gather_group_rows(args, self.group)
+        return tuple(args), {**kwargs, **({"counts": None} if "counts" in kwargs else {})}  # counts were this rank's
+
+    def after(self, module, args, kwargs, out):
+        rows, self.rows = self.rows, None
+        if isinstance(out, tuple):
+            return tuple(keep_own_rows(o, rows, self.group) for o in out)
+        return keep_own_rows(out, rows, self.group)
+
+
+def grad_norm_2d(params: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients of parameters that live on different meshes and placements (2-D TP
+    weights, 1-D FSDP norms): one norm per (mesh, placements) group, reduced by DTensor, then combined."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:  # first-appearance order: the same on every rank
+        g = p.grad
+        groups.setdefault((g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None, []).append(g)
+    total = None
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        n = (n.full_tensor() if isinstance(n, DTensor) else n).float()
+        total = n.square() if total is None else total + n.square()
+    return total.sqrt()
 
 
 def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
@@ -102,6 +189,10 @@ class FSDPEngine:
     decoder layers are the sharding units. Frozen roles (reference) pass ``optim=None``. A module built on the meta
     device (``models/sharded_load.py``) comes with ``weights``: after the parallelism is applied, each rank allocates
     its shards and reads them from the files.
+
+    ``mesh`` is the role's mesh over all its ranks (the data's: loss counts, micro-batch counts, metrics). With
+    ``train_mesh`` (a 2-D ``(dp, tp)`` mesh over the same ranks) the module is tensor-parallel over ``tp`` and
+    FSDP2-sharded over ``dp`` instead (see the module docstring).
     """
 
     def __init__(
@@ -117,17 +208,25 @@ class FSDPEngine:
         gradient_checkpointing: bool = False,
         fused_optimizer: bool | None = None,
         weights: WeightPlan | None = None,
+        train_mesh: DeviceMesh | None = None,
     ):
         """``fused_optimizer``: fused AdamW; None picks it where the sharded parameters live on CUDA. ``weights``: where
-        the parameters of a meta-built ``module`` come from."""
+        the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor parallel + FSDP2."""
         self.mesh = mesh
+        self.train_mesh = train_mesh
         self.device = device
         self.optim_cfg = optim
         self.reshard_after_forward = fsdp.reshard_after_forward
         assert is_meta(module) == (weights is not None), "a meta-built module needs its WeightPlan, and only it"
+        if train_mesh is not None:
+            assert tuple(train_mesh.mesh.flatten().tolist()) == tuple(mesh.mesh.flatten().tolist()), "one set of ranks"
+            apply_tp(hf_model, tp_mesh=train_mesh["tp"])
         if gradient_checkpointing:
             apply_ac(module, hf_model)
-        apply_fsdp(module, hf_model, mesh=mesh, cfg=fsdp, device=device)
+        apply_fsdp(module, hf_model, mesh=mesh if train_mesh is None else train_mesh["dp"], cfg=fsdp, device=device)
+        if train_mesh is not None:
+            # after fully_shard: FSDP2's forward hooks see the group's outputs, ours then cut this rank's rows
+            TPGroupRows(module, train_mesh["tp"].get_group())
         if weights is not None:
             # FSDP2's CPU offload keeps the sharded parameters in host memory
             materialize(module, device=torch.device("cpu") if fsdp.cpu_offload else device)
@@ -169,7 +268,13 @@ class FSDPEngine:
             loss_fn(self.module, mb).backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if self.train_mesh is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:  # parameters on two meshes (2-D TP weights, 1-D FSDP norms): norms per mesh, then clip_grad_norm_'s rule
+            grad_norm = grad_norm_2d(params)
+            scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(scale)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         skipped = (~torch.isfinite(grad_norm)).float()
@@ -207,6 +312,7 @@ class FSDPEngine:
     @contextmanager
     def gathered_hf_model(self) -> Iterator[nn.Module]:
         """The HF model inside the root module with every parameter gathered in place (``unsharded``)."""
+        assert self.train_mesh is None, "tensor-parallel weights stay sharded in place: use weight_stream"
         with self.unsharded():
             yield self.hf_model
 

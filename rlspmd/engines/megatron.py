@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from rlspmd.config import MegatronConfig, OptimConfig
+from rlspmd.distributed.tp_batch import SumGradOverGroup, all_gather_varlen
 from rlspmd.engines.fsdp import lr_lambda
 from rlspmd.models import megatron_convert as mc
 from rlspmd.models.loader import DTYPES, check_model_dir
@@ -131,21 +132,7 @@ def build_groups(mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: str) -> Me
 # -- autograd pieces for tensor parallelism -----------------------------------------------------------------------
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; the backward sums the gradient over ``group``. Applied to outputs every TP rank computed for
-    the whole TP group's rows, of which each rank's loss used only its own: after the sum every rank holds the
-    gradient of the group's total loss."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+_SumGradOverGroup = SumGradOverGroup  # shared with the FSDP engine's tensor parallelism (distributed/tp_batch.py)
 
 
 def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
@@ -204,23 +191,7 @@ def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def gather_front_packed(fp: FrontPacked, group: dist.ProcessGroup) -> list[FrontPacked]:
     """Every member's ``FrontPacked`` (in group-rank order), with two all-gathers: shapes, then one padded buffer."""
-    n = dist.get_world_size(group)
-    B, W = fp.ids_BW.shape
-    R = fp.resp_pos_BR.shape[1]
-    dims = torch.tensor([B, W, R], device=fp.ids_BW.device)
-    all_dims = [torch.empty_like(dims) for _ in range(n)]
-    dist.all_gather(all_dims, dims, group=group)
-    all_dims = [d.tolist() for d in all_dims]
-    size = max(b * w + b + 2 * b * r for b, w, r in all_dims)
-    flat = torch.cat([fp.ids_BW.flatten(), fp.lengths_B, fp.resp_pos_BR.flatten(), fp.resp_valid_BR.long().flatten()])
-    buf = torch.nn.functional.pad(flat.long(), (0, size - flat.numel()))
-    bufs = [torch.empty_like(buf) for _ in range(n)]
-    dist.all_gather(bufs, buf, group=group)
-    out = []
-    for (b, w, r), x in zip(all_dims, bufs):
-        ids, lengths, pos, valid = torch.split(x[: b * w + b + 2 * b * r], [b * w, b, b * r, b * r])
-        out.append(FrontPacked(ids.view(b, w), lengths, pos.view(b, r), valid.view(b, r).bool()))
-    return out
+    return [FrontPacked(*m) for m in all_gather_varlen([fp.ids_BW, fp.lengths_B, fp.resp_pos_BR, fp.resp_valid_BR], group)]
 
 
 class _TPForward:

@@ -20,8 +20,15 @@ fragments (activation checkpointing, ``torch.compile``) stripped. Tied embedding
 embedding's name: ``named_parameters`` yields a shared parameter once, and vLLM's loader and ``OwnWeights``
 both tie the head to it. Buffers (rotary tables) are not streamed: they are constants of the architecture.
 
-Simplifications: parameters must be FSDP2 ``Shard(0)`` DTensors on a 1-D mesh (the engine's layout); HSDP and
-tensor-parallel training layouts are not handled. The gather of unit k+1 does not overlap the hand-off of unit k.
+**Tensor parallel + FSDP2** (the engine's ``train_mesh``): parameters are DTensors on the 2-D ``(dp, tp)`` mesh (TP
+weights) or on its ``dp`` dim (norms, embeddings). Each is cast to the rollout dtype *as a DTensor* (on the shard) and
+gathered with ``full_tensor()``; a unit's full tensors are packed into one buffer laid out as a one-rank unit
+(``UnitSpec.world == 1``), so everything downstream (``unpack_unit``, the split placement's bridge) is unchanged.
+Every rank of the actor gets every tensor, as with FSDP alone.
+
+Simplifications: on the FSDP path parameters must be FSDP2 ``Shard(0)`` DTensors on a 1-D mesh; HSDP is not handled.
+The gather of unit k+1 does not overlap the hand-off of unit k. The TP path gathers per tensor (one collective per
+tensor, not one per unit) and hands out full tensors, not rollout-TP shards.
 """
 
 from __future__ import annotations
@@ -180,7 +187,9 @@ class WeightStream:
         self.device = engine.device
         self.dtype = dtype
         self._units = _units(self.hf_model)
-        world = self.mesh.size()
+        self.tensor_parallel = getattr(engine, "train_mesh", None) is not None
+        # the TP path hands out whole tensors: each unit laid out as on one rank
+        world = 1 if self.tensor_parallel else self.mesh.size()
         self.manifest = WeightManifest(
             units=tuple(
                 UnitSpec(name, tuple(ParamSpec(n, tuple(p.shape), math.ceil(p.shape[0] / world)) for n, p in params), world)
@@ -196,6 +205,10 @@ class WeightStream:
         group, rank = self.mesh.get_group(), self.mesh.get_local_rank()
         self.last = stats = StreamStats()
         t0 = time.perf_counter()
+        if self.tensor_parallel:
+            yield from self._full_tensor_units(stats)
+            stats.seconds = time.perf_counter() - t0
+            return
         for spec, (_, params) in zip(self.manifest.units, self._units):
             send = torch.empty(spec.numel_per_rank, dtype=self.dtype, device=self.device)
             offset = 0
@@ -217,6 +230,26 @@ class WeightStream:
             yield spec, out
             del out
         stats.seconds = time.perf_counter() - t0
+
+    def _full_tensor_units(self, stats: StreamStats) -> Iterator[tuple[UnitSpec, torch.Tensor]]:
+        """The TP path: each parameter cast on its shard, gathered whole with ``full_tensor()``, packed per unit."""
+        for spec, (_, params) in zip(self.manifest.units, self._units):
+            out = torch.empty(spec.gathered_numel, dtype=self.dtype, device=self.device)
+            offset = 0
+            for ps, (_, p) in zip(spec.params, params):
+                assert isinstance(p, DTensor), f"{ps.name}: the weight stream reads DTensor parameters"
+                full = p.detach().to(self.dtype).full_tensor()
+                n = full.numel()
+                out[offset : offset + n].view(ps.shape).copy_(full)
+                offset += n
+                ranks = p.device_mesh.size()
+                stats.gathered_bytes += n * full.element_size() * (ranks - 1) // ranks
+                del full
+            nbytes = out.numel() * out.element_size()
+            stats.units += 1
+            stats.peak_unit_bytes = max(stats.peak_unit_bytes, nbytes)
+            yield spec, out
+            del out
 
     def stats(self) -> dict[str, float]:
         return {"weight_sync/gathered_bytes": float(self.last.gathered_bytes)}

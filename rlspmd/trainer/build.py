@@ -156,10 +156,12 @@ def critic_plan(cfg: CriticConfig, *, samples_per_prompt: int, train_batch_size:
 def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: str, model: ModelConfig, fsdp: FSDPConfig,
                  megatron: MegatronConfig, mesh, device: torch.device, optim: OptimConfig | None, total_optim_steps: int = 1,
                  gradient_checkpointing: bool = False, seed: int = 0, field_name: str, section: str,
-                 lora: LoraConfig | None = None) -> TrainingEngine:
+                 lora: LoraConfig | None = None, train_mesh=None) -> TrainingEngine:
     """A role's model on its training engine: ``engine`` (``fsdp`` or ``megatron``) from the role's config ``section``.
     ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen.
-    ``lora`` (rank > 0): a policy training LoRA adapters only (``LoraEngine``)."""
+    ``lora`` (rank > 0): a policy training LoRA adapters only (``LoraEngine``). ``train_mesh``: the ``(dp, tp)`` mesh of
+    ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked)."""
+    assert train_mesh is None or (engine == "fsdp" and not (lora is not None and lora.enabled)), "validate: mesh.actor_tp"
     if engine == "megatron":
         from rlspmd.engines.megatron import build_megatron_engine
 
@@ -170,6 +172,8 @@ def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: s
     module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
     kw = dict(mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
               gradient_checkpointing=gradient_checkpointing, weights=weights)
+    if train_mesh is not None:
+        kw["train_mesh"] = train_mesh
     if lora is not None and lora.enabled:
         return LoraEngine(module, module.hf, lora=lora, **kw)
     return FSDPEngine(module, module.hf, **kw)
@@ -205,17 +209,17 @@ def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
                  correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
-                 seed: int = 0) -> Policy:
+                 seed: int = 0, train_mesh=None) -> Policy:
     engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
-                          section="actor", lora=cfg.lora)
+                          section="actor", lora=cfg.lora, train_mesh=train_mesh)
     return Policy(cfg, engine=engine, plan=plan, temperature=temperature, correction=correction, old_logprobs=old_logprobs,
                   seed=seed)
 
 
 def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float,
-                    policy: Policy | None = None) -> Reference:
+                    policy: Policy | None = None, train_mesh=None) -> Reference:
     """The reference runs on the actor's engine and layout. With LoRA it is the actor's own engine with the adapters
     switched off (the base model: no second copy of the weights)."""
     if actor.lora.enabled:
@@ -225,17 +229,19 @@ def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.d
         return Reference(cfg, engine=policy.engine.base_model(), temperature=temperature, offload=False)
     engine = build_engine("policy", cfg.model_path or actor.model.path, engine=actor.engine, model=actor.model, fsdp=actor.fsdp,
                           megatron=actor.megatron, mesh=mesh, device=device, optim=None, field_name="ref.model_path",
-                          section="actor")
+                          section="actor", train_mesh=train_mesh)
     offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.engine == "fsdp" and actor.fsdp.cpu_offload)
     return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
 
 
-def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int) -> Critic:
+def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int,
+                 train_mesh=None) -> Critic:
     """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
     engine = build_engine("value", cfg.model_path or model.path, engine=cfg.engine, model=model, fsdp=cfg.fsdp, megatron=cfg.megatron,
                           mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.gradient_checkpointing, seed=seed,
-                          field_name="critic.model_path" if cfg.model_path else "actor.model.path", section="critic")
+                          field_name="critic.model_path" if cfg.model_path else "actor.model.path", section="critic",
+                          train_mesh=train_mesh)
     return Critic(cfg, engine=engine, plan=plan)
 
 
@@ -340,12 +346,13 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
                               model_field="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
                       pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
-                      in_place_capable=cfg.actor.engine == "fsdp", episodes=episodes, max_staleness=trainer.max_staleness)
+                      in_place_capable=cfg.actor.engine == "fsdp" and cfg.mesh.actor_tp == 1, episodes=episodes, max_staleness=trainer.max_staleness)
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
                                    attn_kernel=attn_kernel, correction=correction)
 
     mesh = meshes.get("actor", DP)
+    train_mesh = meshes.train_mesh("actor")  # (dp, tp) with mesh.actor_tp > 1: the engines' layout, not the data's
     dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
     tbs = cfg.data.train_batch_size
     checkpointer = Checkpointer(cfg.checkpoint, output_dir=trainer.output_dir, rank=rt.rank, world_size=dp, mesh=mesh)
@@ -364,16 +371,18 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     critic_rows = 0
     if plan.critic:
         c_plan = critic_plan(cfg.critic, total_steps=trainer.total_steps, **plans)
-        critic = build_critic(cfg.critic, model=m, mesh=mesh, device=rt.device, plan=c_plan, seed=trainer.seed)
+        critic = build_critic(cfg.critic, model=m, mesh=mesh, device=rt.device, plan=c_plan, seed=trainer.seed,
+                              train_mesh=train_mesh)
         critic_rows = c_plan.local_mini_batch
     a = cfg.actor
     a_plan = actor_plan(a, total_steps=max(1, trainer.total_steps - critic.warmup_steps), **plans)
     old_logprobs = old_logprob_source(a, single_update=a_plan.single_update, correction=correction,
                                       use_kl_in_reward=cfg.algorithm.use_kl_in_reward)
     actor = build_policy(a, mesh=mesh, device=rt.device, plan=a_plan, temperature=cfg.rollout.temperature,
-                         correction=correction, old_logprobs=old_logprobs, seed=trainer.seed)
+                         correction=correction, old_logprobs=old_logprobs, seed=trainer.seed, train_mesh=train_mesh)
     ref: ReferenceRole = (
-        build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature, policy=actor)
+        build_reference(cfg.ref, actor=a, mesh=mesh, device=rt.device, temperature=cfg.rollout.temperature, policy=actor,
+                        train_mesh=train_mesh)
         if plan.reference else NoReference()
     )
     rollout = build_rollout(cfg.rollout, policy=actor, draw=prompts.next, **rollout_kw)
