@@ -125,6 +125,71 @@ def test_tensor_and_data_parallel_match_fsdp_and_reshard(tiny_model, tmp_path):
     assert_same_state(ranks[0]["tp2_state"], resharded, what="tp=2 checkpoint loaded at tp=1")
 
 
+def merged_stages(ranks: list[dict]) -> dict:
+    """The union of the pipeline stages' training states (a key two stages hold, the tied embedding, must agree)."""
+    out = {"lr": ranks[0]["lr"]}
+    for part in STATE_KEYS:
+        out[part] = {}
+        for res in ranks:
+            for name, t in res[part].items():
+                if name in out[part]:
+                    assert torch.equal(out[part][name], t), f"the stages disagree on {part} {name}"
+                out[part][name] = t
+    return out
+
+
+@needs_megatron
+@pytest.mark.dist
+@pytest.mark.slow
+def test_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
+    """pp=2 on 2 ranks (each with its own half of the batch; the loss on the last stage, GPipe over Gloo) against
+    pp=1 on 1 rank with the whole batch, for the tied Qwen2 (the embedding on both end stages) and an untied Llama
+    (the head on the last stage): the same log-probs, entropy, values, gradient norm, gradient (AdamW's first moment)
+    and weights after one update; every stage's weight stream and ``full_state_dict`` is the whole HF state dict;
+    a pp=2 checkpoint resumes bit-identically at pp=2 and loads exactly at pp=1."""
+    llama = untied_llama(tmp_path)
+    models = [str(tiny_model), str(llama)]
+    torchrun([dist_script("megatron_check.py"), "pipeline_ref", str(tmp_path), *models], 1, timeout=900)
+    torchrun([dist_script("megatron_check.py"), "pipeline", str(tmp_path), *models], 2, timeout=900)
+    ref = torch.load(tmp_path / "pipeline_ref_rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"pipeline_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    half = slice(0, 4), slice(4, 8)  # each rank's rows of the reference batch
+    for model in models:
+        want = ref[model]["megatron"]
+        got = [res[model]["megatron"] for res in ranks]
+        for r in (0, 1):
+            torch.testing.assert_close(got[r]["logprobs"], want["logprobs"][half[r]], rtol=0, atol=1e-5)
+            torch.testing.assert_close(got[r]["entropy"], want["entropy"][half[r]], rtol=0, atol=1e-5)
+            assert got[r]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+            assert got[r]["lr"] == want["lr"]
+        assert set(got[0]["model"]).isdisjoint(got[1]["model"]) == (model == str(llama))  # tied: both hold the embedding
+        merged = merged_stages(got)
+        assert sorted(merged["model"]) == sorted(want["model"]), model
+        for name, m in want["exp_avg"].items():  # 0.1 x the clipped gradient, summed over micro-batches in another order
+            torch.testing.assert_close(merged["exp_avg"][name], m, rtol=0, atol=1e-5 * float(m.abs().max()) + 1e-12,
+                                       msg=lambda msg: f"{model} gradient of {name}: {msg}")
+        # Adam's first step moves every weight by ~lr: elements whose gradient is ~eps amplify float32 rounding.
+        for name, w in want["model"].items():
+            torch.testing.assert_close(merged["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{model} {name}: {m}")
+    for r in (0, 1):
+        torch.testing.assert_close(ranks[r]["values"], ref["values"][half[r]], rtol=0, atol=1e-6)
+    full = ref["full_state_dict"]
+    assert ranks[1]["full_state_dict"] == {}  # on the mesh's first rank only
+    assert sorted(ranks[0]["full_state_dict"]) == sorted(full)
+    for name, t in ranks[0]["full_state_dict"].items():
+        torch.testing.assert_close(t, full[name], rtol=0, atol=5e-5, msg=lambda m: f"full_state_dict {name}: {m}")
+    streams = [res["stream"] for res in ranks]
+    assert [n for n, _ in streams[0]] == [n for n, _ in streams[1]] == [k[len("hf."):] for k in full if k != "hf.lm_head.weight"]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(*streams))  # every stage streams the same tensors
+    assert all(torch.equal(t, ranks[0]["full_state_dict"]["hf." + n]) for n, t in streams[0])
+    assert ranks[0]["param_shapes"] == ranks[1]["param_shapes"] == ref["param_shapes"]
+    for res in ranks:
+        assert_same_state(res["resume"]["straight"], res["resume"]["resumed"], what="pp=2 resume")
+    torchrun([dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2"], 1, timeout=900)
+    resharded = torch.load(tmp_path / "reshard_rank0.pt", weights_only=False)["state"]
+    assert_same_state(merged_stages([res["saved"] for res in ranks]), resharded, what="pp=2 checkpoint loaded at pp=1")
+
+
 # -- GPU ------------------------------------------------------------------------------------------------------------
 
 Q05 = Path(os.environ.get("RLSPMD_Q05_MODEL", ROOT / "models" / "Qwen2.5-0.5B-Instruct"))
