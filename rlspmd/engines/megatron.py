@@ -58,6 +58,7 @@ from rlspmd.models import megatron_convert as mc
 from rlspmd.models.loader import DTYPES, check_model_dir
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
 from rlspmd.models.value import value_head
+from rlspmd.roles.micro_batches import zero_weight_copy
 from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.pipeline import StageP2P
 from rlspmd.engines.weight_stream import ParamSpec, StreamStats, UnitSpec, WeightManifest, unpack_unit
@@ -379,6 +380,17 @@ class _LastStageModule:
         return self.module.wrap(outs)
 
 
+class _ZeroOutputs:
+    """The module's signature returning zeros: what ``loss_fn`` gets on a stage that only records metric names."""
+
+    def __init__(self, module: _MegatronModule):
+        self.module = module
+
+    def __call__(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int, **kw):
+        zeros = torch.zeros(input_ids_BL.shape[0], response_len, device=input_ids_BL.device)
+        return self.module.wrap((zeros,) * self.module.n_out)
+
+
 class MegatronPolicyModule(_MegatronModule):
     """The policy forward with ``CausalLMPolicy``'s signature: ``module(input_ids_BL, attention_mask_BL,
     position_ids_BL, *, response_len, temperature=1.0, with_entropy=True) -> (logprobs_BR, entropy_BR)``.
@@ -582,6 +594,11 @@ class MegatronEngine:
             data = iter(self._pipeline_micro_batches(micro))
         self.ma.forward_backward(forward_step, data, model=self.model, num_micro_batches=len(micro),
                                  pg_collection=self.pg_collection, device=self.device, pipeline_dtype=self.pipeline_dtype)
+        if self.groups.pp > 1 and not self.groups.last_stage:
+            # Metrics are reduced over ranks by name, so every rank must record the same names: record this rank's
+            # with zero weight, as a zero-weight filler micro-batch does (the values are on the last stage).
+            with torch.no_grad():
+                loss_fn(_ZeroOutputs(self.module), zero_weight_copy(micro[0]))
         grads = self._sum_grads()
         grad_norm = self._global_grad_norm(grads)
         skipped = not math.isfinite(grad_norm)
