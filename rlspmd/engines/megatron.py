@@ -1,4 +1,5 @@
-"""The megatron-core training engine: the FSDP engine's surface over a megatron ``GPTModel`` with tensor parallelism.
+"""The megatron-core training engine: the FSDP engine's surface over a megatron ``GPTModel`` with tensor and pipeline
+parallelism.
 
 ``build_megatron_engine`` loads an HF Qwen2/Llama directory into a megatron model (``rlspmd.models.megatron_convert``
 converts the weights; every megatron call is in ``third_party/megatron_adapter.py``, imported here lazily, so rlspmd
@@ -9,15 +10,24 @@ runs without megatron-core). The engine offers what the roles use from ``FSDPEng
 **Layout.** The role's ranks (its mesh, as the trainer builds it) form a (pp, dp, tp) grid, tp fastest (megatron's
 ``tp-cp-ep-dp-pp`` order): the tensor-parallel groups are consecutive ranks. The groups are created here from
 those ranks (``new_group`` with local synchronisation: only the role's ranks take part), never with
-``parallel_state.initialize_model_parallel``, which would carve the whole world into one global layout.
+``parallel_state.initialize_model_parallel``, which would carve the whole world into one global layout. Pipeline
+stage ``p`` holds layers ``[p L/pp, (p+1) L/pp)``, the embedding on the first stage, the final norm and head on the
+last; with tied embeddings the last stage keeps a copy of the embedding (megatron's ``output_layer``), loaded from
+the same HF tensor, its gradient summed with the first stage's before each step (``embd_group``).
 
-**Data.** The trainer hands every rank its own samples, exactly as with FSDP (it need not know about TP). A forward
-gathers the TP group's micro-batches (same count on every rank: ``split_micro_batches`` agrees it over the mesh),
-runs them as one batch on the TP-sharded model, and each rank keeps its own rows. Under autograd the kept rows
-carry a hook that sums the output gradient over the TP group, so every TP rank back-propagates the same total loss
-(the sum of its members' losses) — what tensor parallelism needs — while each rank's ``loss_fn`` and metrics see
-only its own rows. Gradients are then summed (not averaged) over the DP group: losses are already normalised by
-the global batch (``rlspmd.algorithms.aggregation``), as in the FSDP engine.
+**Data.** The trainer hands every rank its own samples, exactly as with FSDP (it need not know about TP or PP). A
+forward gathers the micro-batches of the model-parallel group (the tp x pp ranks of a replica; same count on every
+rank: ``split_micro_batches`` agrees it over the mesh), runs them as one batch through the stages, and each rank
+gets its own rows' outputs. Under autograd the outputs carry a hook that sums their gradient over the TP group, so
+every TP rank back-propagates the same total loss (the sum of its members' losses) — what tensor parallelism needs.
+Gradients are then summed (not averaged) over the DP group: losses are already normalised by the global batch
+(``rlspmd.algorithms.aggregation``), as in the FSDP engine.
+
+**Pipeline.** An update goes through megatron's forward-backward contract: ``forward_step`` runs the stage and, on
+the last stage, a loss function that calls ``loss_fn`` for each pipeline member's micro-batch (gathered to the last
+stage beforehand) and sums them. CUDA runs megatron's 1F1B schedule; CPU a GPipe schedule over Gloo
+(``rlspmd.engines.pipeline``: megatron's p2p code allocates on CUDA). A no-grad module call (log-probs, values) passes
+the hidden states stage to stage and the last stage broadcasts every member's outputs down its pipeline.
 
 **Forward.** Each row's valid tokens are moved to the front (positions 0..n-1, which is what rlspmd's
 ``position_ids_BL`` hold, so RoPE sees the same positions as the HF model), padded at the end and masked (causal
@@ -28,10 +38,14 @@ Checkpoints hold the weights and AdamW state under the *Hugging Face* names of t
 (``hf.model.layers.0.self_attn.q_proj.weight``, ...), each TP shard a ``DTensor`` piece of the HF tensor: DCP
 reshards between TP degrees, and ``scripts/export_hf.py`` reads a megatron checkpoint as it reads an FSDP one.
 
-Simplifications (each a ``ValueError`` where a user could ask for it): no pipeline parallelism (``pp`` must be 1),
-no sequence/context/expert parallelism, no activation recomputation, no distributed optimiser (AdamW on each
-rank's TP shard, replicated over DP), no packed (THD) sequences: a micro-batch runs padded to its longest row. The
-LM head is computed with the full vocabulary on every TP rank (no vocab-parallel cross entropy).
+Checkpoints and the weight stream with pipeline stages: each stage saves its own tensors (the tied embedding's two
+copies under one name, identical); every rank streams every HF tensor, each unit broadcast from its stage.
+
+Simplifications (each a ``ValueError`` where a user could ask for it): no interleaved (virtual) pipeline stages, no
+sequence/context/expert parallelism, no activation recomputation, no distributed optimiser (AdamW on each rank's
+shard, replicated over DP), no packed (THD) sequences: a micro-batch runs padded to its longest row. The LM head is
+computed with the full vocabulary on every TP rank (no vocab-parallel cross entropy). The CPU pipeline schedule does
+not overlap stages (GPipe with blocking sends): it exists to run and test the engine on CPU.
 """
 
 from __future__ import annotations
