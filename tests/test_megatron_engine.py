@@ -185,7 +185,7 @@ def test_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
     assert ranks[0]["param_shapes"] == ranks[1]["param_shapes"] == ref["param_shapes"]
     for res in ranks:
         assert_same_state(res["resume"]["straight"], res["resume"]["resumed"], what="pp=2 resume")
-    torchrun([dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2"], 1, timeout=900)
+    torchrun([dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2_tp1"], 1, timeout=900)
     resharded = torch.load(tmp_path / "reshard_rank0.pt", weights_only=False)["state"]
     assert_same_state(merged_stages([res["saved"] for res in ranks]), resharded, what="pp=2 checkpoint loaded at pp=1")
 
