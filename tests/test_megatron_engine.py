@@ -138,56 +138,70 @@ def merged_stages(ranks: list[dict]) -> dict:
     return out
 
 
+def assert_pipeline_matches(ref: dict, ranks: list[dict], models: list[str], *, what: str) -> None:
+    """Each rank's outputs equal the reference's rows of its share of the batch; the merged stages' gradient and
+    update equal the reference's; every rank streams the whole HF state dict; pp resume is bit-identical."""
+    n = 8 // len(ranks)
+    rows = [slice(r * n, (r + 1) * n) for r in range(len(ranks))]  # each rank's rows of the reference batch
+    for model in models:
+        want = ref[model]["megatron"]
+        got = [res[model]["megatron"] for res in ranks]
+        for r, g in enumerate(got):
+            torch.testing.assert_close(g["logprobs"], want["logprobs"][rows[r]], rtol=0, atol=1e-5)
+            torch.testing.assert_close(g["entropy"], want["entropy"][rows[r]], rtol=0, atol=2e-5)
+            assert g["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), what
+            assert g["lr"] == want["lr"]
+        merged = merged_stages(got)
+        assert sorted(merged["model"]) == sorted(want["model"]), (what, model)
+        for name, m in want["exp_avg"].items():  # 0.1 x the clipped gradient, summed over micro-batches in another order
+            torch.testing.assert_close(merged["exp_avg"][name], m, rtol=0, atol=1e-5 * float(m.abs().max()) + 1e-12,
+                                       msg=lambda msg: f"{what} {model} gradient of {name}: {msg}")
+        # Adam's first step moves every weight by ~lr: elements whose gradient is ~eps amplify float32 rounding.
+        for name, w in want["model"].items():
+            torch.testing.assert_close(merged["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{what} {model} {name}: {m}")
+    for r, res in enumerate(ranks):
+        torch.testing.assert_close(res["values"], ref["values"][rows[r]], rtol=0, atol=1e-6)
+    full = ref["full_state_dict"]
+    assert all(res["full_state_dict"] == {} for res in ranks[1:])  # on the mesh's first rank only
+    assert sorted(ranks[0]["full_state_dict"]) == sorted(full)
+    for name, t in ranks[0]["full_state_dict"].items():
+        torch.testing.assert_close(t, full[name], rtol=0, atol=5e-5, msg=lambda m: f"{what} full_state_dict {name}: {m}")
+    streams = [res["stream"] for res in ranks]
+    for stream in streams:
+        assert [n for n, _ in stream] == [k[len("hf."):] for k in full if k != "hf.lm_head.weight"]  # tied head once
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(stream, streams[0]))  # every rank streams the same
+    assert all(torch.equal(t, ranks[0]["full_state_dict"]["hf." + n]) for n, t in streams[0])
+    assert all(res["param_shapes"] == ref["param_shapes"] for res in ranks)
+    for res in ranks:
+        assert_same_state(res["resume"]["straight"], res["resume"]["resumed"], what=f"{what} resume")
+
+
 @needs_megatron
 @pytest.mark.dist
 @pytest.mark.slow
 def test_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
-    """pp=2 on 2 ranks (each with its own half of the batch; the loss on the last stage, GPipe over Gloo) against
-    pp=1 on 1 rank with the whole batch, for the tied Qwen2 (the embedding on both end stages) and an untied Llama
-    (the head on the last stage): the same log-probs, entropy, values, gradient norm, gradient (AdamW's first moment)
-    and weights after one update; every stage's weight stream and ``full_state_dict`` is the whole HF state dict;
-    a pp=2 checkpoint resumes bit-identically at pp=2 and loads exactly at pp=1."""
+    """pp=2 on 2 ranks and pp=2 x tp=2 on 4 ranks (each rank with its own share of the batch; the loss on the last
+    stage, GPipe over Gloo) against pp=1 on 1 rank with the whole batch, for the tied Qwen2 (the embedding on both
+    end stages) and an untied Llama (the head on the last stage): the same log-probs, entropy, values, gradient norm,
+    gradient (AdamW's first moment) and weights after one update; every rank's weight stream and the
+    ``full_state_dict`` are the whole HF state dict; a pp=2 checkpoint resumes bit-identically and loads exactly at
+    pp=1."""
     llama = untied_llama(tmp_path)
     models = [str(tiny_model), str(llama)]
     torchrun([dist_script("megatron_check.py"), "pipeline_ref", str(tmp_path), *models], 1, timeout=900)
-    torchrun([dist_script("megatron_check.py"), "pipeline", str(tmp_path), *models], 2, timeout=900)
     ref = torch.load(tmp_path / "pipeline_ref_rank0.pt", weights_only=False)
-    ranks = [torch.load(tmp_path / f"pipeline_rank{r}.pt", weights_only=False) for r in (0, 1)]
-    half = slice(0, 4), slice(4, 8)  # each rank's rows of the reference batch
-    for model in models:
-        want = ref[model]["megatron"]
-        got = [res[model]["megatron"] for res in ranks]
-        for r in (0, 1):
-            torch.testing.assert_close(got[r]["logprobs"], want["logprobs"][half[r]], rtol=0, atol=1e-5)
-            torch.testing.assert_close(got[r]["entropy"], want["entropy"][half[r]], rtol=0, atol=1e-5)
-            assert got[r]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-            assert got[r]["lr"] == want["lr"]
-        assert set(got[0]["model"]).isdisjoint(got[1]["model"]) == (model == str(llama))  # tied: both hold the embedding
-        merged = merged_stages(got)
-        assert sorted(merged["model"]) == sorted(want["model"]), model
-        for name, m in want["exp_avg"].items():  # 0.1 x the clipped gradient, summed over micro-batches in another order
-            torch.testing.assert_close(merged["exp_avg"][name], m, rtol=0, atol=1e-5 * float(m.abs().max()) + 1e-12,
-                                       msg=lambda msg: f"{model} gradient of {name}: {msg}")
-        # Adam's first step moves every weight by ~lr: elements whose gradient is ~eps amplify float32 rounding.
-        for name, w in want["model"].items():
-            torch.testing.assert_close(merged["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{model} {name}: {m}")
-    for r in (0, 1):
-        torch.testing.assert_close(ranks[r]["values"], ref["values"][half[r]], rtol=0, atol=1e-6)
-    full = ref["full_state_dict"]
-    assert ranks[1]["full_state_dict"] == {}  # on the mesh's first rank only
-    assert sorted(ranks[0]["full_state_dict"]) == sorted(full)
-    for name, t in ranks[0]["full_state_dict"].items():
-        torch.testing.assert_close(t, full[name], rtol=0, atol=5e-5, msg=lambda m: f"full_state_dict {name}: {m}")
-    streams = [res["stream"] for res in ranks]
-    assert [n for n, _ in streams[0]] == [n for n, _ in streams[1]] == [k[len("hf."):] for k in full if k != "hf.lm_head.weight"]
-    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(*streams))  # every stage streams the same tensors
-    assert all(torch.equal(t, ranks[0]["full_state_dict"]["hf." + n]) for n, t in streams[0])
-    assert ranks[0]["param_shapes"] == ranks[1]["param_shapes"] == ref["param_shapes"]
-    for res in ranks:
-        assert_same_state(res["resume"]["straight"], res["resume"]["resumed"], what="pp=2 resume")
+    torchrun([dist_script("megatron_check.py"), "pipeline", str(tmp_path), *models], 2, timeout=900)
+    ranks = [torch.load(tmp_path / f"pipeline_rank{r}.pt", weights_only=False) for r in range(2)]
+    for model in models:  # tied: both end stages hold (and save) the embedding
+        got = [res[model]["megatron"]["model"] for res in ranks]
+        assert set(got[0]).isdisjoint(got[1]) == (model == str(llama))
+    assert_pipeline_matches(ref, ranks, models, what="pp=2")
     torchrun([dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2_tp1"], 1, timeout=900)
     resharded = torch.load(tmp_path / "reshard_rank0.pt", weights_only=False)["state"]
     assert_same_state(merged_stages([res["saved"] for res in ranks]), resharded, what="pp=2 checkpoint loaded at pp=1")
+    torchrun([dist_script("megatron_check.py"), "pipeline_tp", str(tmp_path), *models], 4, timeout=900)
+    ranks = [torch.load(tmp_path / f"pipeline_tp_rank{r}.pt", weights_only=False) for r in range(4)]
+    assert_pipeline_matches(ref, ranks, models, what="pp=2 x tp=2")
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------------
