@@ -240,3 +240,17 @@ def test_gpu_tensor_parallel_matches_fsdp(tiny_model, tmp_path):
         res = torch.load(tmp_path / f"parallel_rank{r}.pt", weights_only=False)
         for name in ("megatron_tp2", "megatron_dp2"):
             assert_engines_agree(res["fsdp"], res[name], what=f"cuda rank {r} {name}")
+
+
+@pytest.mark.gpu
+@needs_megatron
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
+    """pp=2 on 2 GPUs through megatron's own 1F1B schedule (NCCL p2p) against pp=1 on one GPU."""
+    llama = untied_llama(tmp_path)
+    models = [str(tiny_model), str(llama)]
+    torchrun([dist_script("megatron_check.py"), "pipeline_ref", str(tmp_path), *models], 1, timeout=900)
+    torchrun([dist_script("megatron_check.py"), "pipeline", str(tmp_path), *models], 2, timeout=900)
+    ref = torch.load(tmp_path / "pipeline_ref_rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"pipeline_rank{r}.pt", weights_only=False) for r in range(2)]
+    assert_pipeline_matches(ref, ranks, models, what="cuda pp=2")

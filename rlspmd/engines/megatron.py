@@ -598,6 +598,8 @@ class MegatronEngine:
             def forward_step(data_iterator, model):
                 rows, column = next(data_iterator)
                 hidden = stage_forward(self, rows)
+                if not self.groups.last_stage:  # what megatron's p2p receives into (config.pipeline_dtype)
+                    hidden = hidden.to(self.pipeline_dtype)
 
                 def loss_func(hidden_WNH):  # called on the last stage only
                     loss = sum(loss_fn(_LastStageModule(self.module, hidden_WNH, rows, j), mb) for j, mb in enumerate(column))
