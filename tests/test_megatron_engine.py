@@ -2,8 +2,9 @@
 
 On CPU (Gloo): log-probs, entropy and values equal the FSDP engine's on the same HF weights; one update's gradient
 (AdamW's first moment: 0.1 x the clipped gradient), gradient norm and weights equal; tensor parallelism (tp=2) and
-megatron data parallelism (dp=2) on 2 ranks equal FSDP on 2 ranks; a checkpoint resumes bit-identically at tp=1, a
-tp=2 checkpoint loads exactly at tp=1, and export reads it; the weight stream gives HF names and full tensors.
+megatron data parallelism (dp=2) on 2 ranks equal FSDP on 2 ranks; pipeline parallelism (pp=2 on 2 ranks, pp=2 x
+tp=2 on 4) equals pp=1 on 1 rank; a checkpoint resumes bit-identically at tp=1 and pp=2, tp=2 and pp=2 checkpoints
+load exactly at tp=pp=1, and export reads them; the weight stream gives HF names and full tensors on every rank.
 Skipped where megatron-core is absent (``pip install -e ".[megatron]"``). The GPU tests at the bottom run the same
 checks on CUDA (megatron's own forward-backward schedule there) and on a real model.
 """
@@ -174,6 +175,7 @@ def assert_pipeline_matches(ref: dict, ranks: list[dict], models: list[str], *, 
     assert all(res["param_shapes"] == ref["param_shapes"] for res in ranks)
     for res in ranks:
         assert_same_state(res["resume"]["straight"], res["resume"]["resumed"], what=f"{what} resume")
+        assert "runs without autograd only" in res["grad_call"]
 
 
 @needs_megatron

@@ -223,6 +223,10 @@ def pipeline_run(out_dir: Path, model_dirs: list[str], mesh, rt, *, pp: int, tp:
     results["full_state_dict"] = engine.full_state_dict()
     results["param_shapes"] = engine.param_shapes()
     if pp > 1:
+        try:  # with autograd a pipelined module call is refused (training goes through optimizer_step)
+            engine.module(local["input_ids_BL"], local["attention_mask_BL"], local["position_ids_BL"], response_len=R)
+        except RuntimeError as e:
+            results["grad_call"] = str(e)
         dcp.save({"actor": engine}, checkpoint_id=str(out_dir / f"ckpt_pp{pp}_tp{tp}"))
         results["saved"] = train_state(engine)
         update(engine, local, mesh)
