@@ -12,8 +12,9 @@ The schedule is GPipe's: every micro-batch forward (activations kept), then ever
 is the simplest correct pipeline schedule; with blocking sends there is no overlap between stages, which costs
 nothing on CPU (where it exists to test the engine) and is why CUDA runs megatron's 1F1B instead.
 
-Tensors cross stages with a 3-int shape header first (micro-batches are padded to their own longest row, so the
-shape changes per micro-batch: megatron's ``variable_seq_lengths``), in one fixed dtype (``pipeline_dtype``).
+Tensors cross stages after a shape header (``[ndim, *shape]``, padded to a fixed length: micro-batches are padded
+to their own longest row, so the shape changes per micro-batch, megatron's ``variable_seq_lengths``), in one fixed
+dtype (``pipeline_dtype``).
 """
 
 from __future__ import annotations
@@ -40,15 +41,20 @@ class StageP2P:
     def last(self) -> bool:
         return self.stage == self.stages - 1
 
+    MAX_DIMS = 7
+
     def _send(self, tensor: torch.Tensor, stage: int) -> None:
         t = tensor.detach().to(self.dtype).contiguous()
-        dist.send(torch.tensor(t.shape, dtype=torch.long, device=self.device), group=self.group, group_dst=stage)
+        assert t.dim() <= self.MAX_DIMS, t.shape
+        header = [t.dim(), *t.shape] + [0] * (self.MAX_DIMS - t.dim())
+        dist.send(torch.tensor(header, dtype=torch.long, device=self.device), group=self.group, group_dst=stage)
         dist.send(t, group=self.group, group_dst=stage)
 
     def _recv(self, stage: int) -> torch.Tensor:
-        shape = torch.empty(3, dtype=torch.long, device=self.device)
-        dist.recv(shape, group=self.group, group_src=stage)
-        out = torch.empty(shape.tolist(), dtype=self.dtype, device=self.device)
+        header = torch.empty(1 + self.MAX_DIMS, dtype=torch.long, device=self.device)
+        dist.recv(header, group=self.group, group_src=stage)
+        ndim, *shape = header.tolist()
+        out = torch.empty(shape[:ndim], dtype=self.dtype, device=self.device)
         dist.recv(out, group=self.group, group_src=stage)
         return out
 
