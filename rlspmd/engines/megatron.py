@@ -133,10 +133,6 @@ class MegatronGroups:
     def last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 
-    @property
-    def mp_rank(self) -> int:
-        return self.pp_rank * self.tp + self.tp_rank
-
 
 def build_groups(mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: str, tied: bool = False) -> MegatronGroups:
     """The role's groups: ``tied`` also builds the first/last-stage group of tied embeddings (pp > 1)."""
