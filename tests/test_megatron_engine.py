@@ -211,27 +211,30 @@ def test_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_trainer_with_pipeline_stages_logs_what_one_stage_logs(tiny_model, arithmetic_data, tmp_path):
-    """GRPO through the trainer with ``actor.engine=megatron`` at pp=2 and at pp=1 (2 ranks, 2 steps, an entropy bonus
-    so the update is not zero): the loss function's metrics, recorded on the last stage for both ranks' rows, reduce
-    to the same values as with every rank recording its own, and the second step sees the same updated policy."""
+    """PPO (GAE) through the trainer with the actor and the critic on ``engine=megatron``, at pp=2 and at pp=1 (2 ranks,
+    2 steps): the loss functions' metrics, recorded on the last stage for both ranks' rows, reduce to the same values
+    as with every rank recording its own, and the second step sees the same updated policy and critic."""
     def run(pp: int) -> list[dict]:
         out = tmp_path / f"pp{pp}"
         torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
                   "--data.train-files", str(arithmetic_data / "train.parquet"),
                   "--data.val-files", str(arithmetic_data / "test.parquet"),
                   "--data.train-batch-size", "4", "--actor.mini-batch-size", "4", "--actor.micro-batch-size", "2",
+                  "--critic.mini-batch-size", "4", "--critic.micro-batch-size", "2", "--algorithm.adv-estimator", "gae",
                   "--rollout.n", "2", "--rollout.max-response-length", "8", "--data.max-val-samples", "8",
-                  "--actor.entropy-coef", "0.01", "--trainer.total-steps", "2", "--trainer.val-every", "0",
-                  "--trainer.output-dir", str(out), "--actor.engine", "megatron", "--actor.megatron.pp", str(pp)], 2)
+                  "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.output-dir", str(out),
+                  "--actor.engine", "megatron", "--actor.megatron.pp", str(pp),
+                  "--critic.engine", "megatron", "--critic.megatron.pp", str(pp)], 2)
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     one, two = run(1), run(2)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
     for a, b in zip(one, two):
-        keys = sorted(k for k in a if k.startswith("actor/"))
-        assert keys == sorted(k for k in b if k.startswith("actor/"))
+        keys = sorted(k for k in a if k.startswith(("actor/", "critic/")))
+        assert keys == sorted(k for k in b if k.startswith(("actor/", "critic/")))
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
-    assert one[-1]["actor/grad_norm"] > 0 and one[-1]["actor/entropy"] > 0
+    assert one[-1]["actor/grad_norm"] > 0 and one[-1]["critic/grad_norm"] > 0 and one[-1]["critic/vf_loss"] > 0
 
 
 # -- GPU ------------------------------------------------------------------------------------------------------------
