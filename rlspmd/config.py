@@ -85,13 +85,14 @@ class MegatronConfig:
     """Layout of a role trained by the megatron-core engine (``engine="megatron"``; needs the ``megatron`` extra).
 
     The role's ranks form a (pp, dp, tp) grid, tp fastest (megatron's default order): ``dp = ranks / (tp * pp)``.
-    The trainer still hands every rank its own samples; the ``tp`` ranks of a group run each micro-batch on their
-    samples together and each keeps its own rows of the outputs."""
+    The trainer still hands every rank its own samples; the ``tp x pp`` ranks of a model replica run each
+    micro-batch on their samples together and each keeps its own rows of the outputs."""
 
     tp: int = 1
     """Tensor-parallel degree (consecutive ranks). Must divide the model's KV heads, vocabulary and FFN size."""
     pp: int = 1
-    """Pipeline-parallel degree. Only 1 is implemented so far (see the README's megatron section)."""
+    """Pipeline-parallel degree: stages of consecutive layers (must divide the model's layers). The loss runs on the
+    last stage; megatron's 1F1B schedule on CUDA, a GPipe schedule on CPU (see the README's megatron section)."""
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of forwards (autocast; parameters and optimiser state stay in ``model.dtype``). ``auto``: bfloat16
     on CUDA, float32 on CPU."""

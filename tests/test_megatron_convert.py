@@ -150,6 +150,30 @@ def test_stage_names():
     assert mc.local_name("embedding.word_embeddings.weight", 4) == "embedding.word_embeddings.weight"
 
 
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_hf_shapes_are_the_checkpoints(fixture, request):
+    """``hf_shapes`` (what a pipeline stage allocates for tensors another stage holds) is the HF state dict's shapes,
+    in model order; ``lm_head.weight`` only when the safetensors have one of their own."""
+    model_dir = request.getfixturevalue(fixture)
+    hf = hf_state(model_dir)
+    shapes = mc.hf_shapes(arch_of(model_dir))
+    assert shapes == {k: tuple(v.shape) for k, v in hf.items()}
+    assert list(shapes)[0] == "model.embed_tokens.weight" and list(shapes)[-1] in ("model.norm.weight", "lm_head.weight")
+
+
+def test_stage_names_split_the_model():
+    """Two stages of an untied 4-layer model: the embedding on the first, norm and head on the last, together every
+    name once; one stage (first and last) holds the whole model."""
+    arch = mc.MegatronArch("llama", 4, 8, 16, 2, 1, 4, 32, 64, 1e-6, 1e4, qkv_bias=False, tie_embeddings=False)
+    stages = [mc.stage_names(arch, mc.stage_layers(4, pp=2, pp_rank=r), first=r == 0, last=r == 1, with_head=True)
+              for r in (0, 1)]
+    assert stages[0][0] == "embedding.word_embeddings.weight" and stages[0][-1].startswith("decoder.layers.1.")
+    assert stages[1][0].startswith("decoder.layers.2.") and stages[1][-2:] == ["decoder.final_layernorm.weight",
+                                                                             "output_layer.weight"]
+    assert stages[0] + stages[1] == mc.megatron_names(arch)
+    assert mc.stage_names(arch, range(4), first=True, last=True, with_head=True) == mc.megatron_names(arch)
+
+
 def test_grid_coords_tp_fastest():
     """8 ranks, tp 2, dp 2, pp 2: megatron's tp-cp-ep-dp-pp order."""
     coords = [grid_coords(i, tp=2, dp=2) for i in range(8)]

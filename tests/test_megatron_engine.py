@@ -2,13 +2,15 @@
 
 On CPU (Gloo): log-probs, entropy and values equal the FSDP engine's on the same HF weights; one update's gradient
 (AdamW's first moment: 0.1 x the clipped gradient), gradient norm and weights equal; tensor parallelism (tp=2) and
-megatron data parallelism (dp=2) on 2 ranks equal FSDP on 2 ranks; a checkpoint resumes bit-identically at tp=1, a
-tp=2 checkpoint loads exactly at tp=1, and export reads it; the weight stream gives HF names and full tensors.
+megatron data parallelism (dp=2) on 2 ranks equal FSDP on 2 ranks; pipeline parallelism (pp=2 on 2 ranks, pp=2 x
+tp=2 on 4) equals pp=1 on 1 rank; a checkpoint resumes bit-identically at tp=1 and pp=2, tp=2 and pp=2 checkpoints
+load exactly at tp=pp=1, and export reads them; the weight stream gives HF names and full tensors on every rank.
 Skipped where megatron-core is absent (``pip install -e ".[megatron]"``). The GPU tests at the bottom run the same
 checks on CUDA (megatron's own forward-backward schedule there) and on a real model.
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -125,6 +127,116 @@ def test_tensor_and_data_parallel_match_fsdp_and_reshard(tiny_model, tmp_path):
     assert_same_state(ranks[0]["tp2_state"], resharded, what="tp=2 checkpoint loaded at tp=1")
 
 
+def merged_stages(ranks: list[dict]) -> dict:
+    """The union of the pipeline stages' training states (a key two stages hold, the tied embedding, must agree)."""
+    out = {"lr": ranks[0]["lr"]}
+    for part in STATE_KEYS:
+        out[part] = {}
+        for res in ranks:
+            for name, t in res[part].items():
+                if name in out[part]:
+                    assert torch.equal(out[part][name], t), f"the stages disagree on {part} {name}"
+                out[part][name] = t
+    return out
+
+
+def assert_pipeline_matches(ref: dict, ranks: list[dict], models: list[str], *, what: str) -> None:
+    """Each rank's outputs equal the reference's rows of its share of the batch; the merged stages' gradient and
+    update equal the reference's; every rank streams the whole HF state dict; pp resume is bit-identical."""
+    n = 8 // len(ranks)
+    rows = [slice(r * n, (r + 1) * n) for r in range(len(ranks))]  # each rank's rows of the reference batch
+    for model in models:
+        want = ref[model]["megatron"]
+        got = [res[model]["megatron"] for res in ranks]
+        for r, g in enumerate(got):
+            torch.testing.assert_close(g["logprobs"], want["logprobs"][rows[r]], rtol=0, atol=1e-5)
+            torch.testing.assert_close(g["entropy"], want["entropy"][rows[r]], rtol=0, atol=2e-5)
+            assert g["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), what
+            assert g["lr"] == want["lr"]
+        merged = merged_stages(got)
+        assert sorted(merged["model"]) == sorted(want["model"]), (what, model)
+        for name, m in want["exp_avg"].items():  # 0.1 x the clipped gradient, summed over micro-batches in another order
+            torch.testing.assert_close(merged["exp_avg"][name], m, rtol=0, atol=1e-5 * float(m.abs().max()) + 1e-12,
+                                       msg=lambda msg: f"{what} {model} gradient of {name}: {msg}")
+        # Adam's first step moves every weight by ~lr: elements whose gradient is ~eps amplify float32 rounding.
+        for name, w in want["model"].items():
+            torch.testing.assert_close(merged["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{what} {model} {name}: {m}")
+    for r, res in enumerate(ranks):
+        torch.testing.assert_close(res["values"], ref["values"][rows[r]], rtol=0, atol=1e-6)
+    full = ref["full_state_dict"]
+    assert all(res["full_state_dict"] == {} for res in ranks[1:])  # on the mesh's first rank only
+    assert sorted(ranks[0]["full_state_dict"]) == sorted(full)
+    for name, t in ranks[0]["full_state_dict"].items():
+        torch.testing.assert_close(t, full[name], rtol=0, atol=5e-5, msg=lambda m: f"{what} full_state_dict {name}: {m}")
+    streams = [res["stream"] for res in ranks]
+    for stream in streams:
+        assert [n for n, _ in stream] == [k[len("hf."):] for k in full if k != "hf.lm_head.weight"]  # tied head once
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(stream, streams[0]))  # every rank streams the same
+    assert all(torch.equal(t, ranks[0]["full_state_dict"]["hf." + n]) for n, t in streams[0])
+    assert all(res["param_shapes"] == ref["param_shapes"] for res in ranks)
+    for res in ranks:
+        assert_same_state(res["resume"]["straight"], res["resume"]["resumed"], what=f"{what} resume")
+        assert "runs without autograd only" in res["grad_call"]
+
+
+@needs_megatron
+@pytest.mark.dist
+@pytest.mark.slow
+def test_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
+    """pp=2 on 2 ranks and pp=2 x tp=2 on 4 ranks (each rank with its own share of the batch; the loss on the last
+    stage, GPipe over Gloo) against pp=1 on 1 rank with the whole batch, for the tied Qwen2 (the embedding on both
+    end stages) and an untied Llama (the head on the last stage): the same log-probs, entropy, values, gradient norm,
+    gradient (AdamW's first moment) and weights after one update; every rank's weight stream and the
+    ``full_state_dict`` are the whole HF state dict; a pp=2 checkpoint resumes bit-identically and loads exactly at
+    pp=1."""
+    llama = untied_llama(tmp_path)
+    models = [str(tiny_model), str(llama)]
+    torchrun([dist_script("megatron_check.py"), "pipeline_ref", str(tmp_path), *models], 1, timeout=900)
+    ref = torch.load(tmp_path / "pipeline_ref_rank0.pt", weights_only=False)
+    torchrun([dist_script("megatron_check.py"), "pipeline", str(tmp_path), *models], 2, timeout=900)
+    ranks = [torch.load(tmp_path / f"pipeline_rank{r}.pt", weights_only=False) for r in range(2)]
+    for model in models:  # tied: both end stages hold (and save) the embedding
+        got = [res[model]["megatron"]["model"] for res in ranks]
+        assert set(got[0]).isdisjoint(got[1]) == (model == str(llama))
+    assert_pipeline_matches(ref, ranks, models, what="pp=2")
+    torchrun([dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2_tp1"], 1, timeout=900)
+    resharded = torch.load(tmp_path / "reshard_rank0.pt", weights_only=False)["state"]
+    assert_same_state(merged_stages([res["saved"] for res in ranks]), resharded, what="pp=2 checkpoint loaded at pp=1")
+    torchrun([dist_script("megatron_check.py"), "pipeline_tp", str(tmp_path), *models], 4, timeout=900)
+    ranks = [torch.load(tmp_path / f"pipeline_tp_rank{r}.pt", weights_only=False) for r in range(4)]
+    assert_pipeline_matches(ref, ranks, models, what="pp=2 x tp=2")
+
+
+@needs_megatron
+@pytest.mark.dist
+@pytest.mark.slow
+def test_trainer_with_pipeline_stages_logs_what_one_stage_logs(tiny_model, arithmetic_data, tmp_path):
+    """PPO (GAE) through the trainer with the actor and the critic on ``engine=megatron``, at pp=2 and at pp=1 (2 ranks,
+    2 steps): the loss functions' metrics, recorded on the last stage for both ranks' rows, reduce to the same values
+    as with every rank recording its own, and the second step sees the same updated policy and critic."""
+    def run(pp: int) -> list[dict]:
+        out = tmp_path / f"pp{pp}"
+        torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
+                  "--data.train-files", str(arithmetic_data / "train.parquet"),
+                  "--data.val-files", str(arithmetic_data / "test.parquet"),
+                  "--data.train-batch-size", "4", "--actor.mini-batch-size", "4", "--actor.micro-batch-size", "2",
+                  "--critic.mini-batch-size", "4", "--critic.micro-batch-size", "2", "--algorithm.adv-estimator", "gae",
+                  "--rollout.n", "2", "--rollout.max-response-length", "8", "--data.max-val-samples", "8",
+                  "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.output-dir", str(out),
+                  "--actor.engine", "megatron", "--actor.megatron.pp", str(pp),
+                  "--critic.engine", "megatron", "--critic.megatron.pp", str(pp)], 2)
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    one, two = run(1), run(2)
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+    for a, b in zip(one, two):
+        keys = sorted(k for k in a if k.startswith(("actor/", "critic/")))
+        assert keys == sorted(k for k in b if k.startswith(("actor/", "critic/")))
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (a["step"], k)
+    assert one[-1]["actor/grad_norm"] > 0 and one[-1]["critic/grad_norm"] > 0 and one[-1]["critic/vf_loss"] > 0
+
+
 # -- GPU ------------------------------------------------------------------------------------------------------------
 
 Q05 = Path(os.environ.get("RLSPMD_Q05_MODEL", ROOT / "models" / "Qwen2.5-0.5B-Instruct"))
@@ -161,3 +273,17 @@ def test_gpu_tensor_parallel_matches_fsdp(tiny_model, tmp_path):
         res = torch.load(tmp_path / f"parallel_rank{r}.pt", weights_only=False)
         for name in ("megatron_tp2", "megatron_dp2"):
             assert_engines_agree(res["fsdp"], res[name], what=f"cuda rank {r} {name}")
+
+
+@pytest.mark.gpu
+@needs_megatron
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
+    """pp=2 on 2 GPUs through megatron's own 1F1B schedule (NCCL p2p) against pp=1 on one GPU."""
+    llama = untied_llama(tmp_path)
+    models = [str(tiny_model), str(llama)]
+    torchrun([dist_script("megatron_check.py"), "pipeline_ref", str(tmp_path), *models], 1, timeout=900)
+    torchrun([dist_script("megatron_check.py"), "pipeline", str(tmp_path), *models], 2, timeout=900)
+    ref = torch.load(tmp_path / "pipeline_ref_rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / f"pipeline_rank{r}.pt", weights_only=False) for r in range(2)]
+    assert_pipeline_matches(ref, ranks, models, what="cuda pp=2")

@@ -23,9 +23,12 @@ What it wraps, and why each piece is here rather than in the engine:
 * ``process_groups``: a ``ProcessGroupCollection`` from groups rlspmd built over the role mesh's ranks, so megatron
   never calls ``parallel_state.initialize_model_parallel`` (which carves the *whole* world and keeps its groups in
   module globals: one layout per process).
-* ``forward_backward``: megatron's ``get_forward_backward_func`` schedule on CUDA. On CPU the same loop written out
-  (forward step, loss function, backward, per micro-batch): megatron's ``forward_backward_no_pipelining``
-  allocates its token counter with ``device="cuda"`` (``schedules.py``), so it cannot run on CPU.
+* ``forward_backward``: megatron's ``get_forward_backward_func`` schedule on CUDA (1F1B with a ``P2PCommunicator``
+  over rlspmd's pipeline group when ``pp`` > 1). On CPU the same loop written out (forward step, loss function,
+  backward, per micro-batch): megatron's ``forward_backward_no_pipelining`` allocates its token counter with
+  ``device="cuda"`` (``schedules.py``), so it cannot run on CPU; with pipeline stages, rlspmd's GPipe schedule
+  (``rlspmd.engines.pipeline``), because megatron's p2p code allocates its buffers on
+  ``torch.cuda.current_device()`` (``p2p_communication.py``), on Gloo as on NCCL.
 * ``no_dropout_rng_tracker``: megatron forks a CUDA RNG state around dropout regions; with dropout off the
   "inference" tracker (a no-op fork) is exact and needs no CUDA RNG.
 
@@ -60,6 +63,7 @@ try:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -111,7 +115,9 @@ def transformer_config(arch: MegatronArch, *, tp: int, pp: int, params_dtype: to
         use_cpu_initialization=cpu,
         perform_initialization=False,  # every weight is loaded from the HF directory right after
         calculate_per_token_loss=True,  # schedules then leave the loss alone (no division by #micro-batches)
-        variable_seq_lengths=pp > 1,
+        variable_seq_lengths=pp > 1,  # micro-batches are padded to their own longest row: p2p sends shapes first
+        # No MoE here; megatron 0.16.1 still refuses variable_seq_lengths with the default "allgather" dispatcher.
+        moe_token_dispatcher_type="alltoall",
         cuda_graph_scope=[],  # no CUDA graphs; the default ("full") only triggers a deprecation warning
     )
 
@@ -189,18 +195,28 @@ def process_groups(*, tp, pp, cp, dp, embd) -> ProcessGroupCollection:
 
 
 def forward_backward(forward_step: Callable, data: Iterator, *, model: nn.Module, num_micro_batches: int,
-                     pg_collection: ProcessGroupCollection, device: torch.device, forward_only: bool = False) -> None:
+                     pg_collection: ProcessGroupCollection, device: torch.device, forward_only: bool = False,
+                     pipeline_dtype: torch.dtype = torch.float32) -> None:
     """Run ``forward_step(data_iterator, model) -> (output, loss_func)`` over ``num_micro_batches`` micro-batches and
     backpropagate each ``loss_func(output)[0]`` (megatron's contract, ``calculate_per_token_loss``: the loss is used
-    as returned). CUDA: megatron's schedule; CPU: the same loop without pipelining."""
+    as returned; with pipeline stages, on the last stage). CUDA: megatron's schedule (1F1B with pipeline stages).
+    CPU: the same loop without pipelining, or with pipeline stages rlspmd's GPipe schedule over Gloo
+    (``rlspmd.engines.pipeline``: megatron's p2p code and schedules allocate on CUDA)."""
+    pp = pg_collection.pp.size()
     if device.type == "cuda":
-        get_forward_backward_func(pp_size=pg_collection.pp.size())(
+        extra = {} if pp == 1 else {"p2p_communicator": P2PCommunicator(pp_group=pg_collection.pp, config=model.config)}
+        get_forward_backward_func(pp_size=pp)(
             forward_step_func=forward_step, data_iterator=data, model=model, num_microbatches=num_micro_batches,
-            seq_length=0, micro_batch_size=0,  # unused without pipelining (variable_seq_lengths with it)
-            forward_only=forward_only, pg_collection=pg_collection,
+            seq_length=0, micro_batch_size=0,  # unused: shapes are exchanged per micro-batch (variable_seq_lengths)
+            forward_only=forward_only, pg_collection=pg_collection, **extra,
         )
         return
-    assert pg_collection.pp.size() == 1, "pipeline parallelism needs CUDA (megatron's p2p code allocates on CUDA)"
+    if pp > 1:
+        from rlspmd.engines.pipeline import StageP2P, gpipe_forward_backward
+
+        gpipe_forward_backward(forward_step, data, model=model, num_micro_batches=num_micro_batches, forward_only=forward_only,
+                               p2p=StageP2P(pg_collection.pp, dtype=pipeline_dtype, device=device))
+        return
     for _ in range(num_micro_batches):
         output, loss_func = forward_step(data, model)
         loss = loss_func(output)[0]

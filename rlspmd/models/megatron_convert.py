@@ -160,6 +160,36 @@ def megatron_names(arch: MegatronArch, layers: range | None = None, *, with_head
     return names
 
 
+def stage_names(arch: MegatronArch, layers: range, *, first: bool, last: bool, with_head: bool) -> list[str]:
+    """The megatron names (global layer indices) a pipeline stage holds, in model order: the embedding on the first
+    stage, ``layers``, the final norm and (``with_head``, untied) the head on the last."""
+    names = megatron_names(arch, layers, with_head=with_head)
+    return [n for n in names if (first or not n.startswith("embedding.")) and
+            (last or n not in ("decoder.final_layernorm.weight", "output_layer.weight"))]
+
+
+def hf_shapes(arch: MegatronArch) -> dict[str, tuple[int, ...]]:
+    """Full shape of every HF causal-LM tensor (``lm_head.weight`` only when untied), by name, in model order."""
+    H, hd, V, F = arch.hidden_size, arch.head_dim, arch.vocab_size, arch.ffn_hidden_size
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    per_layer = {
+        "input_layernorm.weight": (H,), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (H, q), "post_attention_layernorm.weight": (H,),
+        "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+    }
+    shapes = {"model.embed_tokens.weight": (V, H)}
+    for m in megatron_names(arch):
+        for h in hf_names_of(m):
+            layer = re.match(r"^model\.layers\.\d+\.(.+)$", h)
+            if layer:
+                shapes[h] = per_layer[layer.group(1)]
+    shapes["model.norm.weight"] = (H,)
+    if not arch.tie_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    return shapes
+
+
 def hf_names_of(megatron_name: str) -> tuple[str, ...]:
     """The HF tensors a megatron parameter holds (global layer indices), in fusion order."""
     m = _LAYER.match(megatron_name)

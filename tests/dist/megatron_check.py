@@ -10,7 +10,13 @@ usage: megatron_check.py MODE OUT_DIR MODEL_DIR [MODEL_DIR ...]
   the trainer's ``save_hf_model``, loaded back as an HF model.
 * ``parallel`` (2 ranks, each with its own half of the batch): the FSDP engine over both ranks, megatron with
   ``tp=2`` and megatron with ``dp=2``, the same update; the TP engine's weight stream; the TP engine's checkpoint.
-* ``reshard`` (1 rank): a ``tp=1`` megatron engine loads the ``parallel`` run's TP checkpoint.
+* ``reshard`` (1 rank): a ``tp=1`` megatron engine loads the ``parallel`` run's TP checkpoint (``ckpt_tp2``; or the
+  checkpoint named by a 4th argument).
+* ``pipeline_ref`` (1 rank) and ``pipeline`` (2 ranks, ``pp=2``, each rank with its own half of the batch): per model,
+  megatron's log-probs/entropy and one update (grad norm, weights and AdamW state of the rank's stage); the critic's
+  values; the weight stream after the update; a ``pp=2`` checkpoint (``ckpt_pp2_tp1``) and its state loaded into a
+  fresh ``pp=2`` engine. The reference runs ``pp=1`` on one rank with the whole batch. ``pipeline_tp`` (4 ranks):
+  the same with ``pp=2`` x ``tp=2`` (``ckpt_pp2_tp2``).
 """
 
 import json
@@ -98,9 +104,9 @@ def fsdp_policy(model_dir: str, mesh, rt) -> FSDPEngine:
     return FSDPEngine(module, module.hf, mesh=mesh, device=rt.device, fsdp=FP32, optim=OPTIM, total_optim_steps=4)
 
 
-def megatron_policy(model_dir: str, mesh, rt, *, tp: int = 1):
+def megatron_policy(model_dir: str, mesh, rt, *, tp: int = 1, pp: int = 1):
     return build_megatron_engine("policy", model_dir, mesh=mesh, device=rt.device,
-                                 cfg=MegatronConfig(tp=tp, param_dtype="float32"), optim=OPTIM, total_optim_steps=4)
+                                 cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"), optim=OPTIM, total_optim_steps=4)
 
 
 @torch.no_grad()
@@ -190,9 +196,57 @@ def parallel(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
 
 
 def reshard(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    ckpt = model_dirs[1] if len(model_dirs) > 1 else "ckpt_tp2"
     engine = megatron_policy(model_dirs[0], mesh, rt)
-    dcp.load({"actor": engine}, checkpoint_id=str(out_dir / "ckpt_tp2"))
+    dcp.load({"actor": engine}, checkpoint_id=str(out_dir / ckpt))
     return {"state": train_state(engine)}
+
+
+def pipeline_run(out_dir: Path, model_dirs: list[str], mesh, rt, *, pp: int, tp: int = 1) -> dict:
+    """``pipeline_ref`` (pp=1, 1 rank), ``pipeline`` (pp=2, 2 ranks), ``pipeline_tp`` (pp=2 x tp=2, 4 ranks)."""
+    results = {}
+    for model_dir in model_dirs:
+        results[model_dir] = compare_engines(model_dir, mesh, rt, {"megatron": lambda: megatron_policy(model_dir, mesh, rt, pp=pp, tp=tp)})
+    first = model_dirs[0]
+    vocab = json.loads((Path(first) / "config.json").read_text())["vocab_size"]
+    n = B // rt.world_size
+    local = global_batch(vocab, seed=1).slice(rt.rank * n, (rt.rank + 1) * n)
+    critic = build_megatron_engine("value", first, mesh=mesh, device=rt.device,
+                                   cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"), optim=None, seed=7)
+    with torch.no_grad():
+        results["values"] = critic.module(local["input_ids_BL"], local["attention_mask_BL"], local["position_ids_BL"],
+                                          response_len=R)
+    del critic
+    engine = megatron_policy(first, mesh, rt, pp=pp, tp=tp)
+    update(engine, local, mesh)
+    results["stream"] = [(name, t.clone()) for name, t in engine.weight_stream(dtype=torch.float32)]
+    results["full_state_dict"] = engine.full_state_dict()
+    results["param_shapes"] = engine.param_shapes()
+    if pp > 1:
+        try:  # with autograd a pipelined module call is refused (training goes through optimizer_step)
+            engine.module(local["input_ids_BL"], local["attention_mask_BL"], local["position_ids_BL"], response_len=R)
+        except RuntimeError as e:
+            results["grad_call"] = str(e)
+        dcp.save({"actor": engine}, checkpoint_id=str(out_dir / f"ckpt_pp{pp}_tp{tp}"))
+        results["saved"] = train_state(engine)
+        update(engine, local, mesh)
+        resumed = megatron_policy(first, mesh, rt, pp=pp, tp=tp)
+        dcp.load({"actor": resumed}, checkpoint_id=str(out_dir / f"ckpt_pp{pp}_tp{tp}"))
+        update(resumed, local, mesh)
+        results["resume"] = {"straight": train_state(engine), "resumed": train_state(resumed)}
+    return results
+
+
+def pipeline_ref(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    return pipeline_run(out_dir, model_dirs, mesh, rt, pp=1)
+
+
+def pipeline(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    return pipeline_run(out_dir, model_dirs, mesh, rt, pp=2)
+
+
+def pipeline_tp(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
+    return pipeline_run(out_dir, model_dirs, mesh, rt, pp=2, tp=2)
 
 
 @spmd_main
@@ -200,7 +254,9 @@ def main():
     mode, out_dir, model_dirs = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     rt = init_distributed(DistConfig())
     mesh = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)
-    results = {"single": single, "parallel": parallel, "reshard": reshard}[mode](out_dir, model_dirs, mesh, rt)
+    modes = {"single": single, "parallel": parallel, "reshard": reshard, "pipeline_ref": pipeline_ref, "pipeline": pipeline,
+             "pipeline_tp": pipeline_tp}
+    results = modes[mode](out_dir, model_dirs, mesh, rt)
     torch.save(results, out_dir / f"{mode}_rank{rt.rank}.pt")
     shutdown()
 
