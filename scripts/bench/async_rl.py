@@ -17,7 +17,8 @@ update's own forward gives the old log-probs) and no reference model (no KL loss
 Per run: ``sec_per_step`` (the trainer's median step time after the first step), ``gen_s`` (the rollout rank's
 generation, engine time) and ``train_s`` (the actor rank's old-log-prob pass and update), all stage times, validation
 accuracy before training and after ``--steps`` steps (greedy, ``--val-samples`` held-out prompts) and its rise.
-Summary: ``speedup`` = sync / async seconds per step, ``overlap_ceiling`` = (gen + train) / max(gen, train) of the
+Summary: ``speedup`` = sync / async seconds per step (with ``--repeats`` N, N pairs run alternately, so that a
+pair sees one machine load, and the median of their ratios; ``speedups`` lists them), ``overlap_ceiling`` = (gen + train) / max(gen, train) of the
 sync run (the speedup of a perfect overlap), ``acc_rise_gap`` = sync rise - async rise (points). Trainer overrides
 for both runs go after ``--`` (``python scripts/bench/async_rl.py --steps 10 -- --rollout.n 4``).
 The machine is described in ``machine`` (load average before and after): on a shared machine re-run for final
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,22 +85,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--val-samples", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="sync/async pairs, run alternately; speedup is the median of the pairs' ratios")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("override", nargs="*", help="more trainer overrides for both runs, after --, e.g. -- --rollout.n 4")
     args = ap.parse_args()
     load_start = [round(x, 2) for x in os.getloadavg()]
+    pairs = []
     with tempfile.TemporaryDirectory() as tmp:
-        sync = run(args, 0, Path(tmp) / "sync")
-        asyn = run(args, args.staleness, Path(tmp) / "async")
+        for i in range(args.repeats):  # sync then async, back to back: a pair sees the same machine load
+            pairs.append((run(args, 0, Path(tmp) / f"sync{i}"), run(args, args.staleness, Path(tmp) / f"async{i}")))
+    speedups = [s["sec_per_step"] / a["sec_per_step"] for s, a in pairs]
+    sync, asyn = pairs[0]
     result = {
         "bench": "async_rl", "steps": args.steps, "placement": "split: actor rank 0, rollout rank 1, 1 thread each",
         "sync": sync, "async": asyn,
-        "speedup": sync["sec_per_step"] / asyn["sec_per_step"],
+        "speedup": statistics.median(speedups),
+        "speedups": speedups,
         # what perfect overlap would give: the synchronous step's two stages, run side by side
         "overlap_ceiling": (sync["gen_s"] + sync["train_s"]) / max(sync["gen_s"], sync["train_s"], 1e-9),
         "acc_rise_gap_points": 100 * (sync["acc_rise"] - asyn["acc_rise"]),
         "load_avg_start": load_start,
     }
+    if args.repeats > 1:
+        result["repeats"] = [{"sync": s, "async": a} for s, a in pairs[1:]]
     emit(result, args.out)
 
 
