@@ -112,8 +112,10 @@ class StepReport:
         out = m.reduce(mesh=self.mesh)
         out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
         out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
-        # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response)
-        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], 1e-9)
+        # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response),
+        # over the engine's time when the trainer did not wait for it (asynchronous RL: the batch was generated during
+        # the previous step and ``gen`` is only its hand-over)
+        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], out["timing/rollout/gen"], 1e-9)
         return out
 
     def sampled(self, batch: Batch, m: MetricBuffer) -> None:
@@ -191,7 +193,7 @@ class RunSummary:
         if steady:
             first = 1 if len(self.timings) > 1 else 0
             tokens = self.tokens[first:]
-            gen_s = sum(t.get("gen", 0.0) for t in steady)
+            gen_s = sum(max(t.get("gen", 0.0), t.get("rollout/gen", 0.0)) for t in steady)  # as the step's throughput
             step_s = sum(t.get("step", 0.0) for t in steady)
             out["sec_per_step"] = statistics.median(t.get("step", 0.0) for t in steady)  # median after the first step
             out["gen_tokens_per_sec"] = sum(r for r, _ in tokens) / gen_s if gen_s > 0 else 0.0
