@@ -18,7 +18,8 @@ the step's stage (decoupled mode). Runs, all from the same seed:
 Per run: greedy validation accuracy every ``--val-every`` steps on ``--val-samples`` held-out prompts (``val_acc``:
 [step, acc] pairs), the training accuracy per step, and per step the mismatch (``kl_k3``: KL(rollout || train) per
 token, k3 estimator; ``logprob_gap``; ``ratio_out_frac``: share of tokens whose ratio leaves [1/2, 2]) and what the
-correction did (``is_weight_mean``, ``masked_frac``). Summary: each run's validation rise and its gap to ``off``.
+correction did (``is_weight_mean``, ``truncated_frac``, ``masked_frac``: the share of units outside the band, also
+recorded when the mode does not reject). Summary: each run's validation rise and its gap to ``off``.
 Absolute times depend on the machine's load (``load_avg``); the curves do not.
 """
 
@@ -45,7 +46,8 @@ RUNS = {
 PER_STEP = {"train_acc": "acc/mean", "reward": "reward/mean", "response_length": "response_length/mean",
             "kl_k3": "rollout_corr/mismatch/kl_k3", "logprob_gap": "rollout/logprob_gap",
             "ratio_out_frac": "rollout_corr/mismatch/ratio_out_of_bound_frac",
-            "is_weight_mean": "rollout_corr/is_weight_mean", "masked_frac": "rollout_corr/masked_frac"}
+            "is_weight_mean": "rollout_corr/is_weight_mean", "truncated_frac": "rollout_corr/truncated_frac",
+            "masked_frac": "rollout_corr/masked_frac"}
 
 
 def run(args, name: str, out: Path) -> dict:
