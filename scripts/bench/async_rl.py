@@ -5,9 +5,12 @@ Prints JSON.
     python scripts/bench/async_rl.py --steps 10        # 2 CPU ranks: actor on rank 0, rollout on rank 1
 
 Each run is the quickstart (``configs/quickstart.py``) under its own ``torchrun``, in split placement (1 actor rank,
-1 rollout rank, ``OMP_NUM_THREADS=1``: one thread each), with the workload made so that generation and training
-take comparable time: one optimiser update per step (``actor.mini_batch_size = data.train_batch_size``, so the
-update's own forward gives the old log-probs) and no reference model (no KL loss). Then:
+1 rollout rank, ``OMP_NUM_THREADS=1``: one thread each), with the workload brought as close to equal stage times as
+the quickstart goes: one optimiser update per step (``actor.mini_batch_size = data.train_batch_size``, so the
+update's own forward gives the old log-probs) and no reference model (no KL loss). Training a token still costs
+about twice generating it here (forward + backward against one cached forward), so the update takes ~2x the
+generation and perfect overlap would give ~1.45x (``overlap_ceiling``); batch size, response length (with
+``rollout.ignore_eos``), ``rollout.max_batch_size`` and packing do not move that ratio on this CPU. Then:
 
 * ``sync``: ``trainer.max_staleness=0``, the synchronous loop: the actor rank waits while the rollout rank generates,
   and the other way round.
@@ -18,8 +21,8 @@ Per run: ``sec_per_step`` (the trainer's median step time after the first step),
 generation, engine time) and ``train_s`` (the actor rank's old-log-prob pass and update), all stage times, validation
 accuracy before training and after ``--steps`` steps (greedy, ``--val-samples`` held-out prompts) and its rise.
 Summary: ``speedup`` = sync / async seconds per step (with ``--repeats`` N, N pairs run alternately, so that a
-pair sees one machine load, and the median of their ratios; ``speedups`` lists them), ``overlap_ceiling`` = (gen + train) / max(gen, train) of the
-sync run (the speedup of a perfect overlap), ``acc_rise_gap`` = sync rise - async rise (points). Trainer overrides
+pair sees one machine load, and the median of their ratios; ``speedups`` lists them), ``overlap_ceiling`` =
+(gen + train) / max(gen, train) of the sync run (the speedup of a perfect overlap), ``acc_rise_gap`` = sync rise - async rise (points). Trainer overrides
 for both runs go after ``--`` (``python scripts/bench/async_rl.py --steps 10 -- --rollout.n 4``).
 The machine is described in ``machine`` (load average before and after): on a shared machine re-run for final
 figures and compare only ratios taken in the same run.
