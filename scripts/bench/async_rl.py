@@ -22,8 +22,9 @@ generation, engine time) and ``train_s`` (the actor rank's old-log-prob pass and
 accuracy before training and after ``--steps`` steps (greedy, ``--val-samples`` held-out prompts) and its rise.
 Summary: ``speedup`` = sync / async seconds per step (with ``--repeats`` N, N pairs run alternately, so that a
 pair sees one machine load, and the median of their ratios; ``speedups`` lists them), ``overlap_ceiling`` =
-(gen + train) / max(gen, train) of the sync run (the speedup of a perfect overlap), ``acc_rise_gap`` = sync rise - async rise (points). Trainer overrides
-for both runs go after ``--`` (``python scripts/bench/async_rl.py --steps 10 -- --rollout.n 4``).
+(gen + train) / max(gen, train) of the sync run (the speedup of a perfect overlap), ``acc_rise_gap`` = sync rise -
+async rise (points). Trainer overrides for both runs go after ``--``
+(``python scripts/bench/async_rl.py --steps 10 -- --rollout.n 4``).
 The machine is described in ``machine`` (load average before and after): on a shared machine re-run for final
 figures and compare only ratios taken in the same run.
 """
