@@ -9,8 +9,8 @@ Each run is the quickstart (``configs/quickstart.py``) under its own ``torchrun`
 the quickstart goes: one optimiser update per step (``actor.mini_batch_size = data.train_batch_size``, so the
 update's own forward gives the old log-probs) and no reference model (no KL loss). Training a token still costs
 about twice generating it here (forward + backward against one cached forward), so the update takes ~2x the
-generation and perfect overlap would give ~1.45x (``overlap_ceiling``); batch size, response length (with
-``rollout.ignore_eos``), ``rollout.max_batch_size`` and packing do not move that ratio on this CPU. Then:
+generation and perfect overlap would give ~1.45x (``overlap_ceiling``); top-k / top-p sampling (``-- --rollout.top-k
+50 --rollout.top-p 0.95``) brings generation to half the update (ceiling ~1.5x). Then:
 
 * ``sync``: ``trainer.max_staleness=0``, the synchronous loop: the actor rank waits while the rollout rank generates,
   and the other way round.
