@@ -2,12 +2,16 @@
 generator, which weight version each batch carries, the staleness metric), exact resume with a batch in flight, and
 the in-flight batches' checkpoint encoding. 1 actor rank + 1 rollout rank, Gloo, the tiny model.
 
-The synchronous loop (max_staleness 0) is held bit for bit to the split loop recorded before asynchronous RL existed
-by ``tests/test_loss_parity.py::test_split_placement_loss_sequence_is_bit_identical_to_the_recorded_one``.
+The synchronous loop (max_staleness 0) is held bit for bit to the split loop recorded before asynchronous RL existed:
+on 1+1 ranks by ``tests/test_loss_parity.py::test_split_placement_loss_sequence_is_bit_identical_to_the_recorded_one``
+(its losses), on 2+2 ranks here (every metric; ``tests/data/async_parity.json``, recorded from commit eaf697f, the
+trainer before asynchronous RL, with ``RLSPMD_RECORD_ASYNC_PARITY=1`` in a checkout of it).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections import deque
 from pathlib import Path
 
@@ -21,7 +25,10 @@ from rlspmd.trainer.checkpoint import CheckpointError
 from rlspmd.trainer.state import InFlightBatches, decode_batch, encode_batch
 
 SPLIT = ["--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1"]
+SPLIT_2X2 = ["--mesh.actor-ranks", "0-1", "--mesh.rollout-ranks", "2-3"]
 PER_STEP = ("reward/mean", "response_length/mean", "acc/mean", "tokens/response")
+PARITY = Path(__file__).parent / "data" / "async_parity.json"
+RECORD = os.environ.get("RLSPMD_RECORD_ASYNC_PARITY") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +36,27 @@ def reward_fn(tmp_path_factory) -> str:
     return write_reward(tmp_path_factory.mktemp("reward"))
 
 
-def run(model: Path, data: Path, out: Path, reward: str, *extra: str, steps: int = 4) -> list[dict]:
+def run(model: Path, data: Path, out: Path, reward: str, *extra: str, steps: int = 4, nproc: int = 2) -> list[dict]:
+    """``extra`` after 1+1 split placement (a later ``--mesh.*`` wins)."""
     torchrun(rl_args(model, data, out, steps=steps, reward=reward, extra=[*SPLIT, "--trainer.val-every", "0",
-                                                                           "--trainer.no-val-before-train", *extra]), 2)
+                                                                           "--trainer.no-val-before-train", *extra]), nproc)
     return metrics(out)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_with_frozen_weights_the_pipeline_trains_on_the_synchronous_batches(tiny_model, arithmetic_data, reward_fn, tmp_path):
+@pytest.mark.parametrize("placement, nproc", [(SPLIT, 2), (SPLIT_2X2, 4)], ids=["1+1", "2+2"])
+def test_with_frozen_weights_the_pipeline_trains_on_the_synchronous_batches(placement, nproc, tiny_model, arithmetic_data,
+                                                                           reward_fn, tmp_path):
     """With the learning rate at 0 every weight version is the same model, so a pipelined run must train on exactly
     the synchronous run's batches, step for step: the same prompts (rank 0's sampler), the same generator per step,
-    the samples routed back to the right step. Only the weight versions differ, and the staleness metric shows it."""
-    frozen = ["--actor.optim.lr", "0", "--checkpoint.save-every", "0", "--checkpoint.no-save-final"]
-    sync = run(tiny_model, arithmetic_data, tmp_path / "sync", reward_fn, *frozen)
+    the samples routed back to the right step (and, on 2+2 ranks, to the right actor rank). Only the weight versions
+    differ, and the staleness metric shows it."""
+    frozen = ["--actor.optim.lr", "0", "--checkpoint.save-every", "0", "--checkpoint.no-save-final", *placement]
+    sync = run(tiny_model, arithmetic_data, tmp_path / "sync", reward_fn, *frozen, nproc=nproc)
     for lag in (1, 2):
-        rows = run(tiny_model, arithmetic_data, tmp_path / f"lag{lag}", reward_fn, *frozen, "--trainer.max-staleness", str(lag))
+        rows = run(tiny_model, arithmetic_data, tmp_path / f"lag{lag}", reward_fn, *frozen, "--trainer.max-staleness",
+                   str(lag), nproc=nproc)
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         for step, (a, b) in enumerate(zip(sync, rows), 1):
             assert {k: a[k] for k in PER_STEP} == {k: b[k] for k in PER_STEP}, (lag, step)
@@ -53,6 +65,44 @@ def test_with_frozen_weights_the_pipeline_trains_on_the_synchronous_batches(tiny
             assert b["rollout/staleness/mean"] == b["rollout/staleness/max"] == staleness, (lag, step)
             assert b[f"rollout/staleness/frac_{staleness}"] == 1.0
             assert a["rollout/staleness/mean"] == 0.0 and a["rollout/staleness/frac_0"] == 1.0
+
+
+def _differ(want: dict, got: dict, *, skip: tuple[str, ...] = ()) -> dict:
+    """The metrics of ``want`` whose values ``got`` does not reproduce exactly (``skip``: name prefixes left out)."""
+    return {k: (want[k], got.get(k)) for k in want if not k.startswith(skip) and got.get(k) != want[k]}
+
+
+@pytest.mark.dist
+def test_two_plus_two_ranks_at_max_staleness_0_are_bit_identical_to_the_synchronous_loop(tiny_model, arithmetic_data,
+                                                                                         reward_fn, tmp_path):
+    """2 actor ranks + 2 rollout ranks, ``max_staleness=0``: the pipelined client and server (the exchange entered as
+    two halves, weight versions, the staleness metric) give every metric of the synchronous loop bit for bit (losses,
+    gradient norms, rewards, lengths, the rollout/train log-prob gap): of the colocated 2-rank loop run here (all but
+    the weight-sync bytes, which only a split placement moves), and of the split loop recorded before asynchronous RL
+    existed (every metric), where this machine's floating point reproduces the recording's (its colocated run is
+    recorded too; other CPUs' kernels can differ in the last bits, as with ``tests/test_loss_parity.py``)."""
+    base = ["--trainer.val-every", "0", "--trainer.no-val-before-train", "--checkpoint.save-every", "0",
+            "--checkpoint.no-save-final"]
+    runs = {}
+    for name, placement, nproc in (("colocated-2", [], 2), ("split-2x2", SPLIT_2X2, 4)):
+        torchrun(rl_args(tiny_model, arithmetic_data, tmp_path / name, steps=3, reward=reward_fn, extra=[*placement, *base]),
+                 nproc, timeout=600)
+        runs[name] = metrics(tmp_path / name)
+    if RECORD:  # in a checkout of the synchronous trainer; the file is then copied here
+        PARITY.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
+        return
+    colocated, split = runs["colocated-2"], runs["split-2x2"]
+    assert [r["step"] for r in split] == [r["step"] for r in colocated] == [1, 2, 3]
+    for step, (a, b) in enumerate(zip(colocated, split), 1):
+        assert set(a) <= set(b), (step, sorted(set(a) - set(b)))
+        assert not _differ(a, b, skip=("weight_sync/",)), (step, _differ(a, b, skip=("weight_sync/",)))
+        assert b["rollout/staleness/max"] == 0.0 and b["rollout/staleness/frac_0"] == 1.0
+        assert a["weight_sync/broadcast_bytes"] == 0 < b["weight_sync/broadcast_bytes"]
+    assert all(r["actor/grad_norm"] > 0 for r in split) and len({r["actor/grad_norm"] for r in split}) == 3
+    recorded = json.loads(PARITY.read_text())
+    if all(not _differ(w, g) for w, g in zip(recorded["colocated-2"], colocated)):  # this machine's float = the recording's
+        for step, (w, got) in enumerate(zip(recorded["split-2x2"], split), 1):
+            assert not _differ(w, got), (step, _differ(w, got))
 
 
 @pytest.mark.slow

@@ -237,3 +237,18 @@ def test_the_trainer_applies_the_correction_and_logs_its_metrics(name, tiny_mode
             assert r["rollout_corr/is_weight_mean"] == 1.0
         if name == "bypass":
             assert r["timing/old_log_prob"] < 0.05, "bypass must skip the old-log-prob forward"
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_rejected_tokens_still_count_as_generated(tiny_model, arithmetic_data, tmp_path):
+    """A narrow token band (+-0.1%) rejects part of every bf16 step's tokens from the loss; ``tokens/generated`` (and
+    the generation throughput) still counts every token the model sampled: all the response tokens in single turn."""
+    _, rows = _run(tiny_model, arithmetic_data, tmp_path / "reject", "--algorithm.rollout-correction.mode", "mis",
+                   "--algorithm.rollout-correction.level", "token", "--algorithm.rollout-correction.mis-lower", "0.999",
+                   "--algorithm.rollout-correction.mis-upper", "1.001")
+    for r in rows:
+        assert 0.05 < r["rollout_corr/masked_frac"] < 1, r["rollout_corr/masked_frac"]  # tokens were rejected
+        assert r["tokens/generated"] == r["tokens/response"] > 0
+        gen_s = max(r["timing/gen"], r["timing/rollout/gen"])  # colocated: the stage, which contains the engine's time
+        assert r["throughput/gen_tokens_per_s"] == pytest.approx(r["tokens/generated"] / gen_s)

@@ -87,8 +87,7 @@ class StepReport:
         """The step's metrics: the stages' buffer ``m`` plus what the final batch shows, reduced over the DP ranks, and
         the stages' seconds and peak memory (max over ranks)."""
         scores, mask = batch["scores_B"], batch["response_mask_BR"].float()
-        # the model's own tokens (all of the response in single turn), less what a rollout correction rejected;
-        # response_mask_BR keeps every sampled position
+        # the tokens the update trains on: the model's own, less what a rollout correction rejected
         loss_mask = batch["loss_mask_BR"].float()
         n = len(batch)
         m.mean("reward/mean", scores.sum(), n)
@@ -106,7 +105,6 @@ class StepReport:
         m.max("adv/max", torch.where(valid, adv, -torch.inf).max())
         m.min("adv/min", torch.where(valid, adv, torch.inf).min())
         m.sum("tokens/response", mask.sum())
-        m.sum("tokens/generated", loss_mask.sum())
         self.agent.step(batch, m)
         m.sum("tokens/total", batch["attention_mask_BL"].sum())
         for k, v in probe.metrics().items():
@@ -114,9 +112,19 @@ class StepReport:
         out = m.reduce(mesh=self.mesh)
         out["reward/std"] = max(0.0, out.pop("reward/sq") - out["reward/mean"] ** 2) ** 0.5
         out["throughput/tokens_per_s"] = out["tokens/total"] / out["timing/step"]
-        # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response)
-        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], 1e-9)
+        # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response),
+        # over the engine's time when the trainer did not wait for it (asynchronous RL: the batch was generated during
+        # the previous step and ``gen`` is only its hand-over)
+        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], out["timing/rollout/gen"], 1e-9)
         return out
+
+    def sampled(self, batch: Batch, m: MetricBuffer) -> None:
+        """A generation round's samples as they come from the rollout, before anything drops tokens or samples (the
+        rollout correction's rejection edits ``loss_mask_BR``, dynamic sampling drops groups): ``tokens/generated``
+        counts the tokens the model sampled (``loss_mask_BR`` as generated: every response position in single turn,
+        not the tool results and template glue of an agent's response), so the generation throughput counts what
+        generation did."""
+        m.sum("tokens/generated", batch["loss_mask_BR"].sum())
 
     def add_validation(self, scored: Batch, n_pad: int) -> None:
         """One validation round's scored samples (``n_pad`` padding rows at the global end), gathered to rank 0."""
@@ -148,6 +156,9 @@ class NoReport:
 
     def step(self, batch: Batch, m: MetricBuffer, probe: StageProbe) -> dict[str, float]:
         return {}
+
+    def sampled(self, batch: Batch, m: MetricBuffer) -> None:
+        pass
 
     def add_validation(self, scored: Batch, n_pad: int) -> None:
         pass
@@ -182,7 +193,7 @@ class RunSummary:
         if steady:
             first = 1 if len(self.timings) > 1 else 0
             tokens = self.tokens[first:]
-            gen_s = sum(t.get("gen", 0.0) for t in steady)
+            gen_s = sum(max(t.get("gen", 0.0), t.get("rollout/gen", 0.0)) for t in steady)  # as the step's throughput
             step_s = sum(t.get("step", 0.0) for t in steady)
             out["sec_per_step"] = statistics.median(t.get("step", 0.0) for t in steady)  # median after the first step
             out["gen_tokens_per_sec"] = sum(r for r, _ in tokens) / gen_s if gen_s > 0 else 0.0

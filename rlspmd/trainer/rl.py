@@ -66,6 +66,7 @@ class RLTrainer:
         prompts = r.prompts.next()
         with t("gen"):
             batch = r.rollout.generate(prompts, step=step, round=round)
+        r.report.sampled(batch, m)  # tokens/generated: what the model sampled, before any rejection or filter
         with t("reward"):
             batch = r.reward.score(batch, m)
             batch = r.shaping(batch, m)
