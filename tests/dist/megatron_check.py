@@ -40,33 +40,10 @@ from rlspmd.protocol import Batch
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.trainer.checkpoint import save_hf_model
 
-B, P, R = 8, 6, 10
+from batches import B, R, global_batch  # tests/dist, the script's directory, is on sys.path
 TEMPERATURE = 0.9
 OPTIM = OptimConfig(lr=1e-3, grad_clip=0.5, warmup_steps=1, schedule="cosine")
 FP32 = FSDPConfig(param_dtype="float32")  # float32 compute on GPUs too, so the engines can be compared tightly
-
-
-def global_batch(vocab: int, seed: int) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    prompt_mask = torch.ones(B, P, dtype=torch.long)
-    for b in range(B):
-        prompt_mask[b, : b % 3] = 0  # left padding
-    lengths = torch.tensor([10, 3, 7, 1, 10, 5, 2, 8])
-    response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
-    prompts = torch.randint(3, vocab, (B, P), generator=g) * prompt_mask
-    responses = torch.randint(3, vocab, (B, R), generator=g) * response_mask
-    attn = torch.cat([prompt_mask, response_mask], 1)
-    return Batch({
-        "input_ids_BL": torch.cat([prompts, responses], 1),
-        "attention_mask_BL": attn,
-        "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0),
-        "responses_BR": responses,
-        "response_mask_BR": response_mask,
-        "loss_mask_BR": response_mask,
-        "old_logprobs_BR": -torch.rand(B, R, generator=g) * 3 - 2,
-        "ref_logprobs_BR": -torch.rand(B, R, generator=g) * 3 - 2,
-        "advantages_BR": torch.randn(B, R, generator=g) * response_mask,
-    })
 
 
 def policy_loss(module, mb: Batch, agg: AggArgs) -> torch.Tensor:

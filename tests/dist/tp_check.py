@@ -33,35 +33,12 @@ from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.roles.policy import compute_logprobs
 from rlspmd.trainer.build import build_engine
 
-B, P, R = 8, 6, 10
+from batches import B, R, global_batch  # tests/dist, the script's directory, is on sys.path
 TEMPERATURE = 0.9
 # eps 1e-4: AdamW's first step divides by |g|, which turns float rounding of near-zero gradient entries into
 # update differences of up to lr / eps times it; at 1e-4 that stays far below the 1e-5 tolerance on the weights.
 OPTIM = OptimConfig(lr=1e-3, eps=1e-4, grad_clip=0.5, warmup_steps=1, schedule="cosine")
 FP32 = FSDPConfig(param_dtype="float32")
-
-
-def global_batch(vocab: int, seed: int) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    prompt_mask = torch.ones(B, P, dtype=torch.long)
-    for b in range(B):
-        prompt_mask[b, : b % 3] = 0  # left padding
-    lengths = torch.tensor([10, 3, 7, 1, 10, 5, 2, 8])
-    response_mask = (torch.arange(R)[None] < lengths[:, None]).long()
-    prompts = torch.randint(3, vocab, (B, P), generator=g) * prompt_mask
-    responses = torch.randint(3, vocab, (B, R), generator=g) * response_mask
-    attn = torch.cat([prompt_mask, response_mask], 1)
-    return Batch({
-        "input_ids_BL": torch.cat([prompts, responses], 1),
-        "attention_mask_BL": attn,
-        "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0),
-        "responses_BR": responses,
-        "response_mask_BR": response_mask,
-        "loss_mask_BR": response_mask,
-        "old_logprobs_BR": -torch.rand(B, R, generator=g) * 3 - 2,
-        "ref_logprobs_BR": -torch.rand(B, R, generator=g) * 3 - 2,
-        "advantages_BR": torch.randn(B, R, generator=g) * response_mask,
-    })
 
 
 def engine(kind: str, model_dir: str, *, mesh, train_mesh, optim, sharded_load: bool = True):
