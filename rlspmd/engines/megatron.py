@@ -67,7 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from rlspmd.config import MegatronConfig, OptimConfig
-from rlspmd.distributed.tp_batch import SumGradOverGroup, all_gather_varlen
+from rlspmd.distributed.tp_batch import all_gather_varlen, keep_own_rows
 from rlspmd.engines.fsdp import lr_lambda
 from rlspmd.models import megatron_convert as mc
 from rlspmd.models.loader import DTYPES, check_model_dir
@@ -160,10 +160,7 @@ def build_groups(mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: str, tied:
     )
 
 
-# -- autograd pieces for tensor parallelism -----------------------------------------------------------------------
-
-
-_SumGradOverGroup = SumGradOverGroup  # shared with the FSDP engine's tensor parallelism (distributed/tp_batch.py)
+# -- autograd pieces for tensor parallelism (the output-gradient sum is distributed/tp_batch.py's) -----------------
 
 
 def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, *, group) -> None:
@@ -274,7 +271,8 @@ def member_outputs(engine: "MegatronEngine", hidden_WNH: torch.Tensor, rows: Gro
                    *, pp_index: int, head: Head) -> tuple[torch.Tensor, ...]:
     """``head`` on the hidden states that predict response tokens, for the rows of pipeline member ``pp_index``'s TP
     group (``tp_members``, with their response columns); returns this TP rank's member's ``(B, R)`` outputs. Under
-    autograd the group's outputs carry ``_SumGradOverGroup``: every TP rank back-propagates the group's total loss."""
+    autograd the group's outputs carry ``SumGradOverGroup`` (``keep_own_rows`` over the member's token counts): every
+    TP rank back-propagates the group's total loss."""
     g, hidden = engine.groups, hidden_WNH.transpose(0, 1)
     # Response token at index p is predicted by the hidden state at p - 1 (a prompt token comes first).
     sel, pos, counts = [], [], []
@@ -286,13 +284,10 @@ def member_outputs(engine: "MegatronEngine", hidden_WNH: torch.Tensor, rows: Gro
     sel, pos = torch.cat(sel), torch.cat(pos)
     with engine.autocast():
         outs = head(hidden[sel, pos - 1], rows.ids_NW[sel, pos])
-    start = sum(counts[: g.tp_rank])
     valid = tp_members[g.tp_rank].resp_valid_BR
     result = []
     for out_N in outs:
-        if g.tp > 1:
-            out_N = _SumGradOverGroup.apply(out_N, g.tp_group)
-        own = out_N[start : start + counts[g.tp_rank]].float()
+        own = (keep_own_rows(out_N, counts, g.tp_group) if g.tp > 1 else out_N).float()
         result.append(own.new_zeros(valid.shape).masked_scatter(valid, own))
     return tuple(result)
 
