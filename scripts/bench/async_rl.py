@@ -32,36 +32,23 @@ figures and compare only ratios taken in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, emit  # noqa: E402
-from weight_sync import _free_port  # noqa: E402
+from common import emit, run_quickstart  # noqa: E402
 
 
 def run(args, staleness: int, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "rlspmd.train", "--config", "configs/quickstart.py",
-           "--actor.model.path", args.model, "--data.train-files", str(Path(args.data) / "train.parquet"),
-           "--data.val-files", str(Path(args.data) / "test.parquet"), "--data.max-val-samples", str(args.val_samples),
-           "--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1",
-           "--actor.mini-batch-size", "32", "--actor.no-use-kl-loss",
-           "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.steps),
-           "--trainer.max-staleness", str(staleness), "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl",
-           "--checkpoint.save-every", "0", "--checkpoint.no-save-final", *args.override]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run with max_staleness={staleness} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _, rows, summary = run_quickstart(
+        args, out, ["--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1",
+                    "--actor.mini-batch-size", "32", "--actor.no-use-kl-loss",
+                    "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.steps),
+                    "--trainer.max-staleness", str(staleness), *args.override],
+        what=f"with max_staleness={staleness}")
     val = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
     train = [r for r in rows if r["step"] > 0]
     mean = summary["mean_step_s"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -62,6 +64,31 @@ def emit(result: dict, out: str | None = None) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=2) + "\n")
     print(text, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_quickstart(args, out: Path, extra: list[str], *, what: str) -> tuple[str, list[dict], dict]:
+    """One ``configs/quickstart.py`` run on 2 local ranks (torchrun, one thread each, jsonl metrics, no checkpoints)
+    from ``args.model`` / ``args.data`` with ``args.val_samples`` validation prompts, ``extra`` overrides on top.
+    Returns its stdout, its ``metrics.jsonl`` rows and its ``summary.json``; a failed run exits naming ``what``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), "-m", "rlspmd.train", "--config", "configs/quickstart.py",
+           "--actor.model.path", args.model, "--data.train-files", str(Path(args.data) / "train.parquet"),
+           "--data.val-files", str(Path(args.data) / "test.parquet"), "--data.max-val-samples", str(args.val_samples),
+           "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl",
+           "--checkpoint.save-every", "0", "--checkpoint.no-save-final", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run {what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return proc.stdout, rows, json.loads((out / "summary.json").read_text())
 
 
 def ensure_model(path: str | None, *, preset: str) -> str:

@@ -26,16 +26,13 @@ Absolute times depend on the machine's load (``load_avg``); the curves do not.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, emit  # noqa: E402
-from weight_sync import _free_port  # noqa: E402
+from common import emit, run_quickstart  # noqa: E402
 
 RC = "--algorithm.rollout-correction."
 RUNS = {
@@ -51,24 +48,13 @@ PER_STEP = {"train_acc": "acc/mean", "reward": "reward/mean", "response_length":
 
 
 def run(args, name: str, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "rlspmd.train", "--config", "configs/quickstart.py",
-           "--actor.model.path", args.model, "--data.train-files", str(Path(args.data) / "train.parquet"),
-           "--data.val-files", str(Path(args.data) / "test.parquet"), "--data.max-val-samples", str(args.val_samples),
-           "--rollout.dtype", "bfloat16", *RUNS[name],
-           "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.val_every),
-           "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl",
-           "--checkpoint.save-every", "0", "--checkpoint.no-save-final"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    resolved = next((line for line in proc.stdout.splitlines() if "rollout correction:" in line), "")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    stdout, rows, summary = run_quickstart(
+        args, out, ["--rollout.dtype", "bfloat16", *RUNS[name],
+                    "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.val_every)],
+        what=name)
+    resolved = next((line for line in stdout.splitlines() if "rollout correction:" in line), "")
     train = [r for r in rows if r["step"] > 0]
     val = [[r["step"], r["val/acc"]] for r in rows if "val/acc" in r]
-    summary = json.loads((out / "summary.json").read_text())
     return {
         "resolved": resolved.split("rollout correction:", 1)[-1].strip(),
         "val_acc": val,
