@@ -27,7 +27,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
@@ -40,20 +39,9 @@ from rlspmd.protocol import Batch
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.trainer.checkpoint import save_hf_model
 
-from batches import B, R, global_batch  # tests/dist, the script's directory, is on sys.path
-TEMPERATURE = 0.9
+from batches import TEMPERATURE, B, R, global_batch, policy_loss  # tests/dist, the script's directory, is on sys.path
 OPTIM = OptimConfig(lr=1e-3, grad_clip=0.5, warmup_steps=1, schedule="cosine")
 FP32 = FSDPConfig(param_dtype="float32")  # float32 compute on GPUs too, so the engines can be compared tightly
-
-
-def policy_loss(module, mb: Batch, agg: AggArgs) -> torch.Tensor:
-    logp, entropy = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R,
-                           temperature=TEMPERATURE)
-    mask = mb["response_mask_BR"].float()
-    pg, _ = POLICY_LOSSES["ppo_clip"](logp, mb["old_logprobs_BR"], mb["advantages_BR"], mask, agg=agg, clip_low=0.2,
-                                      clip_high=0.2, clip_ratio_c=3.0)
-    kl = kl_penalty(logp, mb["ref_logprobs_BR"], kind="k3")
-    return pg + 0.1 * agg(kl, mask) - 0.01 * entropy_bonus(entropy, mask, agg=agg)
 
 
 def update(engine, local: Batch, mesh) -> float:

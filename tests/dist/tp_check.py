@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
+from rlspmd.algorithms import AggArgs
 from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.dispatch import all_reduce_sum
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
@@ -33,8 +33,7 @@ from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.roles.policy import compute_logprobs
 from rlspmd.trainer.build import build_engine
 
-from batches import B, R, global_batch  # tests/dist, the script's directory, is on sys.path
-TEMPERATURE = 0.9
+from batches import TEMPERATURE, B, R, global_batch, policy_loss  # tests/dist, the script's directory, is on sys.path
 # eps 1e-4: AdamW's first step divides by |g|, which turns float rounding of near-zero gradient entries into
 # update differences of up to lr / eps times it; at 1e-4 that stays far below the 1e-5 tolerance on the weights.
 OPTIM = OptimConfig(lr=1e-3, eps=1e-4, grad_clip=0.5, warmup_steps=1, schedule="cosine")
@@ -75,12 +74,7 @@ def run(model_dir: str, out_dir: Path, rt, *, tp: int) -> dict:
     losses = []
 
     def loss_fn(module, mb: Batch, agg: AggArgs) -> torch.Tensor:
-        logp, entropy = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R,
-                               temperature=TEMPERATURE)
-        mask = mb["response_mask_BR"].float()
-        pg, _ = POLICY_LOSSES["ppo_clip"](logp, mb["old_logprobs_BR"], mb["advantages_BR"], mask, agg=agg, clip_low=0.2,
-                                          clip_high=0.2, clip_ratio_c=3.0)
-        loss = pg + 0.1 * agg(kl_penalty(logp, mb["ref_logprobs_BR"], kind="k3"), mask) - 0.01 * entropy_bonus(entropy, mask, agg=agg)
+        loss = policy_loss(module, mb, agg)
         losses.append(loss.detach())
         return loss
 
