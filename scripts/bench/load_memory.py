@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,6 +37,31 @@ def status_bytes(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
+
+
+def write_records(rec: dict, out: str) -> None:
+    """Worker side: every rank's ``rec``, in rank order, written to ``out`` by rank 0 (collective)."""
+    import torch.distributed as dist
+
+    recs = [None] * dist.get_world_size()
+    dist.all_gather_object(recs, rec)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(recs))
+
+
+def launch_workers(script: str, nproc: int, worker_args: Callable[[str], list[str]]) -> list[dict]:
+    """Launcher side: ``script --worker *worker_args(out)`` on ``nproc`` local ranks (torchrun, one thread each);
+    the ranks' records, as the worker's ``write_records`` left them in ``out``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        out = Path(tmp) / "records.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                        "--master-addr", "127.0.0.1", "--master-port", str(port), script, "--worker",
+                        *worker_args(str(out))], check=True, env=env, cwd=ROOT)
+        return json.loads(out.read_text())
 
 
 def build_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, dtype: str) -> Path:
@@ -60,8 +86,6 @@ def build_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: in
 
 
 def worker(mode: str, model: str, out: str) -> None:
-    import torch.distributed as dist
-
     from rlspmd.config import DistConfig, FSDPConfig, MeshConfig, ModelConfig
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, shutdown
@@ -77,10 +101,7 @@ def worker(mode: str, model: str, out: str) -> None:
     engine = FSDPEngine(module, module.hf, mesh=mesh, device=rt.device, fsdp=FSDPConfig(), optim=None, weights=weights)
     rec = {"before": before, "peak": status_bytes("VmHWM"), "after": status_bytes("VmRSS"),
            "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())}
-    recs = [None] * rt.world_size
-    dist.all_gather_object(recs, rec)
-    if rt.rank == 0:
-        Path(out).write_text(json.dumps(recs))
+    write_records(rec, out)
     shutdown()
 
 
@@ -98,18 +119,9 @@ def main() -> None:
 
     model = args.model or str(build_model(Path(args.build_dir), hidden=2048, layers=16, heads=16, kv_heads=4, inter=5632,
                                           vocab=32000, dtype=args.file_dtype))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     result: dict = {"benchmark": "load_memory", "model": model, "nproc": args.nproc}
     for mode in ("full", "sharded"):
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            out = Path(tmp) / "rss.json"
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-                            "--master-addr", "127.0.0.1", "--master-port", str(port), __file__, "--worker", mode, model,
-                            str(out)], check=True, env=env, cwd=ROOT)
-            recs = json.loads(out.read_text())
+        recs = launch_workers(__file__, args.nproc, lambda out, mode=mode: [mode, model, out])
         result[mode] = {"peak_bytes": max(r["peak"] for r in recs), "added_bytes": max(r["peak"] - r["before"] for r in recs),
                         "before_bytes": max(r["before"] for r in recs), "local_param_bytes": max(r["local_param_bytes"] for r in recs)}
     result["model_bytes"] = sum(r for r in (result["sharded"]["local_param_bytes"],)) * args.nproc

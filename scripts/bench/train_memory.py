@@ -19,12 +19,7 @@ embedding/LM head stay whole over ``tp``) but runs the TP group's rows together,
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,13 +30,6 @@ DEFAULT_CONFIGS = ["ac=0,offload=0,tp=1", "ac=1,offload=0,tp=1", "ac=0,offload=1
                    "ac=0,offload=0,tp=2", "ac=1,offload=0,tp=2"]
 
 
-def status_bytes(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def parse(spec: str) -> dict[str, int]:
     out = dict(part.split("=") for part in spec.split(","))
     return {"ac": int(out.get("ac", 0)), "offload": int(out.get("offload", 0)), "tp": int(out.get("tp", 1))}
@@ -49,7 +37,7 @@ def parse(spec: str) -> dict[str, int]:
 
 def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
     import torch
-    import torch.distributed as dist
+    from load_memory import status_bytes, write_records
 
     from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, ModelConfig, OptimConfig
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
@@ -82,10 +70,7 @@ def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
     rec = {"before": before, "peak": status_bytes("VmHWM"),
            "cuda_peak": torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else None,
            "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())}
-    recs = [None] * rt.world_size
-    dist.all_gather_object(recs, rec)
-    if rt.rank == 0:
-        Path(out).write_text(json.dumps(recs))
+    write_records(rec, out)
     shutdown()
 
 
@@ -103,23 +88,14 @@ def main() -> None:
         spec, model, out, rows, seq = args.worker
         return worker(spec, model, out, int(rows), int(seq))
     from common import emit
-    from load_memory import build_model
+    from load_memory import build_model, launch_workers
 
     model = args.model or str(build_model(Path(args.build_dir), hidden=512, layers=8, heads=8, kv_heads=4, inter=1408,
                                           vocab=16384, dtype="float32"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     result: dict = {"benchmark": "train_memory", "model": model, "nproc": args.nproc, "rows_per_rank": args.rows,
                     "seq": args.seq, "runs": {}}
     for spec in args.configs:
-        with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            s.close()
-            out = Path(tmp) / "mem.json"
-            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-                            "--master-addr", "127.0.0.1", "--master-port", str(port), __file__, "--worker", spec, model,
-                            str(out), str(args.rows), str(args.seq)], check=True, env=env, cwd=ROOT)
-            recs = json.loads(out.read_text())
+        recs = launch_workers(__file__, args.nproc, lambda out, spec=spec: [spec, model, out, str(args.rows), str(args.seq)])
         cuda = [r["cuda_peak"] for r in recs if r["cuda_peak"] is not None]
         result["runs"][spec] = {
             "peak_rss_bytes": max(r["peak"] for r in recs),
