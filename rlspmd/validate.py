@@ -403,7 +403,7 @@ def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
     import torch
 
     from rlspmd.trainer.build import actor_compute_dtype, build_rollout_correction
-    from rlspmd.trainer.rollout_correction import check_bypass
+    from rlspmd.roles.rollout_correction import check_bypass
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as rlspmd.distributed.runtime picks it
     resolved = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, device), split=split)

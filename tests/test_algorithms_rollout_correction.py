@@ -11,7 +11,7 @@ from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, rollout_correct
 from rlspmd.config import ActorConfig, AlgorithmConfig, Config, RolloutCorrectionConfig, ignored_settings
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
-from rlspmd.trainer.rollout_correction import (
+from rlspmd.roles.rollout_correction import (
     RolloutCorrectionStage,
     check_bypass,
     resolve_rollout_correction,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlspmd.data.balance import count_micro_batches, imbalance, karmarkar_karp, micro_batch_plan
-from rlspmd.roles.micro_batches import split_micro_batches
+from rlspmd.distributed.micro_batches import split_micro_batches
 from rlspmd.protocol import Batch
 
 

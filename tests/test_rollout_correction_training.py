@@ -17,7 +17,7 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import policy_gradient_inputs
 from rlspmd.trainer.build import build_rollout_correction, old_logprob_source
-from rlspmd.trainer.rollout_correction import RolloutCorrectionStage, resolve_rollout_correction
+from rlspmd.roles.rollout_correction import RolloutCorrectionStage, resolve_rollout_correction
 
 F64 = torch.float64
 

@@ -14,7 +14,7 @@ things per micro-batch:
    need. Replicated parameters (norms, embeddings) then get the same full gradient on every TP rank, so the DP
    reduction (over the ``dp`` dim only) sums each sample's gradient exactly once: nothing is counted twice.
 
-The group's micro-batch counts must agree (``roles/micro_batches.split_micro_batches`` agrees the count over the
+The group's micro-batch counts must agree (``distributed/micro_batches.split_micro_batches`` agrees the count over the
 role's mesh, which contains the TP group).
 """
 

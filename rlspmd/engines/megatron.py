@@ -73,7 +73,7 @@ from rlspmd.models import megatron_convert as mc
 from rlspmd.models.loader import DTYPES, check_model_dir
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
 from rlspmd.models.value import value_head
-from rlspmd.roles.micro_batches import zero_weight_copy
+from rlspmd.distributed.micro_batches import zero_weight_copy
 from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.pipeline import StageP2P
 from rlspmd.engines.weight_stream import ParamSpec, StreamStats, UnitSpec, WeightManifest, unpack_unit

@@ -25,7 +25,7 @@ from rlspmd.distributed.dispatch import all_reduce_sum
 from rlspmd.engines.base import TrainingEngine, UpdateStats
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
-from rlspmd.roles.micro_batches import split_micro_batches
+from rlspmd.distributed.micro_batches import split_micro_batches
 
 
 class PolicyRole(Protocol):

@@ -16,7 +16,7 @@ from rlspmd.engines.base import TrainingEngine
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
-from rlspmd.roles.micro_batches import forward_micro_batches
+from rlspmd.distributed.micro_batches import forward_micro_batches
 
 
 class Critic:

@@ -8,7 +8,7 @@ log-probs under the trainer's numerics (``recompute``); or, when the step's one 
 itself, leaves them to the update's own forward (``update``: detached, ratio 1, same loss and gradient, one forward
 fewer); or, in bypass mode, takes the rollout engine's (``rollout``: PPO's ratio is then pi_theta / pi_rollout).
 
-Rollout correction (``algorithm.rollout_correction``, `rlspmd.trainer.rollout_correction`): with recomputed old
+Rollout correction (``algorithm.rollout_correction``, `rlspmd.roles.rollout_correction`): with recomputed old
 log-probs the trainer's correction stage has already put ``rollout_is_weights_BR`` on the batch and taken the rejected
 tokens out of ``loss_mask_BR``; otherwise the loss computes the correction itself, against the current policy's
 detached log-probs (``policy_gradient_inputs``).
@@ -31,8 +31,8 @@ from rlspmd.models.packing import training_attn_implementation
 from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
-from rlspmd.roles.micro_batches import forward_micro_batches
-from rlspmd.trainer.rollout_correction import ResolvedRolloutCorrection, record_correction_metrics
+from rlspmd.distributed.micro_batches import forward_micro_batches
+from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, record_correction_metrics
 
 OldLogProbs = Literal["recompute", "update", "rollout"]
 """Where the update's old log-probs come from: a forward after generation (``actor.old_log_prob``), the update's own

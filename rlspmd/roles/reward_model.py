@@ -14,7 +14,7 @@ import torch
 from rlspmd.config import RewardModelConfig
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.protocol import Batch, position_ids
-from rlspmd.roles.micro_batches import forward_micro_batches
+from rlspmd.distributed.micro_batches import forward_micro_batches
 
 
 def same_tokenization(a, b) -> bool:

@@ -43,7 +43,7 @@ from rlspmd.models.value import load_sequence_scorer, load_value_model
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.rewards.shaping import NoShaping, OverlongShaping
-from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage, UpdatePlan, update_plan
+from rlspmd.roles.base import CriticRole, ReferenceRole, UpdatePlan, update_plan
 from rlspmd.roles.critic import Critic, NoCritic
 from rlspmd.roles.policy import NoPolicy, NoReference, OldLogProbs, Policy, Reference, build_policy_module, resolve_ref_offload
 from rlspmd.rewards.functions import spec_name
@@ -58,8 +58,10 @@ from rlspmd.rollout.weights import BridgedWeights, InPlaceWeights, StreamedWeigh
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_dir
 from rlspmd.trainer.prompts import NoPrompts, Prompts
+from rlspmd.trainer.rl import RLTrainer
+from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepReport
-from rlspmd.trainer.rollout_correction import (
+from rlspmd.roles.rollout_correction import (
     ResolvedRolloutCorrection, RolloutCorrectionStage, resolve_rollout_correction,
 )
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
@@ -83,37 +85,6 @@ class RolePlan:
             reward_model=cfg.reward.model.path is not None,
             greedy_baseline=alg.adv_estimator in NEEDS_GREEDY_BASELINE,
         )
-
-
-@dataclass
-class Roles:
-    """Everything one rank's step calls, in the order of the data flow. Every field is set on every rank: what a run
-    or a rank does not need is an object that leaves the batch untouched."""
-
-    prompts: Prompts | NoPrompts
-    rollout: RolloutRole
-    reward: Reward | NoReward
-    shaping: Stage | NoShaping
-    baseline: GreedyBaseline | FollowGreedy | NoBaseline
-    sampling: SingleRound | DynamicSampling | FollowRounds
-    ref: ReferenceRole
-    actor: PolicyRole
-    critic: CriticRole
-    token_rewards: Stage
-    advantage: Stage
-    correction: RolloutCorrectionStage | Stage
-    """Rollout correction of the step's batch when the old log-probs were recomputed (else the loss applies it)."""
-    balance: Stage
-    report: StepReport | NoReport
-    checkpointing: Checkpointing | NoCheckpointing
-    data_stats: dict
-    """Rank 0's dataset counts, on every rank (``train_prompts``, ``train_dropped``, ``val_prompts``)."""
-    resume_from: Path | None
-    """The checkpoint to resume from (chosen before any model loads, so a bad one fails in seconds)."""
-    attn_kernel: str
-    """The training forwards' attention kernel (``model.attn_kernel`` resolved for this device), for the run log."""
-    rollout_correction: ResolvedRolloutCorrection
-    """``algorithm.rollout_correction`` resolved for this run (its mode and why), for the run log."""
 
 
 class Skip:
@@ -480,8 +451,6 @@ def _write_model_files(cfg: Config, ckpt: Path, *, tokenizer, engine: FSDPEngine
 
 def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes):
     """The trainer every rank runs (the rollout-only ranks of a split placement too, with their own roles)."""
-    from rlspmd.trainer.rl import RLTrainer
-
     stop_request = StopRequest().install()
     roles = build_roles(cfg, rt, meshes)
     return RLTrainer(cfg.trainer, roles=roles, rt=rt, stop_request=stop_request, val_batch_size=cfg.data.val_batch_size,

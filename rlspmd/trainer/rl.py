@@ -11,7 +11,7 @@
       -> critic.values         PPO only (no-op otherwise)
       -> token rewards         score on the last token, minus the KL penalty when it is in the reward
       -> advantages            pure functions in rlspmd.algorithms
-      -> rollout correction    importance weights / rejection for pi_rollout != pi_train (trainer/rollout_correction.py)
+      -> rollout correction    importance weights / rejection for pi_rollout != pi_train (roles/rollout_correction.py)
       -> balance               move samples between DP ranks to even out tokens (within each mini-batch)
       -> critic.update, actor.update   (the actor waits for critic.warmup_steps)
       -> rollout.sync_weights  actor -> rollout
@@ -42,8 +42,8 @@ from rlspmd.distributed.progress import progress
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.metrics import MetricBuffer, MetricLogger
 from rlspmd.protocol import Batch
-from rlspmd.trainer.build import Roles
 from rlspmd.trainer.report import RunSummary
+from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.state import Counters
 from rlspmd.trainer.timing import StageProbe
 
