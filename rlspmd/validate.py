@@ -18,6 +18,7 @@ import dataclasses
 import importlib.machinery
 import importlib.util
 import json
+import types
 import typing
 from pathlib import Path
 
@@ -84,7 +85,9 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     from rlspmd.algorithms import NEEDS_VALUES
 
     p = Problems()
-    _literals(p, cfg, "")
+    _types(p, cfg, "")
+    if p.lines:  # the checks below compare and divide: they need values of the right types
+        return p.lines
     dp, split = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
     d, r = cfg.data, cfg.rollout
     with_critic = cfg.algorithm.adv_estimator in NEEDS_VALUES
@@ -123,7 +126,9 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
 
 def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = True) -> list[str]:
     p = Problems()
-    _literals(p, cfg, "")
+    _types(p, cfg, "")
+    if p.lines:
+        return p.lines
     d = cfg.data
     if not d.train_files:
         p.add("data.train_files", d.train_files, "give at least one parquet or jsonl file")
@@ -463,16 +468,52 @@ def _loggers(p: Problems, name: str, loggers: list[str]) -> None:
         p.add(name, loggers, f"unknown sink(s) {unknown}; choose from {list(LOGGERS)}")
 
 
-def _literals(p: Problems, cfg, prefix: str) -> None:
-    """Fields typed ``Literal[...]`` hold one of their values (tyro checks the command line; a config file can set
-    anything)."""
+def _types(p: Problems, cfg, prefix: str) -> None:
+    """Every field holds a value of its annotated type (``Literal[...]`` fields one of their values). tyro checks the
+    command line; a Python config can set anything, and a string where a number belongs would otherwise run."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, hint = getattr(cfg, f.name), hints[f.name]
-        if dataclasses.is_dataclass(value):
-            _literals(p, value, f"{prefix}{f.name}.")
-        elif typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):
+            _types(p, value, f"{prefix}{f.name}.")
+        elif typing.get_origin(hint) is typing.Literal and not _matches(value, hint):
             p.add(f"{prefix}{f.name}", value, f"must be one of {list(typing.get_args(hint))}")
+        elif not _matches(value, hint):
+            p.add(f"{prefix}{f.name}", value, f"must be {_type_name(hint)}, not {type(value).__name__}")
+
+
+def _matches(value, hint) -> bool:
+    """``value`` is an instance of the annotation ``hint`` (ints pass for floats, bools pass only for bools, a
+    tuple passes for a list)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin in (list, tuple, set, frozenset):
+        if not isinstance(value, (list, tuple) if origin is list else origin):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
+        return not args or all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and (not args or all(_matches(k, args[0]) and _matches(v, args[1])
+                                                            for k, v in value.items()))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint) if isinstance(origin or hint, type) else True
+
+
+def _type_name(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    return "None" if hint is type(None) else getattr(hint, "__name__", None) if not typing.get_args(hint) else str(hint)
 
 
 def _model_files(p: Problems, name: str, path: str, *, tokenizer: str | None) -> None:

@@ -107,6 +107,25 @@ def test_a_literal_set_in_a_config_file_is_checked(tmp_path):
     assert problems(load_config_file(path)) == ["data.overlong_prompts='truncate': must be one of ['drop', 'error']"]
 
 
+def test_a_value_of_the_wrong_type_set_in_a_config_file_names_the_field_and_the_type(tmp_path):
+    """A string where an int belongs used to be accepted and run; every field's annotation is checked, through
+    optional, list and tuple types; an int passes for a float, a bool does not pass for an int."""
+    path = tmp_path / "cfg.py"
+    path.write_text(
+        "from rlspmd.config import ActorConfig, Config, DataConfig, OptimConfig, RolloutConfig, TrainerConfig\n"
+        "config = Config(trainer=TrainerConfig(total_steps='3', loggers=['jsonl', 3]),\n"
+        "                rollout=RolloutConfig(n=True, temperature=1),\n"
+        "                data=DataConfig(max_val_samples=2.5),\n"
+        "                actor=ActorConfig(optim=OptimConfig(betas=(0.9,))))\n")
+    assert sorted(problems(load_config_file(path))) == sorted([
+        "trainer.total_steps='3': must be int, not str",
+        "trainer.loggers=['jsonl', 3]: must be list[str], not list",
+        "rollout.n=True: must be int, not bool",
+        "data.max_val_samples=2.5: must be int or None, not float",
+        "actor.optim.betas=(0.9,): must be tuple[float, float], not tuple",
+    ])
+
+
 def test_shipped_configs_pass():
     """Every config in configs/ (and its cpu() variant) is valid for the world sizes it is meant for."""
     checked = 0
