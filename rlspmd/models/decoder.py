@@ -33,7 +33,7 @@ def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
     return HFDecoder(hf_model)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel; same arithmetic in float32
     dtype = x.dtype
@@ -42,18 +42,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) * sin == roll(x, D/2) * sin_signed``: same products
     and sum as transformers' formula, two fewer kernels."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, proj: nn.Linear) -> torch.Tensor:
     return F.linear(x, proj.weight, proj.bias)
 
 
@@ -120,7 +120,7 @@ class LlamaFamilyDecoder:
         rotary = self.base.rotary_emb
         dummy = torch.zeros(1, L, 1, dtype=self._params_dtype(), device=dev)
         cos, sin = rotary(dummy, torch.arange(L, device=dev)[None])
-        return cos[0], _signed_sin(sin[0])
+        return cos[0], signed_sin(sin[0])
 
     def params(self):
         """The weights ``decode_step`` reads, as plain tensors (the step's inputs, not module state). Read once per
@@ -163,35 +163,50 @@ class LlamaFamilyDecoder:
             cos, sin = self.rope_table[0][pos_BS][:, None], self.rope_table[1][pos_BS][:, None]
         else:
             cos, sin = base.rotary_emb(h, pos_BS)
-            cos, sin = cos[:, None], _signed_sin(sin[:, None])
-        for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            x = _rms_norm(h, layer.input_layernorm.weight, self.eps)
-            q = _linear(x, attn.q_proj).view(B, S, H, D)
-            k = _linear(x, attn.k_proj).view(B, S, KV, D)
-            v = _linear(x, attn.v_proj).view(B, S, KV, D)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-                q = _rms_norm(q, attn.q_norm.weight, self.eps)
-                k = _rms_norm(k, attn.k_norm.weight, self.eps)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cos, sin = cos[:, None], signed_sin(sin[:, None])
+        if S == 1:  # the (B*KV, G, L) additive mask all layers share, expanded once per step
+            mask = mask.reshape(B, 1, 1, end).expand(B, KV, H // KV, end).reshape(B * KV, H // KV, end)
+
+        def write(i, k, v):
             self.k[i][:, :, start:end] = k
             self.v[i][:, :, start:end] = v
+
+        def attend(i, q, k, v):
             if S == 1:
-                if i == 0:  # the (B*KV, G, L) additive mask all layers share, expanded once per step
-                    mask = mask.reshape(B, 1, 1, end).expand(B, KV, H // KV, end).reshape(B * KV, H // KV, end)
-                a = _decode_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], mask)
-            else:
-                a = F.scaled_dot_product_attention(
-                    q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask, enable_gqa=KV != H
-                )
-            h = h + _linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
-            x = _rms_norm(h, layer.post_attention_layernorm.weight, self.eps)
-            mlp = layer.mlp
-            h = h + _linear(F.silu(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+                return decode_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], mask)
+            return F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,
+                                                  enable_gqa=KV != H)
+
+        h = decoder_layers(base, h, cos, sin, n_heads=H, n_kv=KV, head_dim=D, eps=self.eps, write=write, attend=attend)
         self.length = end
-        h = _rms_norm(h[:, -1], base.norm.weight, self.eps)
-        return _linear(h, self.model.get_output_embeddings()).float()
+        h = rms_norm(h[:, -1], base.norm.weight, self.eps)
+        return linear(h, self.model.get_output_embeddings()).float()
+
+
+def decoder_layers(base: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, n_heads: int,
+                   n_kv: int, head_dim: int, eps: float, write, attend) -> torch.Tensor:
+    """The decoder layers of a Llama-family ``base`` model over hidden states ``h`` (B, S, hidden), with the caller's
+    KV cache: ``write(i, k, v)`` stores layer ``i``'s new keys and values (B, KV, S, D) and ``attend(i, q, k, v)``
+    returns its attention output (B, H, S, D). The static-batch decoder (``LlamaFamilyDecoder``) and the continuous
+    batching one (``rollout/continuous.py``) differ only in those two."""
+    B, S, H, KV, D = h.shape[0], h.shape[1], n_heads, n_kv, head_dim
+    for i, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        x = rms_norm(h, layer.input_layernorm.weight, eps)
+        q = linear(x, attn.q_proj).view(B, S, H, D)
+        k = linear(x, attn.k_proj).view(B, S, KV, D)
+        v = linear(x, attn.v_proj).view(B, S, KV, D)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
+        write(i, k, v)
+        a = attend(i, q, k, v)
+        h = h + linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
+        x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp
+        h = h + linear(F.silu(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+    return h
 
 
 def decode_step(params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_table, sin_table, H: int, KV: int, D: int, eps: float):
@@ -205,19 +220,19 @@ def decode_step(params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_t
     cos, sin = cos_table[pos_B][:, None, None], sin_table[pos_B][:, None, None]
     mask = mask_BL[:, None, None, :].expand(B, KV, G, L).reshape(B * KV, G, L)
     for i, (in_w, qw, qb, kw, kb, vw, vb, qn, kn, ow, ob, post_w, gw, uw, dw) in enumerate(layers):
-        x = _rms_norm(h, in_w, eps)
+        x = rms_norm(h, in_w, eps)
         q, k, v = F.linear(x, qw, qb).view(B, 1, H, D), F.linear(x, kw, kb).view(B, 1, KV, D), F.linear(x, vw, vb).view(B, 1, KV, D)
         if qn is not None:
-            q, k = _rms_norm(q, qn, eps), _rms_norm(k, kn, eps)
+            q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_caches[i].index_copy_(2, slot_1, k)  # index_copy_: a tensor slot, no host read (CUDA-graph safe)
         v_caches[i].index_copy_(2, slot_1, v)
-        a = _decode_attention(q, k_caches[i], v_caches[i], mask)
+        a = decode_attention(q, k_caches[i], v_caches[i], mask)
         h = h + F.linear(a.transpose(1, 2).reshape(B, 1, H * D), ow, ob)
-        x = _rms_norm(h, post_w, eps)
+        x = rms_norm(h, post_w, eps)
         h = h + F.linear(F.silu(F.linear(x, gw)) * F.linear(x, uw), dw)
-    h = _rms_norm(h[:, -1], norm_w, eps)
+    h = rms_norm(h[:, -1], norm_w, eps)
     return F.linear(h, head_w, head_b).float()
 
 
@@ -233,7 +248,7 @@ def compiled_decode_step():
     return _COMPILED_STEP
 
 
-def _decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_NGL) -> torch.Tensor:
+def decode_attention(q_BH1D, k_BKLD, v_BKLD, mask_NGL) -> torch.Tensor:
     """One query token per row against the cache, grouped-query heads batched per KV head (no K/V repeat).
 
     Two batched matmuls and a softmax; on CPU this beats SDPA's flash kernel, whose blocking is built for long

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspmd.models.decoder import LlamaFamilyDecoder, _decode_attention, _linear, _rms_norm, _rope, _signed_sin
+from rlspmd.models.decoder import LlamaFamilyDecoder, decode_attention, decoder_layers, linear, rms_norm, signed_sin
 from rlspmd.rollout.sampling import SamplingParams, counter_uniform, sample_with_uniform
 
 
@@ -81,7 +81,7 @@ class SlotDecoder:
         if self.rope_table is not None:
             return self.rope_table[0][pos_BS][:, None], self.rope_table[1][pos_BS][:, None]
         cos, sin = self.base.rotary_emb(h, pos_BS)
-        return cos[:, None], _signed_sin(sin[:, None])
+        return cos[:, None], signed_sin(sin[:, None])
 
     def prefill(self, slots: list[int], contexts: list[list[int]]) -> torch.Tensor:
         """Write the contexts' K/V into positions ``[0, n)`` of their slots (one right-padded forward); returns the
@@ -123,38 +123,22 @@ class SlotDecoder:
             self.v[i][slots, :, pos] = v[:, :, 0]
 
         def attend(i, q, k, v):
-            return _decode_attention(q, self.k[i][slots, :, :end], self.v[i][slots, :, :end], mask)
+            return decode_attention(q, self.k[i][slots, :, :end], self.v[i][slots, :, :end], mask)
 
         h = self._layers(tokens[:, None], pos[:, None], write, attend)
         self.lengths[slots] = pos + 1
         return self._logits(h[:, -1])
 
     def _layers(self, ids_BS, pos_BS, write, attend) -> torch.Tensor:
-        m, base = self.m, self.base
-        B, S, H, KV, D = ids_BS.shape[0], ids_BS.shape[1], m.n_heads, m.n_kv, m.head_dim
-        h = F.embedding(ids_BS, base.embed_tokens.weight)
+        m = self.m
+        h = F.embedding(ids_BS, self.base.embed_tokens.weight)
         cos, sin = self._rope(h, pos_BS)
-        for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            x = _rms_norm(h, layer.input_layernorm.weight, m.eps)
-            q = _linear(x, attn.q_proj).view(B, S, H, D)
-            k = _linear(x, attn.k_proj).view(B, S, KV, D)
-            v = _linear(x, attn.v_proj).view(B, S, KV, D)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-                q, k = _rms_norm(q, attn.q_norm.weight, m.eps), _rms_norm(k, attn.k_norm.weight, m.eps)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            write(i, k, v)
-            a = attend(i, q, k, v)
-            h = h + _linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
-            x = _rms_norm(h, layer.post_attention_layernorm.weight, m.eps)
-            mlp = layer.mlp
-            h = h + _linear(F.silu(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
-        return h
+        return decoder_layers(self.base, h, cos, sin, n_heads=m.n_heads, n_kv=m.n_kv, head_dim=m.head_dim, eps=m.eps,
+                              write=write, attend=attend)
 
     def _logits(self, h_BH: torch.Tensor) -> torch.Tensor:
-        h = _rms_norm(h_BH, self.base.norm.weight, self.m.eps)
-        return _linear(h, self.m.model.get_output_embeddings()).float()
+        h = rms_norm(h_BH, self.base.norm.weight, self.m.eps)
+        return linear(h, self.m.model.get_output_embeddings()).float()
 
 
 @torch.inference_mode()
