@@ -42,7 +42,7 @@ from rlspmd.agent.tools import ToolSample, check_arguments
 from rlspmd.config import AgentConfig
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
-from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.base import RolloutEngine, assemble_rollout
 from rlspmd.rollout.continuous import Request
 from rlspmd.rollout.sampling import SamplingParams
 
@@ -109,7 +109,7 @@ class AgentLoop:
         self.tool_names = [t.name for t in tools]
         self.eos_ids, self.pad_id, self.max_response_length = list(eos_ids), pad_id, max_response_length
 
-    def run(self, engine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
+    def run(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
             metrics: MetricBuffer) -> Batch:
         """``params.n`` conversations per prompt on ``engine.serve``. ``metrics`` gets the step statistics
         (``declare``): tool-call seconds and calls run (summed over ranks), and the seconds the engine sat idle waiting

@@ -52,6 +52,7 @@ from rlspmd.distributed.progress import progress
 from rlspmd.engines.base import WeightStream
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
+from rlspmd.rollout.base import RolloutEngine
 from rlspmd.rollout.sampling import SamplingParams
 from rlspmd.rollout.weight_sync import WeightBridge
 from rlspmd.rollout.weights import WeightSource
@@ -105,7 +106,7 @@ class SingleTurn:
     tool_schemas: list[dict] | None = None
     tool_names: list[str] = []
 
-    def run(self, engine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
+    def run(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
             metrics: MetricBuffer) -> Batch:
         return engine.generate(prompts, params, generator=generator)
 
@@ -116,7 +117,7 @@ class SingleTurn:
 class Rollout:
     """Generation on this rank's engine (colocated placement; the rollout ranks of a split placement)."""
 
-    def __init__(self, cfg: RolloutConfig, *, engine, weights: WeightSource, mesh, seed: int, device: torch.device,
+    def __init__(self, cfg: RolloutConfig, *, engine: RolloutEngine, weights: WeightSource, mesh, seed: int, device: torch.device,
                  syncs_itself: bool = True, episodes: SingleTurn | AgentLoop | None = None):
         """``mesh``: the rollout role's 2-D (dp, tp) mesh. ``syncs_itself``: sync lazily when the engine has no
         current weights (colocated); in split placement the actor side orders every sync. ``episodes``: what one

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from rlspmd.protocol import Batch, position_ids
+from rlspmd.rollout.continuous import RequestSource
 from rlspmd.rollout.sampling import SamplingParams
 
 
@@ -33,6 +34,11 @@ class RolloutEngine(Protocol):
 
     def take_times(self) -> dict[str, float]:
         """Seconds spent in wake and sleep since the last call (``wake_s``, ``sleep_s``)."""
+
+    def serve(self, source: RequestSource, params: SamplingParams, *, max_len: int, max_requests: int) -> dict:
+        """Request-level generation for the agent loop: run ``source``'s requests (each a conversation's next turn),
+        at most ``max_requests`` at a time and ``max_len`` tokens per sequence, until it has none left; returns
+        counts (decode steps, prefills, tokens, idle waits)."""
 
 
 def assemble_rollout(
