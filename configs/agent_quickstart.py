@@ -15,7 +15,7 @@ reward is the task's exact-answer check on the final text (``#### N``); only the
 """
 
 from rlspmd.config import (
-    ActorConfig, AgentConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig,
+    ActorConfig, AgentConfig, Config, DataConfig, ModelConfig, OptimConfig, PPOClip, RolloutConfig, TrainerConfig,
 )
 
 config = Config(
@@ -25,7 +25,7 @@ config = Config(
         mini_batch_size=16,
         micro_batch_size=64,
         logprob_micro_batch_size=128,
-        clip_ratio_high=0.28,
+        policy_loss=PPOClip(clip_ratio_high=0.28),
         kl_loss_coef=0.001,
     ),
     # a conversation: call (~25 tokens) + tool turn (~15) + answer (~10); 96 leaves room for a second call

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/dapo.py       # GPU: MODEL below on GSM8K
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/dapo.py:cpu   # CPU: the quickstart's tiny model
 
-The four pieces and their fields: clip-higher ``actor.clip_ratio_high`` > ``clip_ratio_low``; dynamic sampling
+The four pieces and their fields: clip-higher ``actor.policy_loss=PPOClip(clip_ratio_high=0.28)`` above its ``clip_ratio_low``; dynamic sampling
 ``algorithm.filter_groups`` (groups whose samples all score the same are dropped and more prompts are generated,
 up to ``max_rounds`` rounds of ``gen_batch_size`` prompts, until ``data.train_batch_size`` groups carry signal);
 token-level aggregation ``actor.loss_agg_mode=token-mean``; soft overlong punishment ``reward.overlong_buffer``.
@@ -13,7 +13,7 @@ No KL term (the paper drops it). GSM8K: ``python scripts/data/gsm8k.py --input ~
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, ModelConfig, OptimConfig,
+    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, ModelConfig, OptimConfig, PPOClip,
     OverlongBufferConfig, RewardConfig, RolloutConfig, TrainerConfig, load_config_file,
 )
 
@@ -34,8 +34,7 @@ config = Config(
         mini_batch_size=32,  # 4 optimiser steps per RL step
         micro_batch_size=16,
         logprob_micro_batch_size=32,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
+        policy_loss=PPOClip(clip_ratio_low=0.2, clip_ratio_high=0.28),
         loss_agg_mode="token-mean",
         use_kl_loss=False,
     ),
@@ -54,7 +53,7 @@ def cpu() -> Config:
     """DAPO on the quickstart (``configs/quickstart.py``): the tiny model's SFT warm start, arithmetic, 2 CPU ranks."""
     cfg = load_config_file(Path(__file__).with_name("quickstart.py"))
     cfg.actor.optim = OptimConfig(lr=1e-4)  # a higher constant LR than the quickstart's: demos of 10-20 steps
-    cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high = 0.2, 0.28
+    cfg.actor.policy_loss = PPOClip(clip_ratio_low=0.2, clip_ratio_high=0.28)
     cfg.actor.loss_agg_mode = "token-mean"
     cfg.actor.use_kl_loss = False
     cfg.algorithm = dapo_algorithm(gen_batch_size=None, max_rounds=3)

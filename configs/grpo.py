@@ -5,7 +5,7 @@
 
 Variants are one override away: Dr.GRPO (arXiv 2503.20783) is ``--algorithm.no-norm-adv-by-std
 --actor.loss-agg-mode seq-mean-token-sum-norm``; pass@k GRPO is ``--algorithm.adv-estimator grpo_passk``;
-OPO is ``--algorithm.adv-estimator opo``; GPG is ``--algorithm.adv-estimator gpg --actor.policy-loss gpg``.
+OPO is ``--algorithm.adv-estimator opo``; GPG is ``--algorithm.adv-estimator gpg actor.policy-loss:gpg``.
 GSM8K comes from ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 """
 

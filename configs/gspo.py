@@ -6,22 +6,22 @@
 The ratio is the geometric mean of the token ratios of a sequence and whole sequences are clipped, with the
 paper's tiny clip range (3e-4 / 4e-4). Several mini-batches per step make the later ones off-policy, which is
 where the sequence ratio matters. GRPO's recipe (``configs/grpo.py``, whose ``MODEL`` line picks the model) with the
-loss changed. Other policy losses are one field away: ``actor.policy_loss`` in ppo_clip,
-gspo, cispo, sapo (``actor.sapo_tau_pos`` / ``sapo_tau_neg``), gpg, gmpo. GSM8K: ``python scripts/data/gsm8k.py
+loss changed. Other policy losses are one field away: ``actor.policy_loss`` holds
+``PPOClip()``, ``GSPO()``, ``CISPO()``, ``SAPO(tau_pos=..., tau_neg=...)``, ``GPG()`` or ``GMPO()`` (on the command line
+``actor.policy-loss:sapo --actor.policy-loss.tau-neg 1.1``). GSM8K: ``python scripts/data/gsm8k.py
 --input ~/gsm8k --out-dir data/gsm8k``.
 """
 
 from pathlib import Path
 
-from rlspmd.config import Config, load_config_file
+from rlspmd.config import GSPO, Config, load_config_file
 
 GRPO = Path(__file__).with_name("grpo.py")  # the base recipe: its MODEL line picks the model
 
 
 def gspo(cfg: Config, *, output_dir: str) -> Config:
     a = cfg.actor
-    a.policy_loss = "gspo"
-    a.clip_ratio_low, a.clip_ratio_high = 3e-4, 4e-4
+    a.policy_loss = GSPO(clip_ratio_low=3e-4, clip_ratio_high=4e-4)
     a.loss_agg_mode = "seq-mean-token-mean"
     a.use_kl_loss = False
     cfg.trainer.output_dir = output_dir

@@ -4,8 +4,8 @@ largest advantage-logprob covariance, so that entropy does not collapse.
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/kl_cov.py       # GPU: MODEL below on GSM8K
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/kl_cov.py:cpu   # CPU: the quickstart's tiny model
 
-In each micro-batch the ``actor.kl_cov_ratio`` share of tokens with the largest covariance (A_t - mean A)(logp_t -
-mean logp) get ``actor.kl_cov_coef * |logp - old_logp|`` added to their loss; no token is clipped. The paper's 7B
+In each micro-batch the ``actor.policy_loss.kl_cov_ratio`` share of tokens with the largest covariance (A_t - mean A)(logp_t -
+mean logp) get ``kl_cov_coef * |logp - old_logp|`` added to their loss; no token is clipped. The paper's 7B
 recipe: ratio 2e-3, coefficient 1 (32B: ratio 2e-4); token-level loss, no KL-to-reference term. Several
 mini-batches per step make the penalty act (at the first one logp = old_logp). Clip-Cov is ``configs/clip_cov.py``. Both are
 GRPO's recipe (``configs/grpo.py``, whose ``MODEL`` line picks the model) with the loss changed.
@@ -14,15 +14,14 @@ GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 
 from pathlib import Path
 
-from rlspmd.config import Config, load_config_file
+from rlspmd.config import Config, KLCov, load_config_file
 
 GRPO = Path(__file__).with_name("grpo.py")  # the base recipe: its MODEL line picks the model
 
 
 def kl_cov(cfg: Config, *, output_dir: str) -> Config:
     a = cfg.actor
-    a.policy_loss = "kl_cov"
-    a.kl_cov_ratio, a.kl_cov_coef = 2e-3, 1.0
+    a.policy_loss = KLCov(kl_cov_ratio=2e-3, kl_cov_coef=1.0)
     a.loss_agg_mode = "token-mean"
     a.use_kl_loss = False
     cfg.trainer.output_dir = output_dir

@@ -6,7 +6,7 @@ Starts from the SFT warm start (``configs/sft_quickstart.py``), samples 8 answer
 exact answers in the ``#### N`` style, and validates greedily on the held-out split every 10 steps.
 """
 
-from rlspmd.config import ActorConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig
+from rlspmd.config import ActorConfig, Config, DataConfig, ModelConfig, OptimConfig, PPOClip, RolloutConfig, TrainerConfig
 
 config = Config(
     actor=ActorConfig(
@@ -15,7 +15,7 @@ config = Config(
         mini_batch_size=16,
         micro_batch_size=64,
         logprob_micro_batch_size=128,
-        clip_ratio_high=0.28,
+        policy_loss=PPOClip(clip_ratio_high=0.28),
         kl_loss_coef=0.001,
     ),
     rollout=RolloutConfig(n=8, max_response_length=48, temperature=1.0),

@@ -15,7 +15,10 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from functools import partial
+from typing import Annotated, ClassVar, Literal, Union
+
+import tyro
 
 
 @dataclass
@@ -121,6 +124,216 @@ class LoraConfig:
         return self.rank > 0
 
 
+# -- policy losses: each a component with its own options, checks and bound loss ------------------------------------
+#
+# ``actor.policy_loss`` holds one of these. On the command line a loss is a subcommand and its options follow it
+# (``actor.policy-loss:gspo --actor.policy-loss.clip-ratio-low 3e-4``); an option of another loss is an error, not
+# silently ignored. ``build()`` binds the options to the pure function in ``rlspmd.algorithms.losses`` (imported
+# there, so that reading a config needs no torch).
+
+Problem = tuple[str, object, str]
+"""``(field, value, why)``: one thing wrong with a component's options; the collector (``rlspmd.validate``) prefixes
+the field with where the component sits."""
+
+
+def _clip_problems(low: float, high: float) -> list[Problem]:
+    return [(name, v, "must be >= 0") for name, v in (("clip_ratio_low", low), ("clip_ratio_high", high)) if v < 0]
+
+
+def _fraction_problems(name: str, value: float) -> list[Problem]:
+    return [] if 0 < value <= 1 else [(name, value, "must be in (0, 1] (a fraction of a micro-batch's valid tokens)")]
+
+
+@dataclass
+class PPOClip:
+    """PPO's clipped surrogate with an asymmetric clip range and dual clip (verl: ``vanilla``)."""
+
+    name: ClassVar[str] = "ppo_clip"
+    per_sequence: ClassVar[bool] = False
+    clip_ratio_low: float = 0.2
+    """Ratio lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Ratio upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher raises it, e.g. 0.28)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip bound for negative advantages (> 1; None disables dual clip)."""
+
+    def problems(self) -> list[Problem]:
+        dual = [] if self.clip_ratio_c is None or self.clip_ratio_c > 1 else [
+            ("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")]
+        return _clip_problems(self.clip_ratio_low, self.clip_ratio_high) + dual
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import ppo_clip
+
+        return partial(ppo_clip, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c)
+
+
+@dataclass
+class GSPO:
+    """GSPO: a sequence-level ratio (the geometric mean of the token ratios), whole sequences clipped; aggregates
+    ``seq-mean-token-mean`` whatever ``actor.loss_agg_mode`` says, as verl does."""
+
+    name: ClassVar[str] = "gspo"
+    per_sequence: ClassVar[bool] = True
+    clip_ratio_low: float = 3e-4
+    """Sequence-ratio lower clip (the paper's 3e-4)."""
+    clip_ratio_high: float = 4e-4
+    """Sequence-ratio upper clip (the paper's 4e-4)."""
+
+    def problems(self) -> list[Problem]:
+        return _clip_problems(self.clip_ratio_low, self.clip_ratio_high)
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import gspo
+
+        return partial(gspo, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high)
+
+
+@dataclass
+class CISPO:
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient ratio; no token is dropped."""
+
+    name: ClassVar[str] = "cispo"
+    per_sequence: ClassVar[bool] = False
+    clip_ratio_low: float = 0.2
+    """The weight's lower bound: 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """The weight's upper bound: 1 + clip_ratio_high."""
+
+    def problems(self) -> list[Problem]:
+        return _clip_problems(self.clip_ratio_low, self.clip_ratio_high)
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import cispo
+
+        return partial(cispo, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high)
+
+
+@dataclass
+class SAPO:
+    """SAPO: a smooth, temperature-controlled gate on the ratio instead of a hard clip; aggregates
+    ``seq-mean-token-mean``."""
+
+    name: ClassVar[str] = "sapo"
+    per_sequence: ClassVar[bool] = True
+    tau_pos: float = 1.0
+    """Gate temperature for tokens with a positive advantage (> 0)."""
+    tau_neg: float = 1.05
+    """Gate temperature for tokens with a non-positive advantage (> 0)."""
+
+    def problems(self) -> list[Problem]:
+        return [(name, tau, "must be > 0") for name, tau in (("tau_pos", self.tau_pos), ("tau_neg", self.tau_neg))
+                if not tau > 0]
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import sapo
+
+        return partial(sapo, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
+
+
+@dataclass
+class GPG:
+    """GPG's plain policy gradient, loss = -A logp (no ratio, no clip; no options). Pair with
+    ``algorithm.adv_estimator=gpg``."""
+
+    name: ClassVar[str] = "gpg"
+    per_sequence: ClassVar[bool] = False
+
+    def problems(self) -> list[Problem]:
+        return []
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import gpg_loss
+
+        return gpg_loss
+
+
+@dataclass
+class GMPO:
+    """GMPO: the geometric mean of the clipped token ratios, one objective per sequence; aggregates
+    ``seq-mean-token-mean``."""
+
+    name: ClassVar[str] = "gmpo"
+    per_sequence: ClassVar[bool] = True
+    clip_ratio_low: float = 0.2
+    """Log-ratio lower clip (the clip acts on log r in [-clip_ratio_low, clip_ratio_high])."""
+    clip_ratio_high: float = 0.2
+    """Log-ratio upper clip."""
+
+    def problems(self) -> list[Problem]:
+        return _clip_problems(self.clip_ratio_low, self.clip_ratio_high)
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import gmpo
+
+        return partial(gmpo, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high)
+
+
+@dataclass
+class ClipCov:
+    """Clip-Cov: PPO's clipped loss with the gradient of a few high-covariance tokens removed, drawn per
+    micro-batch (so its gradient depends on the micro-batching)."""
+
+    name: ClassVar[str] = "clip_cov"
+    per_sequence: ClassVar[bool] = False
+    clip_ratio_low: float = 0.2
+    """PPO ratio lower clip."""
+    clip_ratio_high: float = 0.2
+    """PPO ratio upper clip."""
+    clip_cov_ratio: float = 2e-4
+    """Fraction of a micro-batch's valid tokens, drawn at random among those whose advantage-logprob covariance lies in
+    (``clip_cov_lb``, ``clip_cov_ub``), whose gradient is removed (at least one token). In (0, 1]."""
+    clip_cov_lb: float = 1.0
+    """Lower bound of the covariance band that can be drawn."""
+    clip_cov_ub: float = 5.0
+    """Upper bound of the covariance band that can be drawn (> ``clip_cov_lb``)."""
+
+    def problems(self) -> list[Problem]:
+        band = [] if self.clip_cov_lb < self.clip_cov_ub else [
+            ("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub={self.clip_cov_ub}")]
+        return _clip_problems(self.clip_ratio_low, self.clip_ratio_high) + _fraction_problems(
+            "clip_cov_ratio", self.clip_cov_ratio) + band
+
+    def build(self, *, generator=None):
+        """``generator``: the seeded draws of the tokens (per rank)."""
+        from rlspmd.algorithms.losses import clip_cov
+
+        return partial(clip_cov, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high,
+                       clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub,
+                       generator=generator)
+
+
+@dataclass
+class KLCov:
+    """KL-Cov: the unclipped policy gradient plus a KL penalty on the tokens of largest advantage-logprob covariance,
+    chosen per micro-batch (so its gradient depends on the micro-batching)."""
+
+    name: ClassVar[str] = "kl_cov"
+    per_sequence: ClassVar[bool] = False
+    kl_cov_ratio: float = 2e-4
+    """Fraction of a micro-batch's valid tokens, those of largest covariance, that get the penalty
+    ``kl_cov_coef * |logp - old_logp|`` (at least one token). In (0, 1]. The paper's recipes: 2e-3 for 7B models,
+    2e-4 for 32B."""
+    kl_cov_coef: float = 0.1
+    """Coefficient of the penalty on the selected tokens (verl's ``ppo_kl_coef``; the paper's recipes use 1.0)."""
+
+    def problems(self) -> list[Problem]:
+        coef = [] if self.kl_cov_coef >= 0 else [("kl_cov_coef", self.kl_cov_coef, "must be >= 0")]
+        return _fraction_problems("kl_cov_ratio", self.kl_cov_ratio) + coef
+
+    def build(self, *, generator=None):
+        from rlspmd.algorithms.losses import kl_cov
+
+        return partial(kl_cov, kl_cov_ratio=self.kl_cov_ratio, kl_cov_coef=self.kl_cov_coef)
+
+
+POLICY_LOSS_TYPES = {c.name: c for c in (PPOClip, GSPO, CISPO, SAPO, GPG, GMPO, ClipCov, KLCov)}
+"""Every policy loss by its name (the command line's subcommand, with ``-`` for ``_``)."""
+
+PolicyLoss = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in POLICY_LOSS_TYPES.items())]
+"""``actor.policy_loss``: one of the components above."""
+
+
 @dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -155,16 +368,11 @@ class ActorConfig:
     pass. Same loss and gradient, one forward fewer per step (TRL does the same). False: always recompute."""
     logprob_max_tokens_per_micro_batch: int | None = None
     """Dynamic batching for the old-log-prob forward (no grad, so it can be larger than the update's). None: off."""
-    policy_loss: str = "ppo_clip"
-    """Policy loss (see ``rlspmd.algorithms.POLICY_LOSSES``): ppo_clip, gspo, cispo, sapo, gpg, gmpo, clip_cov,
-    kl_cov. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as
-    verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
-    clip_ratio_low: float = 0.2
-    """PPO ratio lower clip: ratio >= 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
-    """PPO ratio upper clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher raises this)."""
-    clip_ratio_c: float | None = 3.0
-    """Dual-clip bound for negative advantages (None disables dual clip)."""
+    policy_loss: PolicyLoss = field(default_factory=PPOClip)
+    """Policy loss and its options: ``PPOClip()`` (the default), ``GSPO()``, ``CISPO()``, ``SAPO()``, ``GPG()``,
+    ``GMPO()``, ``ClipCov()``, ``KLCov()``. On the command line: ``actor.policy-loss:gspo`` picks one, then
+    ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever
+    ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation (see ``rlspmd.algorithms.AGG_MODES``); normalised over the global mini-batch."""
     entropy_coef: float = 0.0
@@ -176,35 +384,6 @@ class ActorConfig:
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1 (kl), abs, k2 (mse), k3 (low_var_kl), or any of them with '+' (the value
     of that estimator with k2's gradient, e.g. ``k3+``, ``low_var_kl+``, ``abs+``): verl's names."""
-    sapo_tau_pos: float = 1.0
-    """SAPO (``policy_loss=sapo``): gate temperature for tokens with a positive advantage."""
-    sapo_tau_neg: float = 1.05
-    """SAPO (``policy_loss=sapo``): gate temperature for tokens with a non-positive advantage."""
-    clip_cov_ratio: float = 2e-4
-    """Clip-Cov (``policy_loss=clip_cov``): fraction of a micro-batch's valid tokens, drawn at random among those
-    whose advantage-logprob covariance lies in (``clip_cov_lb``, ``clip_cov_ub``), whose gradient is removed
-    (at least one token). In (0, 1]."""
-    clip_cov_lb: float = 1.0
-    """Clip-Cov: lower bound of the covariance band that can be drawn."""
-    clip_cov_ub: float = 5.0
-    """Clip-Cov: upper bound of the covariance band that can be drawn (> ``clip_cov_lb``)."""
-    kl_cov_ratio: float = 2e-4
-    """KL-Cov (``policy_loss=kl_cov``): fraction of a micro-batch's valid tokens, those of largest
-    advantage-logprob covariance, that get the penalty ``kl_cov_coef * |logp - old_logp|`` (at least one token).
-    In (0, 1]. The paper's recipes: 2e-3 for 7B models, 2e-4 for 32B."""
-    kl_cov_coef: float = 0.1
-    """KL-Cov: coefficient of the penalty on the selected tokens (verl's ``ppo_kl_coef``; the paper's recipes
-    use 1.0)."""
-
-    def __post_init__(self) -> None:
-        if not 0 < self.clip_cov_ratio <= 1:
-            raise ValueError(f"actor.clip_cov_ratio={self.clip_cov_ratio} must be in (0, 1]")
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"actor.clip_cov_lb={self.clip_cov_lb} must be < actor.clip_cov_ub={self.clip_cov_ub}")
-        if not 0 < self.kl_cov_ratio <= 1:
-            raise ValueError(f"actor.kl_cov_ratio={self.kl_cov_ratio} must be in (0, 1]")
-        if self.kl_cov_coef < 0:
-            raise ValueError(f"actor.kl_cov_coef={self.kl_cov_coef} must be >= 0")
 
 
 @dataclass
@@ -788,18 +967,11 @@ def ignored_settings(cfg: Config) -> list[str]:
 
 
 def _ignored_policy_loss_settings(actor: ActorConfig) -> list[str]:
-    out, loss = [], actor.policy_loss
-    if loss in ("gspo", "sapo", "gmpo") and actor.loss_agg_mode != "seq-mean-token-mean":
-        out.append(f"actor.loss_agg_mode={actor.loss_agg_mode!r} does not apply to the {loss} policy loss, which "
-                   f"aggregates seq-mean-token-mean as verl does (it still applies to the KL and entropy terms)")
-    if loss != "clip_cov" and (actor.clip_cov_ratio, actor.clip_cov_lb, actor.clip_cov_ub) != (
-            ActorConfig.clip_cov_ratio, ActorConfig.clip_cov_lb, ActorConfig.clip_cov_ub):
-        out.append(f"actor.clip_cov_* are set but actor.policy_loss={loss!r}")
-    if loss != "kl_cov" and (actor.kl_cov_ratio, actor.kl_cov_coef) != (ActorConfig.kl_cov_ratio, ActorConfig.kl_cov_coef):
-        out.append(f"actor.kl_cov_* are set but actor.policy_loss={loss!r}")
-    if loss != "sapo" and (actor.sapo_tau_pos, actor.sapo_tau_neg) != (ActorConfig.sapo_tau_pos, ActorConfig.sapo_tau_neg):
-        out.append(f"actor.sapo_tau_* are set but actor.policy_loss={loss!r}")
-    return out
+    loss = actor.policy_loss
+    if loss.per_sequence and actor.loss_agg_mode != "seq-mean-token-mean":
+        return [f"actor.loss_agg_mode={actor.loss_agg_mode!r} does not apply to the {loss.name} policy loss, which "
+                f"aggregates seq-mean-token-mean as verl does (it still applies to the KL and entropy terms)"]
+    return []
 
 
 def to_dict(cfg) -> dict:

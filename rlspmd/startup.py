@@ -39,7 +39,10 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
     )
     quiet = os.environ.get("RANK", "0") != "0"  # every rank parses the same argv; let rank 0 report problems
     with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
-        cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog)
+        # CascadeSubcommandArgs: a component picked by name (``actor.policy-loss:gspo``) may stand anywhere on the line,
+        # and options of every level may follow it
+        cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog,
+                       config=(tyro.conf.CascadeSubcommandArgs,))
     return cfg, known.dry_run
 
 

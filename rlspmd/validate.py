@@ -202,23 +202,17 @@ def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool) -> None:
 
 
 def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    from rlspmd.algorithms import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+    from rlspmd.algorithms import AGG_MODES, KL_ESTIMATORS
 
     _train_sizes(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
     p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
     p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
-    p.one_of("actor.policy_loss", a.policy_loss, POLICY_LOSSES)
+    for name, value, why in a.policy_loss.problems():
+        p.add(f"actor.policy_loss.{name}", value, f"{why} ({a.policy_loss.name})")
     p.one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     if a.use_kl_loss:
         p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
         p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
-    p.at_least("actor.clip_ratio_low", a.clip_ratio_low, 0)
-    p.at_least("actor.clip_ratio_high", a.clip_ratio_high, 0)
-    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1:
-        p.add("actor.clip_ratio_c", a.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")
-    for name, tau in (("actor.sapo_tau_pos", a.sapo_tau_pos), ("actor.sapo_tau_neg", a.sapo_tau_neg)):
-        if not tau > 0:
-            p.add(name, tau, "must be > 0")
     _optim(p, "actor.optim", a.optim)
     _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
     _lora(p, a.lora, engine=a.engine)
@@ -474,8 +468,8 @@ def _types(p: Problems, cfg, prefix: str) -> None:
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, hint = getattr(cfg, f.name), hints[f.name]
-        if dataclasses.is_dataclass(hint) and isinstance(value, hint):
-            _types(p, value, f"{prefix}{f.name}.")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and _matches(value, hint):
+            _types(p, value, f"{prefix}{f.name}.")  # a section, or the component a union field holds
         elif typing.get_origin(hint) is typing.Literal and not _matches(value, hint):
             p.add(f"{prefix}{f.name}", value, f"must be one of {list(typing.get_args(hint))}")
         elif not _matches(value, hint):

@@ -6,6 +6,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from loss_options import bound, components
+from rlspmd.config import POLICY_LOSS_TYPES, SAPO, ClipCov, PPOClip
+
 from rlspmd.algorithms import (
     AGG_MODES,
     MICRO_BATCH_LOCAL_LOSSES,
@@ -97,8 +100,7 @@ def test_ppo_clip_without_dual_clip():
     assert_close(loss, t(4.42 / 5))
     assert_close(grad, t([[-1.1 / 5, 0, 0, 4.0 / 5, 2.0 / 5, 0]]))
     assert metrics["dual_clip_frac"].item() == 0.0
-    with pytest.raises(ValueError, match="clip_ratio_c"):
-        run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_ratio_c=1.0)
+    assert PPOClip(clip_ratio_c=1.0).problems() == [("clip_ratio_c", 1.0, "the dual-clip bound must be > 1, or None (off)")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -187,8 +189,7 @@ def test_sapo_values_and_gradient():
     assert_close(loss, t((-2 + 2 / 1.05 - 4 * sig) / 3))
     assert_close(grad, t([[-1 / 3, 1 / 3, -r * 4 * sig * (1 - sig) / 3]]))
     assert metrics["soft_gate_weight"].item() == pytest.approx((1 + 1 + 4 * sig * (1 - sig)) / 3)
-    with pytest.raises(ValueError, match="tau"):
-        run(sapo, [[0.0]], [[1.0]], [[1]], tau_pos=0.0)
+    assert SAPO(tau_pos=0.0).problems() == [("tau_pos", 0.0, "must be > 0")]
 
 
 def test_sapo_aggregates_per_sequence_whatever_the_mode():
@@ -279,10 +280,8 @@ def test_clip_cov_removes_the_gradient_of_drawn_high_covariance_tokens():
         assert len(zero) == 1
         drawn |= zero
     assert drawn == {(0, 0), (1, 1)}
-    with pytest.raises(ValueError, match="clip_cov_lb must be < clip_cov_ub"):
-        cov_run(clip_cov, lr, clip_cov_lb=5.0, clip_cov_ub=1.0)
-    with pytest.raises(ValueError, match="clip_cov_ratio"):
-        cov_run(clip_cov, lr, clip_cov_ratio=0.0)
+    assert [name for name, _, _ in ClipCov(clip_cov_lb=5.0, clip_cov_ub=1.0).problems()] == ["clip_cov_lb"]
+    assert [name for name, _, _ in ClipCov(clip_cov_ratio=0.0).problems()] == ["clip_cov_ratio"]
 
 
 def test_kl_cov_penalises_the_top_covariance_tokens():
@@ -316,23 +315,23 @@ def random_batch(seed=0, B=6, T=5):
     return logp, old, adv, mask
 
 
-OPTIONS = {"clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
-           "clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.2, "kl_cov_coef": 1.0}
+COMPONENTS = components(clip_cov_ratio=0.2, clip_cov_lb=0.0, clip_cov_ub=5.0, kl_cov_ratio=0.2, kl_cov_coef=1.0)
 
 
-def options(**extra):
-    """Every loss's options; a fresh seeded generator so Clip-Cov draws the same tokens on every call."""
-    return OPTIONS | {"generator": torch.Generator().manual_seed(0)} | extra
+def test_every_policy_loss_has_a_config_component():
+    assert set(POLICY_LOSS_TYPES) == set(POLICY_LOSSES) == set(COMPONENTS)
+    assert all(type(COMPONENTS[name]) is POLICY_LOSS_TYPES[name] for name in COMPONENTS)
 
 
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_policy_losses_share_signature_and_ignore_padding(name):
     fn = POLICY_LOSSES[name]
+    bind = lambda: bound(COMPONENTS[name])  # noqa: E731  (a fresh generator per call)
     logp, old, adv, mask = random_batch()
     for mode in ("token-mean", "seq-mean-token-mean"):
         agg = AggArgs.from_mask(mask, mode=mode)
         full_logp = logp.clone().requires_grad_()
-        full, metrics = fn(full_logp, old, adv, mask, agg=agg, **options())
+        full, metrics = bind()(full_logp, old, adv, mask, agg=agg)
         full.backward()
         assert {"clip_frac", "clip_frac_upper", "clip_frac_lower", "approx_kl", "ratio_mean"} <= set(metrics)
         assert all(not m.requires_grad and m.dim() == 0 for m in metrics.values())
@@ -344,28 +343,31 @@ def test_policy_losses_share_signature_and_ignore_padding(name):
         dirty_old = torch.where(mask > 0, old, math.nan)
         dirty_adv = torch.where(mask > 0, adv, math.nan)
         dirty_w = torch.where(mask > 0, 1.0, math.nan).to(F64)
-        dirty, _ = fn(dirty_logp, dirty_old, dirty_adv, mask, agg=agg, **options(weights_BT=dirty_w))
+        dirty, _ = bind()(dirty_logp, dirty_old, dirty_adv, mask, agg=agg, weights_BT=dirty_w)
         dirty.backward()
         assert_close(dirty, full, rtol=1e-12, atol=1e-12)
         assert_close(dirty_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-12)
 
-    with pytest.raises(TypeError, match="unknown option"):
-        fn(logp, old, adv, mask, agg=AggArgs.from_mask(mask, mode="token-mean"), tau_typo=1.0)
+    # a loss takes its own options only: another loss's option, or a typo, is a TypeError
+    other = "tau_pos" if name != "sapo" else "clip_low"
+    for option in (other, "tau_typo"):
+        with pytest.raises(TypeError, match=option):
+            fn(logp, old, adv, mask, agg=AggArgs.from_mask(mask, mode="token-mean"), **{option: 1.0})
 
 
 @pytest.mark.parametrize("name", sorted(set(POLICY_LOSSES) - MICRO_BATCH_LOCAL_LOSSES))
 def test_policy_losses_are_additive_over_micro_batches(name):
-    fn = POLICY_LOSSES[name]
+    fn = bound(COMPONENTS[name])
     logp, old, adv, mask = random_batch()
     for mode in ("token-mean", "seq-mean-token-mean"):
         full_logp = logp.clone().requires_grad_()
-        full, _ = fn(full_logp, old, adv, mask, agg=AggArgs.from_mask(mask, mode=mode), **options())
+        full, _ = fn(full_logp, old, adv, mask, agg=AggArgs.from_mask(mask, mode=mode))
         full.backward()
         # Micro-batches with global denominators: same loss and same gradient.
         tokens, seqs = local_denominators(mask)
         agg = AggArgs(mode=mode, global_tokens=tokens, global_seqs=seqs)
         split_logp = logp.clone().requires_grad_()
-        total = sum(fn(split_logp[mb], old[mb], adv[mb], mask[mb], agg=agg, **options())[0]
+        total = sum(fn(split_logp[mb], old[mb], adv[mb], mask[mb], agg=agg)[0]
                     for mb in (slice(0, 2), slice(2, 3), slice(3, 6)))
         total.backward()
         assert_close(total, full, rtol=1e-12, atol=1e-12)
@@ -381,13 +383,12 @@ def test_micro_batch_local_losses_are_the_covariance_ones():
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 @pytest.mark.parametrize("mode", sorted(AGG_MODES))
 def test_all_ones_weights_reproduce_the_loss_bit_for_bit(name, mode):
-    fn = POLICY_LOSSES[name]
     logp, old, adv, mask = random_batch(seed=1)
     agg = AggArgs.from_mask(mask, mode=mode, norm_length=5)
     results = []
     for weights in (None, torch.ones_like(logp), torch.ones(logp.shape, dtype=torch.float32)):
         x = logp.clone().requires_grad_()
-        loss, metrics = fn(x, old, adv, mask, agg=agg, **options(weights_BT=weights))
+        loss, metrics = bound(COMPONENTS[name])(x, old, adv, mask, agg=agg, weights_BT=weights)
         loss.backward()
         results.append((loss.detach(), x.grad, metrics))
     for loss, grad, metrics in results[1:]:
@@ -400,7 +401,7 @@ def test_policy_loss_on_policy_gradient_is_vanilla_pg():
     # At logp == old every ratio-based loss (unclipped there) has gradient -A / N per token, like REINFORCE.
     logp_values = [[-1.0, -2.0, -0.5]]
     for name in ("ppo_clip", "cispo", "sapo", "gpg"):
-        _, grad, _ = run(POLICY_LOSSES[name], [[0.0, 0.0, 0.0]], [[1.0, -2.0, 0.5]], [[1, 1, 1]],
+        _, grad, _ = run(bound(COMPONENTS[name]), [[0.0, 0.0, 0.0]], [[1.0, -2.0, 0.5]], [[1, 1, 1]],
                          old=logp_values)
         assert_close(grad, t([[-1.0 / 3, 2.0 / 3, -0.5 / 3]]), msg=name)
 

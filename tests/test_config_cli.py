@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from conftest import ROOT, torchrun
-from rlspmd.config import load_config_file
+from rlspmd.config import GSPO, SAPO, KLCov, load_config_file
 from rlspmd.startup import parse_args
 
 
@@ -21,6 +21,28 @@ def test_file_then_overrides(tmp_path):
     cfg, dry = parse_args(["--config", str(p), "--actor.optim.lr", "1e-6", "--data.train-files", "a.parquet", "b.jsonl"])
     assert cfg.actor.optim.lr == 1e-6 and cfg.rollout.n == 8 and not dry
     assert cfg.data.train_files == ["a.parquet", "b.jsonl"]
+
+
+def test_a_policy_loss_is_picked_by_name_with_its_own_options_anywhere_on_the_line(tmp_path):
+    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(policy_loss=GSPO(clip_ratio_low=1e-3)))\n")
+    cfg, _ = parse_args(["--config", str(p), "--trainer.total-steps", "3"])
+    assert cfg.actor.policy_loss == GSPO(clip_ratio_low=1e-3, clip_ratio_high=4e-4)  # the file's loss, kept
+    cfg, _ = parse_args(["--config", str(p), "--actor.policy-loss.clip-ratio-high", "5e-4"])  # the file's loss's option
+    assert cfg.actor.policy_loss == GSPO(clip_ratio_low=1e-3, clip_ratio_high=5e-4)
+    cfg, _ = parse_args(["--config", str(p), "actor.policy-loss:sapo", "--actor.policy-loss.tau-neg", "1.2",
+                         "--trainer.total-steps", "3", "--actor.optim.lr", "1e-6"])
+    assert cfg.actor.policy_loss == SAPO(tau_pos=1.0, tau_neg=1.2)
+    assert cfg.trainer.total_steps == 3 and cfg.actor.optim.lr == 1e-6
+    cfg, _ = parse_args(["--config", str(p), "actor.policy-loss:kl_cov"])  # the Python name works too
+    assert cfg.actor.policy_loss == KLCov()
+
+
+def test_an_option_of_another_policy_loss_is_an_error_naming_it(tmp_path):
+    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(policy_loss=GSPO()))\n")
+    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--config", str(p), "--actor.policy-loss.clip-ratio-c", "2"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "--actor.policy-loss.clip-ratio-c" in proc.stderr and "actor.policy-loss:ppo-clip" in proc.stderr
 
 
 def test_config_may_be_a_function(tmp_path):

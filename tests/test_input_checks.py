@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlspmd.config import (
-    ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
-    RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, load_config_file,
+    GSPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
+    KLCov, PPOClip, RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -40,7 +40,13 @@ def with_(cfg=None, **sections) -> Config:
     (with_(actor=ActorConfig(mini_batch_size=1), rollout=RolloutConfig(n=1)),
      ["actor.mini_batch_size=1: x rollout.n=1 = 1 samples per mini-batch do not split over the actor's 2 DP ranks"]),
     (with_(rollout=RolloutConfig(temperature=0.0)), ["rollout.temperature=0.0: must be > 0"]),
-    (with_(actor=ActorConfig(policy_loss="ppo")), ["actor.policy_loss='ppo': must be one of ["]),
+    (with_(actor=ActorConfig(policy_loss="ppo")), ["actor.policy_loss='ppo': must be PPOClip or GSPO or CISPO or SAPO"]),
+    (with_(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_c=1.0))),
+     ["actor.policy_loss.clip_ratio_c=1.0: the dual-clip bound must be > 1, or None (off) (ppo_clip)"]),
+    (with_(actor=ActorConfig(policy_loss=KLCov(kl_cov_ratio=2.0, kl_cov_coef=-1.0))),
+     ["actor.policy_loss.kl_cov_ratio=2.0: must be in (0, 1]", "actor.policy_loss.kl_cov_coef=-1.0: must be >= 0 (kl_cov)"]),
+    (with_(actor=ActorConfig(policy_loss=GSPO(clip_ratio_low="3e-4"))),
+     ["actor.policy_loss.clip_ratio_low='3e-4': must be float, not str"]),
     (with_(algorithm=AlgorithmConfig(adv_estimator="grpo", filter_groups=FilterGroupsConfig(enable=True, gen_batch_size=16))),
      ["algorithm.filter_groups.gen_batch_size=16: must be >= data.train_batch_size=32"]),
     (with_(reward=RewardConfig(rule_weight=0.0)), ["reward.rule_weight=0.0: 0 without a reward model"]),

@@ -11,6 +11,7 @@ import torch
 from torch.testing import assert_close
 
 from conftest import torchrun
+from loss_options import bound, components
 from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs
 from rlspmd.config import ActorConfig, Config, DataConfig, RolloutConfig, RolloutCorrectionConfig
 from rlspmd.metrics import MetricBuffer
@@ -36,8 +37,7 @@ ADV = t([[1.0] * 4, [-0.5] * 4])
 # Token level, mode both, cap 1.1, band [0.5, 2]: row 0 token 1 (ratio e^-1) is rejected, row 0 token 0 truncated.
 CORRECTED_MASK = t([[1, 0, 1, 0], [1, 1, 0, 0]])
 WEIGHTS = t([[1.1, 0, 1.0, 0], [math.exp(-0.1), 1.0, 0, 0]])
-OPTIONS = {"clip_low": 0.2, "clip_high": 0.28, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
-           "clip_cov_ratio": 1.0, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.3}
+LOSSES = components(clip_cov_ratio=1.0, clip_cov_lb=-10.0, clip_cov_ub=10.0, kl_cov_ratio=0.3)
 
 
 def resolved(**kw):
@@ -58,8 +58,8 @@ def inputs(source, mb, logp, metrics=None, **kw):
 
 
 def ppo_token_mean(logp, old, mask, weights, *, denominator):
-    loss, _ = POLICY_LOSSES["ppo_clip"](logp, old, ADV, mask, agg=AggArgs(mode="token-mean", global_tokens=denominator,
-                                                                           global_seqs=2), weights_BT=weights, **OPTIONS)
+    loss, _ = bound(LOSSES["ppo_clip"])(logp, old, ADV, mask, agg=AggArgs(mode="token-mean", global_tokens=denominator,
+                                                                          global_seqs=2), weights_BT=weights)
     return loss
 
 
@@ -128,7 +128,6 @@ def test_bypass_path_takes_the_rollout_log_probs_and_only_the_rejection():
 def test_every_policy_loss_and_aggregation_gets_the_hand_computed_correction(name, mode, source):
     """Whatever the loss and aggregation: the loss of each path is the loss function given the hand-computed old
     log-probs, mask and weights above, in value and gradient."""
-    fn = POLICY_LOSSES[name]
     current = TRAIN + t([[0.05, -0.1, 0.02, 0.0], [-0.03, 0.04, 0.0, 0.0]])  # the policy has moved since sampling
     batch = micro_batch(old_logprobs_BR={"update": TRAIN, "recompute": TRAIN, "rollout": ROLLOUT}[source].clone())
     if source == "recompute":
@@ -136,15 +135,16 @@ def test_every_policy_loss_and_aggregation_gets_the_hand_computed_correction(nam
     logp = (TRAIN if source == "update" else current).clone().requires_grad_()
     old, mask, weights = inputs(source, batch, logp, bypass=source == "rollout")
     agg = AggArgs.from_mask(batch["loss_mask_BR"], mode=mode, norm_length=4)  # ppo_updates' denominators
-    loss, _ = fn(logp, old, ADV, mask, agg=agg, weights_BT=weights, generator=torch.Generator().manual_seed(0), **OPTIONS)
+    loss, _ = bound(LOSSES[name])(logp, old, ADV, mask, agg=agg, weights_BT=weights)
     loss.backward()
 
     want_old = {"update": TRAIN, "recompute": TRAIN, "rollout": ROLLOUT}[source]
     want_weights = None if source == "rollout" else WEIGHTS
     want_denominators = CORRECTED_MASK if source == "recompute" else MASK
     ref = logp.detach().clone().requires_grad_()
-    want, _ = fn(ref, want_old, ADV, CORRECTED_MASK, agg=AggArgs.from_mask(want_denominators, mode=mode, norm_length=4),
-                 weights_BT=want_weights, generator=torch.Generator().manual_seed(0), **OPTIONS)
+    want, _ = bound(LOSSES[name])(ref, want_old, ADV, CORRECTED_MASK, agg=AggArgs.from_mask(want_denominators, mode=mode,
+                                                                                             norm_length=4),
+                                  weights_BT=want_weights)
     want.backward()
     # (the hand weight e^-0.1 and the computed e^(-1.0 - -0.9) differ in the last bit)
     assert_close(loss, want, rtol=1e-12, atol=1e-15)
@@ -157,10 +157,10 @@ def test_mode_off_is_bit_identical_to_no_correction():
     loss is bit for bit the uncorrected one (the loss-parity runs hold the whole trainer to that)."""
     logp = TRAIN.clone().requires_grad_()
     old, mask, weights = inputs("update", micro_batch(), logp, mode="off")
-    for name, fn in POLICY_LOSSES.items():
+    for name, component in LOSSES.items():
         agg = AggArgs.from_mask(MASK, mode="token-mean")
-        a, _ = fn(logp, old, ADV, mask, agg=agg, weights_BT=weights, generator=torch.Generator().manual_seed(0), **OPTIONS)
-        b, _ = fn(logp, TRAIN, ADV, MASK, agg=agg, generator=torch.Generator().manual_seed(0), **OPTIONS)
+        a, _ = bound(component)(logp, old, ADV, mask, agg=agg, weights_BT=weights)
+        b, _ = bound(component)(logp, TRAIN, ADV, MASK, agg=agg)
         assert torch.equal(a, b), name
 
 

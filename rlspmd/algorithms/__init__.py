@@ -43,7 +43,6 @@ from rlspmd.algorithms.kl import (
 )
 from rlspmd.algorithms.losses import (
     MICRO_BATCH_LOCAL_LOSSES,
-    POLICY_LOSS_OPTIONS,
     POLICY_LOSSES,
     cispo,
     clip_cov,
@@ -73,7 +72,6 @@ __all__ = [
     "KL_ESTIMATORS",
     "MICRO_BATCH_LOCAL_LOSSES",
     "POLICY_LOSSES",
-    "POLICY_LOSS_OPTIONS",
     "AdaptiveKLController",
     "AggArgs",
     "FixedKLController",

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
+from rlspmd.algorithms import AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.metrics import MetricBuffer
@@ -117,8 +117,8 @@ class Policy:
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.temperature = temperature
         self.old_logprobs, self.correction = old_logprobs, correction
-        self.loss_fn = POLICY_LOSSES[cfg.policy_loss]
-        self.cov_generator = torch.Generator().manual_seed(seed + engine.mesh.get_local_rank())
+        # Clip-Cov draws its tokens with a generator of its own, seeded per DP rank
+        self.loss_fn = cfg.policy_loss.build(generator=torch.Generator().manual_seed(seed + engine.mesh.get_local_rank()))
 
     def log_prob(self, batch: Batch) -> torch.Tensor:
         """``(B, R)`` log-probs of the sampled tokens under the current policy (no grad)."""
@@ -159,18 +159,6 @@ class Policy:
             pg_mask,
             agg=agg,
             weights_BT=weights,
-            clip_low=cfg.clip_ratio_low,
-            clip_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
-            # loss-specific options (POLICY_LOSS_OPTIONS): each loss reads its own and ignores the others'
-            tau_pos=cfg.sapo_tau_pos,
-            tau_neg=cfg.sapo_tau_neg,
-            clip_cov_ratio=cfg.clip_cov_ratio,
-            clip_cov_lb=cfg.clip_cov_lb,
-            clip_cov_ub=cfg.clip_cov_ub,
-            kl_cov_ratio=cfg.kl_cov_ratio,
-            kl_cov_coef=cfg.kl_cov_coef,
-            generator=self.cov_generator,
         )
         loss = pg_loss
         if cfg.use_kl_loss:

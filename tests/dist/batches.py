@@ -4,7 +4,7 @@ seed; a clipped policy loss with a k3 KL term and an entropy bonus over them."""
 
 import torch
 
-from rlspmd.algorithms import POLICY_LOSSES, AggArgs, entropy_bonus, kl_penalty
+from rlspmd.algorithms import AggArgs, entropy_bonus, kl_penalty, ppo_clip
 from rlspmd.protocol import Batch
 
 B, P, R = 8, 6, 10
@@ -38,7 +38,7 @@ def policy_loss(module, mb: Batch, agg: AggArgs) -> torch.Tensor:
     logp, entropy = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R,
                            temperature=TEMPERATURE)
     mask = mb["response_mask_BR"].float()
-    pg, _ = POLICY_LOSSES["ppo_clip"](logp, mb["old_logprobs_BR"], mb["advantages_BR"], mask, agg=agg, clip_low=0.2,
-                                      clip_high=0.2, clip_ratio_c=3.0)
+    pg, _ = ppo_clip(logp, mb["old_logprobs_BR"], mb["advantages_BR"], mask, agg=agg, clip_low=0.2, clip_high=0.2,
+                     clip_ratio_c=3.0)
     kl = kl_penalty(logp, mb["ref_logprobs_BR"], kind="k3")
     return pg + 0.1 * agg(kl, mask) - 0.01 * entropy_bonus(entropy, mask, agg=agg)

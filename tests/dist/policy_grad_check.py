@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
+from rlspmd.config import GSPO, POLICY_LOSS_TYPES, SAPO, ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
@@ -47,6 +47,11 @@ def global_batch(vocab: int) -> Batch:
     )
 
 
+# options other than the defaults: GSPO with PPO's clip range (its paper's 3e-4 would clip nothing here), SAPO with
+# asymmetric temperatures
+SPECIAL = {"gspo": GSPO(clip_ratio_low=0.2, clip_ratio_high=0.2), "sapo": SAPO(tau_pos=0.9)}
+
+
 @spmd_main
 def main():
     model_dir, out, micro, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
@@ -61,8 +66,7 @@ def main():
             mini_batch_size=B // N_SAMPLES,
             micro_batch_size=micro,
             loss_agg_mode=mode,
-            policy_loss=loss,
-            sapo_tau_pos=0.9,
+            policy_loss=SPECIAL.get(loss) or POLICY_LOSS_TYPES[loss](),
             use_kl_loss=True,
             kl_loss_coef=0.1,
             entropy_coef=0.01,
