@@ -40,6 +40,8 @@ def with_(cfg=None, **sections) -> Config:
     (with_(actor=ActorConfig(mini_batch_size=1), rollout=RolloutConfig(n=1)),
      ["actor.mini_batch_size=1: x rollout.n=1 = 1 samples per mini-batch do not split over the actor's 2 DP ranks"]),
     (with_(rollout=RolloutConfig(temperature=0.0)), ["rollout.temperature=0.0: must be > 0"]),
+    (with_(algorithm=AlgorithmConfig(adv_estimator="ppo")), ["algorithm.adv_estimator='ppo': must be one of ["]),
+    (with_(algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k9")), ["algorithm.kl_penalty='k9': must be one of ["]),
     (with_(actor=ActorConfig(policy_loss="ppo")), ["actor.policy_loss='ppo': must be PPOClip or GSPO or CISPO or SAPO"]),
     (with_(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_c=1.0))),
      ["actor.policy_loss.clip_ratio_c=1.0: the dual-clip bound must be > 1, or None (off) (ppo_clip)"]),

@@ -108,8 +108,6 @@ def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
     assert fresh.controller.value == stage.controller.value
     with pytest.raises(ValueError, match="algorithm.kl_ctrl"):
         build_token_rewards(AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", target_kl=0.0)), mesh=None)
-    with pytest.raises(ValueError, match="algorithm.kl_penalty"):
-        build_token_rewards(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k9"), mesh=None)
 
 
 def advantages(estimator: str, b: Batch, **cfg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +162,8 @@ def test_dr_grpo_and_std_option_defaults():
     torch.testing.assert_close(dr[5], 0.5 * MASK[5].float())  # a singleton keeps its score (verl)
     gpg_default, _ = advantages("gpg", batch())
     torch.testing.assert_close(gpg_default, gpg(SCORES, MASK.float(), UID, norm_by_std=False)[0])
-    with pytest.raises(ValueError, match="algorithm.adv_estimator='ppo'"):
-        AdvantageStage(AlgorithmConfig(adv_estimator="ppo"), mesh=None)
+    # an unknown name is the config check's (validate); the stage's table holds every known estimator
+    assert set(AdvantageStage(AlgorithmConfig(), mesh=None).estimators()) == set(ADVANTAGE_ESTIMATORS)
 
 
 def test_kl_in_reward_reaches_outcome_estimators_through_the_sequence_reward():

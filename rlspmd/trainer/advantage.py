@@ -21,7 +21,6 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.algorithms import (
-    ADVANTAGE_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_in_reward,
@@ -40,7 +39,6 @@ from rlspmd.algorithms import (
     sample_mean_kl,
     token_level_scores,
 )
-from rlspmd.algorithms.kl import KL_ESTIMATORS
 from rlspmd.config import AlgorithmConfig
 from rlspmd.distributed.dispatch import all_reduce_sum
 from rlspmd.metrics import MetricBuffer
@@ -64,8 +62,7 @@ class KLPenalizedTokenRewards:
     """
 
     def __init__(self, cfg: AlgorithmConfig, *, mesh: DeviceMesh | None):
-        if cfg.kl_penalty not in KL_ESTIMATORS:
-            raise ValueError(f"algorithm.kl_penalty={cfg.kl_penalty!r} is not one of {sorted(KL_ESTIMATORS)}")
+        """``cfg.kl_penalty`` was checked by ``rlspmd.validate``."""
         c = cfg.kl_ctrl
         self.kind, self.mesh = cfg.kl_penalty, mesh
         if c.type == "fixed":
@@ -108,13 +105,16 @@ class AdvantageStage:
     """Adds ``advantages_BR`` and ``returns_BR`` (the critic's targets for GAE) from ``token_rewards_BR``."""
 
     def __init__(self, cfg: AlgorithmConfig, *, mesh: DeviceMesh | None):
-        name = cfg.adv_estimator
-        if name not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"algorithm.adv_estimator={name!r} is not one of {sorted(ADVANTAGE_ESTIMATORS)}")
-        if cfg.grpo_eps < 0:
-            raise ValueError(f"algorithm.grpo_eps={cfg.grpo_eps} must be >= 0")
+        """``cfg`` was checked by ``rlspmd.validate`` (a known estimator, grpo_eps >= 0)."""
         self.cfg, self.mesh = cfg, mesh
-        self.estimate = getattr(self, f"_{name}")
+        self.estimate = self.estimators()[cfg.adv_estimator]
+
+    def estimators(self) -> dict:
+        """Each ``algorithm.adv_estimator`` name and the method that applies it (the names of
+        ``rlspmd.algorithms.ADVANTAGE_ESTIMATORS``; tests/test_algorithms_stages.py holds the two to each other)."""
+        return {"gae": self._gae, "grpo": self._grpo, "grpo_passk": self._grpo_passk, "rloo": self._rloo, "opo": self._opo,
+                "reinforce_pp": self._reinforce_pp, "reinforce_pp_baseline": self._reinforce_pp_baseline,
+                "remax": self._remax, "gpg": self._gpg, "gdpo": self._gdpo}
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         mask = batch["loss_mask_BR"].float()
