@@ -110,18 +110,18 @@ class Balance:
 # -- roles on a training engine --------------------------------------------------------------------------------------
 
 
-def actor_plan(cfg: ActorConfig, *, samples_per_prompt: int, train_batch_size: int, dp: int, max_response_length: int,
-               total_steps: int) -> UpdatePlan:
-    return update_plan("actor", ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size,
-                       max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode, samples_per_prompt=samples_per_prompt,
-                       train_batch_size=train_batch_size, dp=dp, max_response_length=max_response_length, total_steps=total_steps)
+def role_plan(section: Literal["actor", "critic"], cfg: ActorConfig | CriticConfig, *, samples_per_prompt: int,
+              train_batch_size: int, dp: int, max_response_length: int, total_steps: int) -> UpdatePlan:
+    """A trained role's update plan from its config section (the fields the actor and the critic share)."""
+    return update_plan(section, ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size,
+                       micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
+                       loss_agg_mode=cfg.loss_agg_mode, samples_per_prompt=samples_per_prompt,
+                       train_batch_size=train_batch_size, dp=dp, max_response_length=max_response_length,
+                       total_steps=total_steps)
 
 
-def critic_plan(cfg: CriticConfig, *, samples_per_prompt: int, train_batch_size: int, dp: int, max_response_length: int,
-                total_steps: int) -> UpdatePlan:
-    return update_plan("critic", ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size, micro_batch_size=cfg.micro_batch_size,
-                       max_tokens=cfg.max_tokens_per_micro_batch, loss_agg_mode=cfg.loss_agg_mode, samples_per_prompt=samples_per_prompt,
-                       train_batch_size=train_batch_size, dp=dp, max_response_length=max_response_length, total_steps=total_steps)
+actor_plan = partial(role_plan, "actor")
+critic_plan = partial(role_plan, "critic")
 
 
 def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: str, model: ModelConfig, fsdp: FSDPConfig,
