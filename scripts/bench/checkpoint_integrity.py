@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -92,37 +93,51 @@ def main() -> None:
     target = {"actor": {"model": {k: torch.empty_like(v) for k, v in state["actor"]["model"].items()},
                         "optim": state["actor"]["optim"]}}  # loaded in place (the optimiser's tensors included)
     work = Path(tempfile.mkdtemp(prefix="ckpt_integrity_", dir=args.dir))
-    times: dict[str, list[float]] = {k: [] for k in ("save_s", "save_digest_s", "load_s", "load_verify_s")}
+    wall: dict[str, list[float]] = {k: [] for k in ("save", "save_digest", "load", "load_verify")}
+    cpu: dict[str, list[float]] = {k: [] for k in wall}
+
+    def timed(name: str, fn) -> None:
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        wall[name].append(time.perf_counter() - w)
+        cpu[name].append(time.process_time() - c)
+
+    def load_verified(ckpt: Path, written: FileDigests) -> None:
+        problems = check_files(ckpt, written.files)
+        assert not problems, problems
+        dcp_load(target, ckpt, no_dist=True)
+
     try:
         for r in range(args.repeats):
             for digests in ((False, True) if r % 2 == 0 else (True, False)):
                 ckpt = work / f"r{r}_{int(digests)}"
                 written = FileDigests(ckpt)
                 writer = DigestingFileSystemWriter(ckpt, written) if digests else dcp.FileSystemWriter(ckpt)
-                t = time.perf_counter()
-                dcp.save(state, storage_writer=writer, no_dist=True)
-                times["save_digest_s" if digests else "save_s"].append(time.perf_counter() - t)
-                t = time.perf_counter()
+                timed("save_digest" if digests else "save", lambda: dcp.save(state, storage_writer=writer, no_dist=True))
                 if digests:
-                    problems = check_files(ckpt, written.files)
-                    assert not problems, problems
-                dcp_load(target, ckpt, no_dist=True)
-                times["load_verify_s" if digests else "load_s"].append(time.perf_counter() - t)
+                    timed("load_verify", lambda: load_verified(ckpt, written))
+                else:
+                    timed("load", lambda: dcp_load(target, ckpt, no_dist=True))
                 shutil.rmtree(ckpt)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for k, v in state["actor"]["model"].items():
         assert torch.equal(target["actor"]["model"][k], v), k
 
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     emit({
         "bench": "checkpoint_integrity",
         "note": "indicative: CPU, one process, a machine shared with other jobs; loads read from the page cache",
         "model": {**Q05, "num_hidden_layers": args.layers}, "digest": DIGEST, "checkpoint_bytes": nbytes,
-        "repeats": args.repeats, "samples_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
-        "median_s": {k: round(v, 3) for k, v in med.items()},
-        "save_overhead": round(med["save_digest_s"] / med["save_s"] - 1, 3),
-        "load_overhead": round(med["load_verify_s"] / med["load_s"] - 1, 3),
+        "repeats": args.repeats,
+        "wall_s_median": {k: round(v, 3) for k, v in med.items()},
+        "cpu_s_median": {k: round(v, 3) for k, v in med_cpu.items()},
+        "wall_s": {k: [round(x, 3) for x in v] for k, v in wall.items()},
+        "save_added_s": round(med["save_digest"] - med["save"], 3),
+        "load_added_s": round(med["load_verify"] - med["load"], 3),
+        "save_added_cpu_s": round(med_cpu["save_digest"] - med_cpu["save"], 3),
+        "load_added_cpu_s": round(med_cpu["load_verify"] - med_cpu["load"], 3),
         "hash_gb_per_s": hash_rate(),
         "where": str(args.dir or tempfile.gettempdir()), "root": str(ROOT),
     }, args.out)
