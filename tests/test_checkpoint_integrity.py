@@ -54,10 +54,9 @@ def test_digesting_stream_refuses_to_seek(tmp_path):
     from rlspmd.trainer.checkpoint import DigestingFileSystem
 
     fs = DigestingFileSystem(FileDigests(tmp_path))
-    with pytest.raises(OSError, match="written front to back"):
-        with fs.create_stream(tmp_path / "f", "wb") as f:
-            f.write(b"abc")
-            f.seek(0)
+    with pytest.raises(OSError, match="written front to back"), fs.create_stream(tmp_path / "f", "wb") as f:
+        f.write(b"abc")
+        f.seek(0)
     assert fs.digests.files == {}, "a failed write records nothing"
 
 
@@ -197,4 +196,6 @@ def test_resume_auto_names_the_damaged_file_and_continues_from_the_previous_chec
     assert metrics(tmp_path) == first  # steps 3 and 4 trained again from step 2, identically
     assert len(list(ckpts.glob("step_00000004.damaged-*"))) == 1
     assert verify_checkpoint(ckpts / "step_00000004") is True
+    recorded = json.loads((ckpts / "step_00000004" / "meta.json").read_text())["digests"]["files"]
+    assert set(recorded) == {".metadata", "__0_0.distcp", "__1_0.distcp"}  # both ranks' shards, rank 0's metadata
     assert (ckpts / "latest").read_text().strip() == "step_00000004"
