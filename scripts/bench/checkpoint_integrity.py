@@ -8,7 +8,7 @@ Save: ``dcp.save`` with DCP's ``FileSystemWriter`` against rlspmd's ``DigestingF
 byte is hashed on its way to the file). Load: ``dcp_load`` alone against ``check_files`` (re-hash every file against the
 record, what ``Checkpointer._verify`` does on each rank for its share) followed by ``dcp_load``. The variants alternate
 within each round (ABBA order across rounds), into a fresh directory each time, so drift on a shared machine hits both.
-The loads read what the save just wrote, from the page cache. Wall-clock seconds of a save are mostly the disk (DCP
+The loads read what the save just wrote (from the page cache, where it still holds it). Wall-clock seconds of a save are mostly the disk (DCP
 fsyncs every file) and swing by more than the digests add on a shared machine; this process's CPU seconds
 (``time.process_time``) show the digests' own cost. Only figures taken in the same run compare.
 """
@@ -129,7 +129,7 @@ def main() -> None:
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     emit({
         "bench": "checkpoint_integrity",
-        "note": "indicative: CPU, one process, a machine shared with other jobs; loads read from the page cache",
+        "note": "indicative: CPU, one process, a machine shared with other jobs; loads read what the save just wrote",
         "model": {**Q05, "num_hidden_layers": args.layers}, "digest": DIGEST, "checkpoint_bytes": nbytes,
         "repeats": args.repeats,
         "wall_s_median": {k: round(v, 3) for k, v in med.items()},
