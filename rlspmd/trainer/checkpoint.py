@@ -15,7 +15,8 @@ Layout of ``checkpoint.dir``:
 
     step_00000010/        a complete checkpoint; the rename from ``.tmp`` is the commit point
         .metadata, *.distcp   DCP shards
-        meta.json             step, world size, roles, model sources, trainer state (readable), run config
+        meta.json             step, world size, roles, model sources, trainer state (readable), run config, and
+                              the size and SHA-256 of every DCP file (``digests``)
         model/                config.json, generation_config.json, tokenizer: all ``scripts/export_hf.py`` needs
         hf/                   the actor as a Hugging Face directory (``checkpoint.save_hf``)
     step_00000020.tmp/    a save in progress, or an interrupted one: never resumed from, removed by the next save
@@ -24,6 +25,14 @@ Layout of ``checkpoint.dir``:
 Resume picks the newest complete ``step_*`` directory (``latest`` names the same one except in the instant
 between a rename and the pointer update). A failed save (disk full, permissions) removes its ``.tmp``
 directory and raises on every rank; the previous checkpoint and ``latest`` are untouched.
+
+Integrity: every DCP file (each rank's shards, rank 0's ``.metadata``) is hashed as it is written
+(``DigestingFileSystemWriter``: the bytes pass through Python on their way to the file, so nothing is read twice),
+and ``meta.json`` records each file's size and digest. Before a load the ranks re-hash the files, a share each
+(``Checkpointer._verify``); a mismatch names the file, the recorded and the found digest. ``--resume auto`` then falls
+back to the newest intact checkpoint and moves the damaged one aside. ``model/`` and ``hf/`` (config, tokenizer, the
+optional HF export: written by shutil and transformers, read only by an export, never by a resume) are not recorded.
+A checkpoint written before digests were recorded loads unchecked (rank 0 says so).
 
 Loading runs no code from the checkpoint (format 2). What is stored is data only: tensors, a JSON string, and the
 scalars of the optimiser's and LR schedule's state. DCP itself pickles two things, and both are read here with
@@ -37,25 +46,30 @@ reads nothing but tensors.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path, PosixPath, PurePosixPath
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -324,8 +338,11 @@ def saved_tensors(path: Path, *, prefix: str) -> dict[str, tuple[torch.Size, tor
 
 def read_checkpoint(path: str | Path, *, prefix: str = "") -> dict[str, object]:
     """Every entry of a checkpoint whose key starts with ``prefix``, unsharded, in this one process (no process
-    group): flat DCP keys -> tensors or plain values. For tools and tests; memory is one full copy."""
+    group): flat DCP keys -> tensors or plain values, after ``verify_checkpoint``. For tools and tests; memory is one
+    full copy."""
     path = Path(path)
+    if (path / "meta.json").is_file():  # an rlspmd checkpoint: check its files (a bare DCP directory has no record)
+        verify_checkpoint(path)
     md = read_dcp_metadata(path).state_dict_metadata
     state: dict[str, object] = {}
     for key, item in md.items():
@@ -357,6 +374,213 @@ def _first_failure(e: BaseException) -> str:
     return f"rank {rank}: {text}" if rank is not None else text
 
 
+# -- file digests: what a save wrote, checked before a load ----------------------------------------------------
+
+DIGEST = "sha256"
+"""The digest of every file a save writes. SHA-256 because it is both strong and, through OpenSSL, the fastest of
+hashlib's algorithms on CPUs with SHA instructions (x86 SHA-NI, Armv8 SHA2): 1.7 GB/s on the AMD EPYC this was
+measured on, against 0.9 GB/s for BLAKE2b. zlib's CRC-32 (3.9 GB/s) catches a flipped bit as well, but 32 bits
+do not tell apart two versions of a file that differ in more than a burst (a partial copy, a file from another
+save); a cryptographic digest does."""
+CHUNK = 8 << 20
+"""Bytes per read while verifying: large enough that hashing, not Python, sets the pace."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint's files differ from what its save recorded (``problems``: one line per file, naming it)."""
+
+    def __init__(self, path: Path, problems: list[str]):
+        self.path, self.problems = path, problems
+        super().__init__(f"checkpoint {path} is damaged: " + "; ".join(problems))
+
+    def __reduce__(self):  # raised on every rank through a broadcast (``on_main``): pickle the fields, not the message
+        return type(self), (self.path, self.problems)
+
+
+class FileDigests:
+    """The files one rank wrote into a checkpoint directory: name (relative, POSIX) -> size and digest, filled by
+    ``DigestingFileSystem`` as the bytes are written. Thread-safe (DCP may write with several threads)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.files: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    def name(self, path: str | os.PathLike) -> str:
+        return Path(path).relative_to(self.root).as_posix()
+
+    def add(self, path: str | os.PathLike, *, size: int, digest: str) -> None:
+        with self._lock:
+            self.files[self.name(path)] = {"size": size, "digest": digest}
+
+    def rename(self, old: str | os.PathLike, new: str | os.PathLike) -> None:
+        with self._lock:
+            found = self.files.pop(self.name(old), None)
+            if found is not None:
+                self.files[self.name(new)] = found
+
+    def remove(self, path: str | os.PathLike) -> None:
+        with self._lock:
+            self.files.pop(self.name(path), None)
+
+
+class _DigestingStream(io.RawIOBase):
+    """A file opened for writing that hashes every byte on its way to the file: the digest is of exactly what was
+    written, with no second read. Written front to back only (DCP's shards and torch.save's zip writer are): a seek
+    would make the hashed bytes differ from the file's, so it is refused."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw, self.hash, self.size = raw, hashlib.new(DIGEST), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = self.raw.write(b)
+        view = memoryview(b).cast("B")
+        self.hash.update(view[:n] if n is not None and n < len(view) else view)
+        self.size += len(view) if n is None else n
+        return len(view) if n is None else n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def seekable(self) -> bool:
+        return False
+
+    def seek(self, *args):
+        raise io.UnsupportedOperation("a checkpoint file is written front to back (its digest is taken as it is written)")
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class DigestingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and digest of every file it writes (``create_stream`` in a write
+    mode) into ``digests``, and following DCP's ``.metadata.tmp`` -> ``.metadata`` rename."""
+
+    def __init__(self, digests: FileDigests):
+        super().__init__()
+        self.digests = digests
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode and "a" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        assert "a" not in mode and "+" not in mode, f"DCP opened {path} with mode {mode!r}: a digest needs a fresh file"
+        with super().create_stream(path, mode) as raw:
+            stream = _DigestingStream(raw)
+            yield stream
+            stream.flush()
+            assert stream.size == raw.tell(), f"{path}: hashed {stream.size} bytes, the file has {raw.tell()}"
+        self.digests.add(path, size=stream.size, digest=stream.hash.hexdigest())
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        self.digests.rename(path, new_path)
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        super().rm_file(path)
+        self.digests.remove(path)
+
+
+class DigestingFileSystemWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` (same files, same bytes) whose files are hashed as they are written."""
+
+    def __init__(self, path: str | os.PathLike, digests: FileDigests):
+        super().__init__(path)
+        self.fs = DigestingFileSystem(digests)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """Size and ``DIGEST`` of a file, read in ``CHUNK``s (hashlib releases the GIL on large updates)."""
+    h, size = hashlib.new(DIGEST), 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def recorded_digests(path: Path, meta: dict) -> dict[str, dict] | None:
+    """The file digests ``meta.json`` of checkpoint ``path`` records (name -> size, digest), or None for a checkpoint
+    written before they were recorded. A record this version cannot check raises ``CheckpointDamagedError``."""
+    found = meta.get("digests")
+    if found is None:
+        return None
+    if not isinstance(found, dict) or not isinstance(found.get("files"), dict) or not found["files"]:
+        raise CheckpointDamagedError(path, ["meta.json: its 'digests' entry is not {'algorithm': ..., 'files': {name: {size, digest}}}"])
+    if found.get("algorithm") != DIGEST:
+        raise CheckpointDamagedError(path, [f"meta.json records {found.get('algorithm')!r} digests; this version checks {DIGEST}"])
+    for name, entry in found["files"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("digest"), str)):
+            raise CheckpointDamagedError(path, [f"meta.json: the record of {name!r} is not {{size, digest}}: {entry!r}"])
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointDamagedError(path, [f"meta.json: {name!r} is not a file inside the checkpoint"])
+    return found["files"]
+
+
+def check_files(path: Path, files: dict[str, dict], *, threads: int = 4) -> list[str]:
+    """Compare the files of checkpoint ``path`` with their recorded sizes and digests; one problem per file, naming
+    it with what was recorded and what was found. Never raises for a file that is missing or unreadable. Up to
+    ``threads`` files at once (reads and hashlib release the GIL): a rank checking many files (a checkpoint resumed on
+    fewer ranks than wrote it) uses the cores its host has."""
+
+    def check(name: str) -> str | None:
+        want = files[name]
+        try:
+            size, digest = file_digest(path / name)
+        except OSError as e:
+            return f"{path / name} cannot be read ({type(e).__name__}: {e.strerror or e})"
+        if size != want["size"]:
+            return f"{path / name} has {size} bytes, its save wrote {want['size']} (truncated or appended to)"
+        if digest != want["digest"]:
+            return f"{path / name} does not match its recorded {DIGEST}: expected {want['digest']}, found {digest}"
+        return None
+
+    names = sorted(files)
+    if len(names) <= 1 or threads <= 1:
+        found = [check(name) for name in names]
+    else:
+        with ThreadPoolExecutor(max_workers=min(threads, len(names)), thread_name_prefix="checkpoint-digest") as pool:
+            found = list(pool.map(check, names))
+    return [p for p in found if p is not None]
+
+
+def verify_checkpoint(path: str | Path) -> bool:
+    """Check every file of checkpoint ``path`` against ``meta.json``'s digests, in this one process; raises
+    ``CheckpointDamagedError`` naming each file that differs. Returns False for a checkpoint that records no digests
+    (written before they were), which is not checked. (The trainer spreads this over its ranks: ``Checkpointer``.)"""
+    path = Path(path)
+    files = recorded_digests(path, read_meta(path))
+    if files is None:
+        return False
+    problems = check_files(path, files)
+    if problems:
+        raise CheckpointDamagedError(path, problems)
+    return True
+
+
+def share_files(files: dict[str, dict], n: int) -> list[list[str]]:
+    """``files`` split over ``n`` ranks by size (largest first, each to the least loaded rank): the same split on
+    every rank, since every rank holds the same record."""
+    shares: list[list[str]] = [[] for _ in range(n)]
+    load = [0] * n
+    for name in sorted(files, key=lambda k: (-files[k]["size"], k)):
+        i = load.index(min(load))
+        shares[i].append(name)
+        load[i] += files[name]["size"]
+    return shares
+
+
 class Checkpointer:
     """Saves and restores DCP checkpoints under ``cfg.dir``; every method is collective over ``mesh`` (the ranks
     that hold trainable state: the actor's; None = the whole world).
@@ -371,19 +595,54 @@ class Checkpointer:
         self.root = Path(cfg.dir or Path(output_dir) / "checkpoints").expanduser()
         self.field = "checkpoint.dir" if cfg.dir else "checkpoint.dir (default <trainer.output_dir>/checkpoints)"
         self.rank, self.world_size = rank, world_size
+        self._verified: Path | None = None  # the checkpoint ``prepare`` picked and checked
         if cfg.save_every < 0 or cfg.keep_last < 0:
             raise ValueError(f"checkpoint.save_every={cfg.save_every} and checkpoint.keep_last={cfg.keep_last} must be >= 0")
 
     # -- deciding ---------------------------------------------------------------------------------------
 
     def prepare(self) -> Path | None:
-        """Check that the checkpoint root is writable and pick the checkpoint to resume from (None: fresh).
+        """Check that the checkpoint root is writable and pick the checkpoint to resume from (None: fresh); collective.
 
-        Runs before anything expensive, so a bad ``checkpoint.dir`` or ``checkpoint.resume`` fails in seconds.
+        Runs before anything expensive, so a bad ``checkpoint.dir`` or ``checkpoint.resume`` fails in seconds. The pick
+        is checked against the file digests its save recorded (``_verify``: every rank reads a share of the files and
+        learns every rank's findings, so all take the same decision and none waits on another). A damaged checkpoint
+        named by ``checkpoint.resume`` is an error naming the file; with ``auto`` the newest intact one is resumed
+        instead, every rank says so, and the damaged ones are moved aside (``step_N.damaged-<time>``, kept) so that
+        ``latest``, ``keep_last`` and the next save see this run's line of checkpoints only.
         """
-        return on_main(self._prepare, mesh=self.mesh)
+        path = on_main(self._choose, mesh=self.mesh)
+        damaged: list[CheckpointDamagedError] = []
+        while path is not None:
+            try:
+                self._verify(path)
+                break
+            except CheckpointDamagedError as e:
+                if self.cfg.resume.strip() != "auto":
+                    raise
+                damaged.append(e)
+                path = on_main(lambda: self._newest_before(e.path), mesh=self.mesh)
+        if damaged and path is None:
+            raise CheckpointError(
+                f"checkpoint.resume=auto: every checkpoint in {self.field}={self.root} is damaged ("
+                + "; ".join(str(e) for e in damaged) + "). Nothing was moved or removed: restore them, resume one with "
+                "--resume PATH (which still checks it), or move them aside to start afresh"
+            )
+        aside = on_main(lambda: self._settle(path, [e.path for e in damaged]), mesh=self.mesh)
+        for e in damaged:
+            print(f"[rlspmd] rank {self.rank}: checkpoint.resume=auto: {e}; resuming from the newest intact checkpoint "
+                  f"{path.name} instead (moved {e.path.name} aside to {aside[e.path.name]})", flush=True)
+        self._verified = path
+        return path
 
     def _prepare(self) -> Path | None:
+        """``prepare`` in this one process, without the digest check: the bookkeeping its unit tests exercise."""
+        path = self._choose()
+        self._settle(path, [])
+        return path
+
+    def _choose(self) -> Path | None:
+        """Which checkpoint ``checkpoint.resume`` asks for (rank 0; nothing on disk changes yet)."""
         self._check_writable()
         spec = self.cfg.resume.strip()
         if spec == "none":
@@ -398,9 +657,58 @@ class Checkpointer:
         if spec == "auto":
             found = complete_checkpoints(self.root)
             return found[-1] if found else None
-        path = resolve_checkpoint(spec, field_name="checkpoint.resume")
-        self._supersede_after(int(STEP_RE.match(path.name).group(1)))
-        return path
+        return resolve_checkpoint(spec, field_name="checkpoint.resume")
+
+    def _newest_before(self, path: Path) -> Path | None:
+        older = [p for p in complete_checkpoints(self.root) if p.name < path.name]
+        return older[-1] if older else None
+
+    def _settle(self, path: Path | None, damaged: list[Path]) -> dict[str, str]:
+        """Rank 0, once the checkpoint to resume is known to be intact: move the damaged ones aside (returns their new
+        names), and, when resuming an explicit older checkpoint, the newer ones (``_supersede_after``)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = {}
+        for p in damaged:
+            aside[p.name] = f"{p.name}.damaged-{stamp}"
+            p.rename(p.with_name(aside[p.name]))
+        if damaged:
+            self._write_latest()
+        if path is not None and self.cfg.resume.strip() not in ("auto", "none"):
+            self._supersede_after(int(STEP_RE.match(path.name).group(1)))
+        return aside
+
+    def _verify(self, path: Path) -> None:
+        """Check checkpoint ``path``'s files against the digests ``meta.json`` records (collective over the mesh):
+        the files are shared out by size, each rank hashes its share, and every rank gets every finding, so every
+        rank raises the same ``CheckpointDamagedError`` (naming each file) or none does. A checkpoint written before
+        digests were recorded is loaded unchecked, and rank 0 says so."""
+
+        def record() -> dict[str, dict] | None:
+            try:
+                meta = read_meta(path)
+            except CheckpointError as e:
+                raise CheckpointDamagedError(path, [str(e)]) from None
+            files = recorded_digests(path, meta)
+            if files is None:
+                print(f"checkpoint {path} records no file digests (written before rlspmd recorded them): loading it "
+                      "without checking its files", flush=True)
+            return files
+
+        files = on_main(record, mesh=self.mesh)
+        if files is None:
+            return
+        group = self._group()
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        mine = share_files(files, n)[me]
+        try:
+            problems = check_files(path, {name: files[name] for name in mine})
+        except Exception as e:  # noqa: BLE001 - reported like a damaged file: this rank must still join the gather
+            problems = [f"rank {self.rank} could not check {mine}: {type(e).__name__}: {e}"]
+        every: list[list[str] | None] = [None] * n
+        dist.all_gather_object(every, problems, group=group)
+        found = sorted(p for rank_problems in every for p in rank_problems)
+        if found:
+            raise CheckpointDamagedError(path, found)
 
     def _supersede_after(self, step: int) -> None:
         """Resuming from an older checkpoint (rewinding a run): newer checkpoints in ``dir`` belong to the abandoned
@@ -455,9 +763,12 @@ class Checkpointer:
         tmp = final.with_name(final.name + ".tmp")
         previous = on_main(lambda: self._start(tmp), mesh=self.mesh)
         try:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group())
+            written = FileDigests(tmp)
+            dcp.save(state, storage_writer=DigestingFileSystemWriter(tmp, written), process_group=self._group())
+            digests = self._gather_digests(written)
             write_files(tmp)
-            on_main(lambda: self._commit(tmp, final, {**meta, "step": step, "world_size": self.world_size}), mesh=self.mesh)
+            meta = {**meta, "step": step, "world_size": self.world_size, "digests": {"algorithm": DIGEST, "files": digests}}
+            on_main(lambda: self._commit(tmp, final, meta), mesh=self.mesh)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank gets here (DCP and on_main raise
             # everywhere); DCP's CheckpointException is a BaseException
             reason = _first_failure(e)
@@ -468,6 +779,17 @@ class Checkpointer:
             ) from e
         on_main(lambda: self._prune(keep=final), mesh=self.mesh)
         return final
+
+    def _gather_digests(self, written: FileDigests) -> dict[str, dict]:
+        """Every rank's written files, by name, on every rank (each rank writes its own shards; rank 0 ``.metadata``)."""
+        group = self._group()
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, written.files, group=group)
+        merged: dict[str, dict] = {}
+        for files in every:
+            assert not set(files) & set(merged), f"two ranks wrote {sorted(set(files) & set(merged))}"
+            merged.update(files)
+        return dict(sorted(merged.items()))
 
     def _start(self, tmp: Path) -> str | None:
         self._check_writable()
@@ -510,6 +832,8 @@ class Checkpointer:
             return self._load(path, state, engines=engines, components=components)
 
     def _load(self, path: Path, state: dict[str, Stateful], *, engines: dict, components: list[str]) -> dict:
+        if path != self._verified:  # ``prepare`` checked the checkpoint it picked; any other is checked here
+            self._verify(path)
         meta = on_main(lambda: self._check_fits(path, engines=engines, components=components), mesh=self.mesh)
         have_rng = broadcast_object(None if self.rank else self._rng_keys(path), mesh=self.mesh)
         state = dict(state)
