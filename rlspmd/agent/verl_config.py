@@ -74,9 +74,9 @@ def _read(path: str, *, field_name: str, top: str) -> tuple[str, list]:
     try:
         doc = yaml.safe_load(file.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"{head}: {file} is not valid YAML: {e}") from None
+        raise ValueError(f"{head}: not valid YAML: {e}") from None
     if not isinstance(doc, dict) or top not in doc:
-        raise ValueError(f"{head}: {file} must be a mapping with a `{top}:` list (verl's format)")
+        raise ValueError(f"{head}: must be a mapping with a `{top}:` list (verl's format)")
     unknown = sorted(set(doc) - {top})
     if unknown:
         raise ValueError(f"{head}: top-level key(s) {unknown} are not part of verl's format (only `{top}:`)")
