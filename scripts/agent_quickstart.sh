@@ -24,4 +24,5 @@ stage model python scripts/models/build_tiny.py --out models/tiny-tools --tools
 stage data python scripts/data/agent_arithmetic.py --out-dir data/agent_arithmetic
 stage sft torchrun --nproc-per-node "$NPROC" -m rlspmd.sft --config configs/sft_agent_quickstart.py
 stage grpo torchrun --nproc-per-node "$NPROC" -m rlspmd.train --config configs/agent_quickstart.py "$@"
-echo "agent quickstart finished in $(( $(date +%s) - start )) s (seconds per stage: ${stages[*]/%/ s,}); metrics: outputs/agent-quickstart/metrics.jsonl"
+echo "agent quickstart finished in $(( $(date +%s) - start )) s; seconds per stage: $(IFS=,; echo "${stages[*]}" | sed 's/,/ s, /g') s"
+echo "metrics: outputs/agent-quickstart/metrics.jsonl, summary: outputs/agent-quickstart/summary.json"
