@@ -283,3 +283,30 @@ def test_sft_config_resolves_and_passes_the_start_up_checks():
     assert (cfg.data.messages_key, cfg.data.tools, cfg.data.tool_prompt) == ("messages", ["calc_gsm8k_reward"], "system")
     assert cfg.data.train_files == ["data/gsm8k_tool/sft.parquet"] and cfg.output_dir == "outputs/gsm8k-tool-smollm2-sft"
     assert sft_config_problems(cfg, world_size=2, check_files=False) == []
+
+
+def test_interaction_only_rows_run_with_the_gsm8k_interaction_and_no_tools(tiny_tools_model, tmp_path):
+    """``gsm8k_multiturn.py --interaction`` (verl's w_interaction rows): they pass the start-up row checks of the
+    interaction-only recipe (``--rollout.agent.tools`` empty, ``--rollout.agent.interaction gsm8k``), the interaction
+    hears the row's ground truth, and the tool rows are refused by that run (they need tools)."""
+    from rlspmd.agent import check_rows
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    multiturn.main(["--input", str(src), "--interaction", "--out-dir", str(tmp_path / "inter")])
+    multiturn.main(["--input", str(src), "--out-dir", str(tmp_path / "tool")])
+    tok = AutoTokenizer.from_pretrained(str(tiny_tools_model))
+    loop = build_agent_loop(AgentConfig(interaction="gsm8k", max_user_turns=2), tokenizer=tok, eos_ids=[tok.eos_token_id],
+                            pad_id=tok.pad_token_id, max_response_length=128, model_field="actor.model.path")
+    ds = PromptDataset([str(tmp_path / "inter/train.parquet")], tok, prompt_key="prompt", max_prompt_length=512)
+    row = ds.rows[0]
+    assert row["extra_info"]["interaction_kwargs"] == {"name": "gsm8k", "query": GSM8K[0]["question"], "ground_truth": "7"}
+    assert "need_tools_kwargs" not in row["extra_info"] and "reconsider" in row["prompt_messages"][0]["content"]
+    check_rows(ds.rows, loop=loop, field_name="data.train_files")
+    out = loop.run(ScriptedModel(tok, {0: ["#### 8", "#### 7"]}), ds.batch([0]), GREEDY, None, MetricBuffer())
+    assert out["agent_rewards_B"].tolist() == [1.0] and out["agent_user_turns_B"].tolist() == [1.0]
+    tool_rows = PromptDataset([str(tmp_path / "tool/train.parquet")], tok, prompt_key="prompt", max_prompt_length=512).rows
+    with pytest.raises(ValueError, match=r"row 0: extra_info.need_tools_kwargs=True but extra_info.tools_kwargs|"
+                                         r"row 0: extra_info.tools_kwargs names the tool 'calc_gsm8k_reward'"):
+        check_rows(tool_rows, loop=loop, field_name="data.train_files")
