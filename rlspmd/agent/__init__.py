@@ -70,18 +70,8 @@ def load_tools(cfg: AgentConfig, *, field_name: str = "rollout.agent.tools") -> 
 def _yaml_tool(entry: Entry, builtin: dict):
     """One verl ``tools:`` entry: an rlspmd built-in (verl's class name mapped, or a registered name) or a user class
     built with ``config`` as keyword arguments; ``tool_schema`` replaces the class's schema and names the tool."""
-    registered = VERL_TOOLS.get(entry.class_name, entry.class_name if entry.class_name in builtin else None)
-    if registered is not None:
-        if entry.config:
-            raise ValueError(f"{entry.where}.config: the built-in {registered!r} ({entry.class_name}) takes no options, "
-                             f"got {sorted(entry.config)}")
-        tool = _instantiate(builtin[registered], where=entry.where)
-    else:
-        error = verl_class_error(entry, mapped=VERL_TOOLS)
-        if error is not None:
-            raise error
-        cls = load_object(user_spec(entry.class_name), field_name=f"{entry.where}.class_name", kind="class")
-        tool = _instantiate(lambda: cls(**entry.config), where=f"{entry.where} ({entry.class_name} with config {entry.config})")
+    registered, factory = _entry_factory(entry, mapped=VERL_TOOLS, builtin=builtin)
+    tool = _instantiate(factory, where=f"{entry.where} ({entry.class_name})")
     if entry.schema is not None:
         where = f"{entry.where}.tool_schema"
         name = check_schema(entry.schema, where=where)
@@ -89,6 +79,22 @@ def _yaml_tool(entry: Entry, builtin: dict):
             _same_parameters(tool.schema, entry.schema, where=where, builtin=registered)
         tool.schema, tool.name = entry.schema, name  # what the model sees; verl names the tool by its schema
     return tool
+
+
+def _entry_factory(entry: Entry, *, mapped: dict[str, str], builtin: dict):
+    """``(registered name, factory)`` of a YAML entry: a built-in (verl's class name ``mapped`` to it, or its registered
+    name; it takes no ``config`` options), or a user class (``(None, lambda: Class(**config))``)."""
+    registered = mapped.get(entry.class_name, entry.class_name if entry.class_name in builtin else None)
+    if registered is not None:
+        if entry.config:
+            raise ValueError(f"{entry.where}.config: the built-in {registered!r} ({entry.class_name}) takes no options, "
+                             f"got {sorted(entry.config)}")
+        return registered, builtin[registered]
+    error = verl_class_error(entry, mapped=mapped)
+    if error is not None:
+        raise error
+    cls = load_object(user_spec(entry.class_name), field_name=f"{entry.where}.class_name", kind="class")
+    return None, lambda: cls(**entry.config)
 
 
 def _same_parameters(own: dict, given: dict, *, where: str, builtin: str) -> None:
@@ -151,18 +157,9 @@ def load_interactions(cfg: AgentConfig) -> dict:
 
 
 def _yaml_interaction(entry: Entry):
-    registered = VERL_INTERACTIONS.get(entry.class_name, entry.class_name if entry.class_name in INTERACTIONS else None)
-    if registered is not None:
-        if entry.config:
-            raise ValueError(f"{entry.where}.config: the built-in {registered!r} ({entry.class_name}) takes no options, "
-                             f"got {sorted(entry.config)}")
-        return _check_interaction(INTERACTIONS[registered](), where=entry.where)
-    error = verl_class_error(entry, mapped=VERL_INTERACTIONS)
-    if error is not None:
-        raise error
-    cls = load_object(user_spec(entry.class_name), field_name=f"{entry.where}.class_name", kind="class")
-    return _check_interaction(_instantiate(lambda: cls(**entry.config), where=f"{entry.where} ({entry.class_name})"),
-                              where=entry.where)
+    """One verl ``interaction:`` entry: an rlspmd built-in or a user class built with ``config`` as keyword arguments."""
+    _, factory = _entry_factory(entry, mapped=VERL_INTERACTIONS, builtin=INTERACTIONS)
+    return _check_interaction(_instantiate(factory, where=f"{entry.where} ({entry.class_name})"), where=entry.where)
 
 
 def build_agent_loop(cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id: int, max_response_length: int,
