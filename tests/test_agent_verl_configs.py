@@ -19,7 +19,7 @@ from rlspmd.config import AgentConfig, load_config_file
 from rlspmd.data.prompts import PromptDataset
 from rlspmd.metrics import MetricBuffer
 from rlspmd.validate import config_problems
-from test_agent_loop import GREEDY, ScriptedModel, call, response, tok  # noqa: F401 - tok is a fixture
+from test_agent_loop import GREEDY, ScriptedModel, call, response
 
 # verl: examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml (byte for byte, trailing space included)
 VERL_TOOL_CONFIG = """\
@@ -116,6 +116,13 @@ def configs(tmp_path, monkeypatch):
     return {"tools": write(tmp_path / "gsm8k_tool_config.yaml", VERL_TOOL_CONFIG),
             "interaction": write(tmp_path / "gsm8k_interaction_config.yaml", VERL_INTERACTION_CONFIG),
             "two": write(tmp_path / "two_interactions.yaml", two)}
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tools_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_tools_model))
 
 
 def loop_for(tok, **cfg):

@@ -151,7 +151,7 @@ def read_interaction_config(path: str, *, field_name: str = "rollout.agent.inter
 def default_interaction_name(class_name: str) -> str:
     """verl's name for an interaction without one: ``pkg.mod.Gsm8kInteraction`` -> ``gsm8k``."""
     simple = class_name.replace(":", ".").rsplit(".", 1)[-1]
-    return (simple[: -len("Interaction")] if simple.endswith("Interaction") else simple).lower()
+    return simple.removesuffix("Interaction").lower()
 
 
 def user_spec(class_name: str) -> str:
