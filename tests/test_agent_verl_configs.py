@@ -304,8 +304,12 @@ def test_verl_rows_and_yaml_files_train_a_step_under_torchrun(configs, tiny_tool
     out = tmp_path / "run"
     config = write(tmp_path / "verl_run.py", CONFIG.format(model=str(tiny_tools_model), tools=configs["tools"],
                                                            interaction=configs["interaction"], files=files, out=str(out)))
-    torchrun(["-m", "rlspmd.train", "--config", config], 2, timeout=900)
+    proc = torchrun(["-m", "rlspmd.train", "--config", config], 2, timeout=900)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = next(r for r in rows if r["step"] == 1 and "agent/turns" in r)
     assert "agent/tool_calls/calc_gsm8k_reward" in train and train["agent/turns"] >= 1  # the tool came from the YAML
-    assert [r["step"] for r in rows if "val/agent/tool_call_rate" in r] == [0, 1]
+    val = [(r["step"], r["val/agent/tool_call_rate"]) for r in rows if "val/agent/tool_call_rate" in r]
+    assert [s for s, _ in val] == [0, 1]
+    # the run's summary carries the greedy tool-call rate first -> last, as the agent quickstart prints it
+    assert json.loads((out / "summary.json").read_text())["val_tool_call_rate"] == [list(v) for v in val]
+    assert proc.stdout.count("greedy tool-call rate: ") == 1
