@@ -1,5 +1,7 @@
 """The agent quickstart: GRPO with a calculator tool on 3-digit arithmetic, 2 CPU ranks.
 
+    bash scripts/agent_quickstart.sh        # all four steps below, then the run's summary
+
     python scripts/models/build_tiny.py --out models/tiny-tools --tools
     python scripts/data/agent_arithmetic.py --out-dir data/agent_arithmetic
     torchrun --nproc-per-node 2 -m rlspmd.sft --config configs/sft_agent_quickstart.py

@@ -455,7 +455,26 @@ class AgentConfig:
     max_tool_response_chars: int = 1000
     """A tool result (or error) longer than this is cut before it is appended."""
     interaction: str | None = None
-    """User simulator after each answer without a tool call: ``gsm8k`` or ``path/to/file.py:Class``; None: none."""
+    """User simulator after each answer without a tool call: ``gsm8k`` or ``path/to/file.py:Class``; None: none.
+    Named as verl names an interaction (``gsm8k``; a class ``FooInteraction`` is ``foo``): a row whose
+    ``extra_info.interaction_kwargs.name`` names another is a start-up error; a row without a name gets it."""
+    tool_config_path: str | None = None
+    """verl's ``tool_config`` YAML, as verl's examples write it (``tools:`` a list of ``{class_name, config,
+    tool_schema}``; verl's ``actor_rollout_ref.rollout.multi_turn.tool_config_path``): its tools join
+    ``rollout.agent.tools``. verl's ``verl.tools.gsm8k_tool.Gsm8kTool`` is the built-in ``calc_gsm8k_reward``; user
+    classes by ``pkg.mod.Class``, ``pkg.mod:Class`` or ``path/to/file.py:Class``, built as ``Class(**config)``;
+    ``tool_schema`` is what the model sees. What rlspmd cannot honour (MCP tools, other verl classes, unknown keys) is a
+    start-up error naming the file and the entry (``rlspmd/agent/verl_config.py``)."""
+    interaction_config_path: str | None = None
+    """verl's ``interaction_config`` YAML (``interaction:`` a list of ``{name, class_name, config}``; verl's
+    ``...multi_turn.interaction_config_path``): several named interactions per run, each row choosing one by
+    ``extra_info.interaction_kwargs.name`` (a row without a name needs the run to have exactly one).
+    ``verl.interactions.gsm8k_interaction.Gsm8kInteraction`` is the built-in ``gsm8k``."""
+    default_agent_loop: Literal["tool_agent", "single_turn_agent"] = "tool_agent"
+    """The agent of a row without an ``agent_name`` column (verl's ``rollout.agent.default_agent_loop``):
+    ``tool_agent``, the multi-turn conversation; ``single_turn_agent``, one response (the tools' schemas still in the
+    prompt, no call run, no interaction). verl's default is ``single_turn_agent``; rlspmd's is ``tool_agent``, since a
+    run that configures tools means to use them. A row's ``agent_name`` outside these two is a start-up error."""
     max_user_turns: int = 1
     """Interaction replies per conversation."""
     code: CodeRunnerConfig = field(default_factory=CodeRunnerConfig)
@@ -463,7 +482,8 @@ class AgentConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.tools) or self.interaction is not None
+        return (bool(self.tools) or self.interaction is not None or self.tool_config_path is not None
+                or self.interaction_config_path is not None)
 
 
 @dataclass
@@ -546,7 +566,7 @@ class RolloutConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """Settings of the ``vllm`` engine (ignored by ``native``)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
-    """Multi-turn rollouts with tool calls and interactions (off unless ``agent.tools`` or ``agent.interaction``)."""
+    """Multi-turn rollouts with tool calls and interactions (off unless ``agent`` names a tool or an interaction)."""
 
 
 @dataclass
@@ -955,7 +975,8 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append(f"algorithm.rollout_correction.mis_lower / mis_upper are set but mode={rc.mode!r} rejects nothing")
     ag = cfg.rollout.agent
     if not ag.enabled and ag != AgentConfig():
-        out.append("rollout.agent.* is set but rollout.agent.tools is empty and rollout.agent.interaction is None")
+        out.append("rollout.agent.* is set but rollout.agent has no tools, tool_config_path, interaction or "
+                   "interaction_config_path")
     if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
         out.append("reward.agent_weight is set but rollout.agent is off")
     for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):

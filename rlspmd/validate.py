@@ -94,7 +94,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     _data(p, d)
     _rollout(p, r)
     if r.agent.enabled:
-        _agent(p, r.agent, ignore_eos=r.ignore_eos)
+        _agent(p, r.agent, ignore_eos=r.ignore_eos, check_files=check_files)
     _actor(p, cfg.actor, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     p.at_least("ref.logprob_micro_batch_size", cfg.ref.logprob_micro_batch_size, 1)
     if cfg.actor.lora.enabled and cfg.ref.model_path not in (None, cfg.actor.model.path):
@@ -185,10 +185,11 @@ def _rollout(p: Problems, r: RolloutConfig) -> None:
         p.optional_at_least("rollout.vllm.kv_cache_memory_bytes", r.vllm.kv_cache_memory_bytes, 1)
 
 
-def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool) -> None:
-    """Multi-turn rollouts: the section's numbers, then its tools, parser and interaction are imported, built and
-    their schemas checked (``rlspmd.agent``: an error names the tool and the field)."""
-    from rlspmd.agent import load_interaction, load_parser, load_tools
+def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool, check_files: bool) -> None:
+    """Multi-turn rollouts: the section's numbers, then its tools, parser and interactions are imported, built and
+    their schemas checked (``rlspmd.agent``: an error names the tool and the field), verl's tool and interaction
+    YAML files among them (``check_files``: an error names the file and the entry)."""
+    from rlspmd.agent import load_interactions, load_parser, load_tools
 
     for name in ("max_turns", "max_parallel_tools", "max_tool_response_chars", "max_user_turns"):
         p.at_least(f"rollout.agent.{name}", getattr(ag, name), 1)
@@ -197,7 +198,9 @@ def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool) -> None:
     if ignore_eos:
         p.add("rollout.ignore_eos", ignore_eos, "fixed-length benchmark rollouts do not apply to multi-turn rollouts "
               "(rollout.agent): a turn ends at its stop token")
-    for load in (load_tools, load_parser, load_interaction):
+    if not check_files:  # the YAML files are files: read only when files are checked
+        ag = dataclasses.replace(ag, tool_config_path=None, interaction_config_path=None)
+    for load in (load_tools, load_parser, load_interactions):
         p.file_check(load, ag)
 
 

@@ -229,3 +229,84 @@ def test_sft_demonstrations_render_the_system_tool_prompt_as_rollouts_do(smollm2
     with pytest.raises(ValueError, match="ignores its `tools` argument"):
         SFTDataset([str(path)], AutoTokenizer.from_pretrained(str(smollm2_l2)), prompt_key="prompt", response_key="response",
                    max_length=1024, messages_key="messages", tools=loop.tool_schemas)
+
+
+sft_script = load_script("scripts/data/gsm8k_tool_sft.py")
+
+
+def test_sft_demonstrations_from_verl_rows_tokenize_as_the_loop_builds_rollouts(smollm2_l2, data, tmp_path):
+    """``scripts/data/gsm8k_tool_sft.py`` on the recipe's verl-schema rows: each demonstration is the row's prompt, the
+    worked solution ending in a call, the tool's real verdict and ``#### N``; through SmolLM2's template and the
+    system tool prompt the SFT trainer's prompt ids are the RL prompt's, and its ids and loss mask are the agent loop's
+    for the same turns (the tool's turn there is what the tool really answered)."""
+    from rlspmd.sft import SFTDataset
+
+    out = tmp_path / "sft.parquet"
+    sft_script.main(["--input", str(data), "--out", str(out)])
+    import datasets
+
+    demos = datasets.Dataset.from_parquet(str(out)).to_list()
+    assert len(demos) == 3
+    first = demos[0]["messages"]
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "tool", "assistant"]
+    assert first[2]["content"] == "3 + 4 = 7\n" + call("calc_gsm8k_reward", answer="7") and first[4]["content"] == "#### 7"
+    assert "<<" not in demos[1]["messages"][2]["content"] and demos[1]["messages"][4]["content"] == "#### 1200"
+    tok = AutoTokenizer.from_pretrained(str(smollm2_l2))
+    loop = loop_for(tok)
+    rl = PromptDataset([str(data)], tok, prompt_key="prompt", max_prompt_length=768, tools=loop.tool_schemas)
+    sft = SFTDataset([str(out)], tok, prompt_key="prompt", response_key="response", max_length=1024,
+                     messages_key="messages", tools=loop.tool_schemas)
+    scripts = {i: [d["messages"][2]["content"], d["messages"][4]["content"]] for i, d in enumerate(demos)}
+    rollout = loop.run(ScriptedModel(tok, scripts), rl.batch([0, 1, 2]), GREEDY, None, MetricBuffer())
+    assert rollout["agent_rewards_B"].tolist() == [1.0, 1.0, 1.0]  # every demonstrated submission is right
+    for i in range(3):
+        prompt, ids, mask = sft.examples[i]
+        assert prompt == rl.prompt_ids[i]
+        assert (ids, mask) == response(rollout, i)[:2] and 0 < sum(mask) < len(mask)
+
+
+def test_sft_script_reads_reasoning_gym_rows_and_names_rows_without_a_solution(tmp_path):
+    row = {"data_source": "reasoning_gym/gsm_symbolic", "prompt": [{"role": "user", "content": "Q?"}],
+           "reward_model": {"style": "rule", "ground_truth": "288"},
+           "extra_info": {"index": 0, "entry": json.dumps({"metadata": {"answer_cot": "35 x 3 = 105\n#### 288"}})}}
+    demo = sft_script.demonstration(row, where="rows.parquet row 0")
+    assert demo["messages"][1]["content"] == "35 x 3 = 105\n" + call("calc_gsm8k_reward", answer="288")
+    with pytest.raises(ValueError, match=r"rows.parquet row 4: no worked solution \(extra_info.answer"):
+        sft_script.demonstration({**row, "extra_info": {"index": 4}}, where="rows.parquet row 4")
+
+
+def test_sft_config_resolves_and_passes_the_start_up_checks():
+    from rlspmd.config import SFTConfig
+    from rlspmd.validate import sft_config_problems
+
+    cfg = load_config_file(ROOT / "configs/sft_gsm8k_tool_smollm2.py", SFTConfig)
+    assert (cfg.data.messages_key, cfg.data.tools, cfg.data.tool_prompt) == ("messages", ["calc_gsm8k_reward"], "system")
+    assert cfg.data.train_files == ["data/gsm8k_tool/sft.parquet"] and cfg.output_dir == "outputs/gsm8k-tool-smollm2-sft"
+    assert sft_config_problems(cfg, world_size=2, check_files=False) == []
+
+
+def test_interaction_only_rows_run_with_the_gsm8k_interaction_and_no_tools(tiny_tools_model, tmp_path):
+    """``gsm8k_multiturn.py --interaction`` (verl's w_interaction rows): they pass the start-up row checks of the
+    interaction-only recipe (``--rollout.agent.tools`` empty, ``--rollout.agent.interaction gsm8k``), the interaction
+    hears the row's ground truth, and the tool rows are refused by that run (they need tools)."""
+    from rlspmd.agent import check_rows
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GSM8K))
+    multiturn.main(["--input", str(src), "--interaction", "--out-dir", str(tmp_path / "inter")])
+    multiturn.main(["--input", str(src), "--out-dir", str(tmp_path / "tool")])
+    tok = AutoTokenizer.from_pretrained(str(tiny_tools_model))
+    loop = build_agent_loop(AgentConfig(interaction="gsm8k", max_user_turns=2), tokenizer=tok, eos_ids=[tok.eos_token_id],
+                            pad_id=tok.pad_token_id, max_response_length=128, model_field="actor.model.path")
+    ds = PromptDataset([str(tmp_path / "inter/train.parquet")], tok, prompt_key="prompt", max_prompt_length=512)
+    row = ds.rows[0]
+    assert row["extra_info"]["interaction_kwargs"] == {"name": "gsm8k", "query": GSM8K[0]["question"], "ground_truth": "7"}
+    assert "need_tools_kwargs" not in row["extra_info"] and "reconsider" in row["prompt_messages"][0]["content"]
+    check_rows(ds.rows, loop=loop, field_name="data.train_files")
+    out = loop.run(ScriptedModel(tok, {0: ["#### 8", "#### 7"]}), ds.batch([0]), GREEDY, None, MetricBuffer())
+    assert out["agent_rewards_B"].tolist() == [1.0] and out["agent_user_turns_B"].tolist() == [1.0]
+    tool_rows = PromptDataset([str(tmp_path / "tool/train.parquet")], tok, prompt_key="prompt", max_prompt_length=512).rows
+    with pytest.raises(ValueError, match=r"row 0: extra_info.need_tools_kwargs=True but extra_info.tools_kwargs|"
+                                         r"row 0: extra_info.tools_kwargs names the tool 'calc_gsm8k_reward'"):
+        check_rows(tool_rows, loop=loop, field_name="data.train_files")

@@ -21,6 +21,12 @@ engine's log-probs there (0 elsewhere). Per sample: ``agent_turns_B``, ``agent_u
 ``agent_tool_calls_BK`` (column k: calls dispatched to tool k), ``agent_tool_errors_B``, ``agent_tool_timeouts_B``,
 ``agent_rewards_B`` (tool reward deltas + the tools' final-state scores + interaction rewards); ``agent_stop`` (why the
 conversation ended: ``STOP_REASONS``) and ``agent_tool_metrics`` (the tools' metrics, summed) as objects.
+
+Per row, as in verl: ``agent_name`` (a column; ``rollout.agent.default_agent_loop`` without one) is ``tool_agent``
+(the conversation above) or ``single_turn_agent`` (one response: no call is run, no interaction replies, no tool
+state is created); ``extra_info.interaction_kwargs.name`` picks the row's interaction among the run's;
+``extra_info.tools_kwargs[tool].create_kwargs`` reach the tool's ``create``. ``check_rows`` checks these columns
+against the run at start-up, naming the file and the row.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ from rlspmd.rollout.continuous import Request
 from rlspmd.rollout.sampling import SamplingParams
 
 STOP_REASONS = ("answer", "max_turns", "length", "interaction_error")
+AGENT_LOOPS = ("tool_agent", "single_turn_agent")
+"""verl's agent names a row's ``agent_name`` may carry."""
 
 
 @dataclass
@@ -76,7 +84,11 @@ class _Conversation:
     seed: int
     messages: list[dict]
     tool_states: dict
+    interaction: Any
+    """The row's interaction (None: none)."""
     interaction_state: Any
+    single_turn: bool = False
+    """``agent_name=single_turn_agent``: one response, no tools run, no interaction."""
     response: list[int] = field(default_factory=list)
     loss: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -98,10 +110,10 @@ class _Conversation:
 
 
 class AgentLoop:
-    def __init__(self, cfg: AgentConfig, *, tools: list, parser, interaction, renderer: ChatRenderer, tokenizer,
+    def __init__(self, cfg: AgentConfig, *, tools: list, parser, interactions: dict, renderer: ChatRenderer, tokenizer,
                  eos_ids: list[int], pad_id: int, max_response_length: int):
-        """``tools``, ``parser``, ``interaction``: built and checked by ``agent.build``."""
-        self.cfg, self.tools, self.parser, self.interaction = cfg, tools, parser, interaction
+        """``tools``, ``parser``, ``interactions`` (by name): built and checked by ``build_agent_loop``."""
+        self.cfg, self.tools, self.parser, self.interactions = cfg, tools, parser, interactions
         self.by_name = {t.name: k for k, t in enumerate(tools)}
         self.renderer, self.tokenizer = renderer, tokenizer
         self.tool_schemas = renderer.tools
@@ -132,11 +144,35 @@ class AgentLoop:
         metrics.sum("agent/tool_calls_run", 0.0)
         metrics.max("timing/rollout/tool_wait", 0.0)
 
+    def agent_name(self, batch: Batch, i: int) -> str:
+        name = batch["agent_name"][i] if "agent_name" in batch else None
+        return name or self.cfg.default_agent_loop
+
+    def interaction_for(self, kwargs: dict) -> str | None:
+        """The name of the interaction a row's ``interaction_kwargs`` choose (None: the run has none); ``ValueError``
+        for a row that names none of the run's, or none where the run has several (``check_rows`` says which row)."""
+        if not self.interactions:
+            return None
+        name = kwargs.get("name")
+        if name is None and len(self.interactions) == 1:
+            return next(iter(self.interactions))
+        if name not in self.interactions:
+            why = ("has no name and the run has several" if name is None else f"name={name!r} is not one of the run's")
+            raise ValueError(f"extra_info.interaction_kwargs {why}: {sorted(self.interactions)} (rollout.agent.interaction"
+                             "/interaction_config_path)")
+        return name
+
     def _start(self, batch: Batch, i: int, seed: int) -> _Conversation:
         mask = batch["prompt_mask_BP"][i].bool()
         info = batch["extra_info"][i] or {}
+        conv = _Conversation(index=i, prompt_ids=batch["prompts_BP"][i][mask].tolist(), seed=seed,
+                             messages=list(batch["prompt_messages"][i]), tool_states={}, interaction=None,
+                             interaction_state=None, calls_by_tool=[0] * len(self.tools))
+        if self.agent_name(batch, i) == "single_turn_agent":
+            conv.single_turn = True
+            return conv
         tools_kwargs = info.get("tools_kwargs") or {}
-        states = {}
+        states = conv.tool_states
         for tool in self.tools:
             create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs") or {}
             sample = ToolSample(ground_truth=batch["ground_truth"][i], data_source=batch["data_source"][i], extra_info=info,
@@ -146,14 +182,14 @@ class AgentLoop:
             except Exception as e:  # noqa: BLE001 - a row the tool cannot start from is a data problem: name it
                 raise ValueError(f"rollout.agent.tools: {tool.name}.create failed on the sample with extra_info.index="
                                  f"{info.get('index')} (data_source={batch['data_source'][i]!r}): {type(e).__name__}: {e}") from e
-        interaction_state = None
-        if self.interaction is not None:
+        kwargs = dict(info.get("interaction_kwargs") or {})
+        name = self.interaction_for(kwargs)
+        if name is not None:
             sample = InteractionSample(ground_truth=batch["ground_truth"][i], data_source=batch["data_source"][i],
-                                       extra_info=info, kwargs=dict(info.get("interaction_kwargs") or {}))
-            interaction_state = self.interaction.start(sample)
-        return _Conversation(index=i, prompt_ids=batch["prompts_BP"][i][mask].tolist(), seed=seed,
-                             messages=list(batch["prompt_messages"][i]), tool_states=states,
-                             interaction_state=interaction_state, calls_by_tool=[0] * len(self.tools))
+                                       extra_info=info, kwargs=kwargs)
+            conv.interaction = self.interactions[name]
+            conv.interaction_state = conv.interaction.start(sample)
+        return conv
 
     def request(self, conv: _Conversation) -> Request:
         return Request(key=conv.index, ids=conv.prompt_ids + conv.response,
@@ -172,7 +208,7 @@ class AgentLoop:
             loss[c.index, :n] = torch.tensor(c.loss, dtype=torch.long)
             logprobs[c.index, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
         for c in convs:  # the conversation is over: final-state scores, then the tools and the interaction let go
-            for tool in self.tools:
+            for tool in self.tools if not c.single_turn else ():
                 state = c.tool_states[tool.name]
                 try:
                     score = float(tool.score(state))
@@ -181,9 +217,9 @@ class AgentLoop:
                     tool.release(state)
                 except Exception:  # noqa: BLE001 - a tool failing here is counted like any tool error
                     c.errors += 1
-            if self.interaction is not None:
+            if c.interaction is not None:
                 try:
-                    self.interaction.finish(c.interaction_state)
+                    c.interaction.finish(c.interaction_state)
                 except Exception:  # noqa: BLE001
                     c.errors += 1
         lengths = torch.tensor([len(c.response) for c in convs], dtype=torch.long)
@@ -254,15 +290,17 @@ class Session:
         conv.messages.append({"role": "assistant", "content": text})
         if not stopped or len(conv.response) >= loop.max_response_length:
             return self._end(conv, "length")
+        if conv.single_turn:
+            return self._end(conv, "answer")
         calls = loop.parser.parse(text) if loop.tools else []
         if calls:
             if conv.turns >= self.cfg.max_turns:
                 return self._end(conv, "max_turns")
             return self._dispatch(conv, calls)
-        if loop.interaction is None or conv.user_turns >= self.cfg.max_user_turns or conv.turns >= self.cfg.max_turns:
+        if conv.interaction is None or conv.user_turns >= self.cfg.max_user_turns or conv.turns >= self.cfg.max_turns:
             return self._end(conv, "answer")
         try:
-            done, reply, reward = loop.interaction.respond(conv.interaction_state, conv.messages)
+            done, reply, reward = conv.interaction.respond(conv.interaction_state, conv.messages)
             reward = float(reward)
         except Exception:  # noqa: BLE001 - counted, never raised
             conv.errors += 1
@@ -383,3 +421,40 @@ class Session:
         if not starts:
             return 0.05  # calls still queued for a worker slot
         return max(0.001, min(starts) + self.cfg.tool_timeout_s - now)
+
+
+def check_rows(rows: list[dict], *, loop: AgentLoop | None, field_name: str) -> None:
+    """The data's agent columns against the run (``loop``: None for single-turn runs), at start-up: ``ValueError``
+    naming the file and the row for what the run cannot honour. ``rows``: ``PromptDataset.rows`` (``where``: file and
+    row; ``agent_name``; ``extra_info``)."""
+    tools = {t.name for t in loop.tools} if loop is not None else set()
+    for row in rows:
+        path, i = row["where"]
+        where = f"{field_name}: {path} row {i}"
+        info = row["extra_info"] or {}
+        name = row.get("agent_name")
+        if name is not None and name not in AGENT_LOOPS:
+            raise ValueError(f"{where}: agent_name={name!r}; rlspmd runs {list(AGENT_LOOPS)}")
+        if loop is None:
+            if name == "tool_agent" or info.get("need_tools_kwargs"):
+                what = "agent_name='tool_agent'" if name == "tool_agent" else "extra_info.need_tools_kwargs=True"
+                raise ValueError(f"{where}: {what} but the run has no rollout.agent (set rollout.agent.tools or "
+                                 "tool_config_path, or drop the column)")
+            continue
+        if (name or loop.cfg.default_agent_loop) == "single_turn_agent":
+            continue
+        tools_kwargs = {k: v for k, v in (info.get("tools_kwargs") or {}).items() if v is not None}  # parquet: None
+        if info.get("need_tools_kwargs") and not tools_kwargs:
+            raise ValueError(f"{where}: extra_info.need_tools_kwargs=True but extra_info.tools_kwargs is empty")
+        for tool, kw in tools_kwargs.items():
+            if tool not in tools:
+                raise ValueError(f"{where}: extra_info.tools_kwargs names the tool {tool!r}, which the run does not have "
+                                 f"(its tools: {sorted(tools)})")
+            unread = sorted(k for k, v in (kw or {}).items() if k != "create_kwargs" and v)
+            if unread:
+                raise ValueError(f"{where}: extra_info.tools_kwargs[{tool!r}] sets {unread}; rlspmd passes only "
+                                 "create_kwargs (to the tool's create)")
+        try:
+            loop.interaction_for(dict(info.get("interaction_kwargs") or {}))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None

@@ -153,7 +153,7 @@ class PromptDataset:
                 info.setdefault("index", i)
                 self.rows.append(
                     {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1],
-                     "prompt_messages": messages, "where": (path, i)}
+                     "prompt_messages": messages, "where": (path, i), "agent_name": row.get("agent_name")}
                 )
             if texts:
                 self.prompt_ids.extend(tokenizer(texts, add_special_tokens=False)["input_ids"])
@@ -200,6 +200,7 @@ class PromptDataset:
                 "extra_info": [r["extra_info"] for r in rows],
                 "prompt_text": [r["prompt_text"] for r in rows],
                 "prompt_messages": [r["prompt_messages"] for r in rows],  # a reward model re-renders them
+                "agent_name": [r["agent_name"] for r in rows],  # verl's per-row agent (rollout.agent; None: the default)
             },
         )
 

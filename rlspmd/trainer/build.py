@@ -50,6 +50,7 @@ from rlspmd.rewards.functions import spec_name
 from rlspmd.roles.reward import NoReward, Reward, component_manager
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.agent import build_agent_loop
+from rlspmd.agent import check_rows as check_agent_rows
 from rlspmd.agent.loop import AgentLoop
 from rlspmd.roles.rollout import Rollout, RolloutClient, RolloutRole, RolloutServer, SingleTurn
 from rlspmd.rollout.native import NativeEngine, OwnWeights
@@ -335,6 +336,9 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     )
     prompts = Prompts(cfg.data, tokenizer, mesh=mesh, device=rt.device, is_main=rt.is_main,
                       prompts_per_round=sampling.prompts_per_round, seed=trainer.seed, tools=episodes.tool_schemas)
+    if prompts.train is not None:  # rank 0 read the files: their agent columns must fit the run (verl's agent_name, ...)
+        for field_name, ds in (("data.train_files", prompts.train), ("data.val_files", prompts.val)):
+            check_agent_rows(ds.rows, loop=episodes if cfg.rollout.agent.enabled else None, field_name=field_name)
     data_stats = broadcast_object(prompts.stats())  # over the world: rollout-only ranks follow the validation rounds
 
     plans = dict(samples_per_prompt=n, train_batch_size=tbs, dp=dp, max_response_length=R)

@@ -173,6 +173,7 @@ class RunSummary:
     def __init__(self):
         self.t0 = time.time()
         self.val: list[tuple[int, float]] = []
+        self.tool_calls: list[tuple[int, float]] = []  # greedy validation tool-call rate (rollout.agent runs)
         self.timings: list[dict[str, float]] = []
         self.tokens: list[tuple[float, float]] = []  # (generated tokens, all tokens) per step
         self.last: dict[str, float] = {}
@@ -180,6 +181,8 @@ class RunSummary:
     def add(self, step: int, metrics: dict[str, float]) -> None:
         if "val/acc" in metrics:
             self.val.append((step, metrics["val/acc"]))
+        if "val/agent/tool_call_rate" in metrics:
+            self.tool_calls.append((step, metrics["val/agent/tool_call_rate"]))
         t = {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}
         if t:
             self.timings.append(t)
@@ -190,6 +193,8 @@ class RunSummary:
         steady = self.timings[1:] or self.timings  # the first step pays one-off warm-up costs
         mean = {k: sum(t.get(k, 0.0) for t in steady) / len(steady) for k in (steady[0] if steady else {})}
         out = {"wall_s": time.time() - self.t0, "steps": len(self.timings), "val_acc": self.val, "mean_step_s": mean}
+        if self.tool_calls:
+            out["val_tool_call_rate"] = self.tool_calls
         if steady:
             first = 1 if len(self.timings) > 1 else 0
             tokens = self.tokens[first:]
@@ -206,6 +211,9 @@ class RunSummary:
         if len(self.val) >= 2:
             (s0, a0), (s1, a1) = self.val[0], self.val[-1]
             lines.append(f"validation accuracy: {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points")
+        if len(self.tool_calls) >= 2:
+            (s0, r0), (s1, r1) = self.tool_calls[0], self.tool_calls[-1]
+            lines.append(f"greedy tool-call rate: {r0:.3f} (step {s0}) -> {r1:.3f} (step {s1}), {100 * (r1 - r0):+.1f} points")
         if d["mean_step_s"]:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in d["mean_step_s"].items() if k != "step" and v >= 0.005)
             lines.append(f"seconds per step (mean after the first): {d['mean_step_s'].get('step', 0):.2f} = {parts}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite in one command, on a CUDA machine without registry access:
 #   bash scripts/bench/gpu_suite.sh [gpu_suite.py options]      (from the repository root; OUT=dir for the JSON)
-# Wheels carried in $WHEELS (default .whl/: tyro, datasets, trl, ... from /work/shared/gpu/fetch_wheels.sh) are
-# installed into /tmp/site first (the machine's own torch stays); python is whichever of python / python3 exists.
+# Wheels carried in $WHEELS (default .whl/: tyro, datasets, trl, ..., fetched beforehand on a machine with registry
+# access, e.g. `pip download --no-deps -d .whl tyro datasets trl`) are installed into /tmp/site first (the machine's
+# own torch stays); python is whichever of python / python3 exists. README, "On a GPU: the GPU suite".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=$(command -v python || command -v python3)

@@ -11,6 +11,11 @@ submitted answer is the tool's score) and the question as the user turn. ``extra
 ``reward_model.ground_truth`` is the number; the rule reward for the row's ``data_source`` checks the final text's
 ``#### N`` as for single-turn GSM8K.
 
+``--interaction`` writes the interaction-only rows instead (verl's ``gsm8k_multiturn_w_interaction.py``): a system
+prompt that asks for ``#### N`` and to reconsider when told the answer is wrong, ``interaction_kwargs`` only (no tools:
+``need_tools_kwargs`` would make a run without tools refuse the rows), for ``rollout.agent.interaction=gsm8k`` with
+no tools.
+
 Two sources, both offline:
   * ``--input``: a local GSM8K copy, any layout ``scripts/data/gsm8k.py`` reads (official jsonl dir, one jsonl file,
     a ``save_to_disk`` dir); ``data_source`` is ``openai/gsm8k``;
@@ -19,6 +24,7 @@ Two sources, both offline:
 
     python scripts/data/gsm8k_multiturn.py --gsm-symbolic --num-train 5000 --num-test 200 --out-dir data/gsm8k_tool
     python scripts/data/gsm8k_multiturn.py --input ~/gsm8k --out-dir data/gsm8k_tool
+    python scripts/data/gsm8k_multiturn.py --gsm-symbolic --interaction --out-dir data/gsm8k_interaction
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ SYSTEM_PROMPT = (
     "Finish with the final answer on its own line as `#### <number>`."
 )
 INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+INTERACTION_SYSTEM_PROMPT = (
+    "You are a careful math solver. Work through the problem step by step. If the user tells you that your answer is "
+    "wrong, reconsider it carefully. Finish with the final answer on its own line as `#### <number>`."
+)
 
 
 def _sibling(name: str):
@@ -47,9 +57,18 @@ def _sibling(name: str):
     return module
 
 
-def to_multiturn(row: dict[str, Any], *, question: str) -> dict[str, Any]:
-    """A single-turn verl row (``scripts/data/gsm8k.py`` / ``reasoning_gym.py``) -> the tool-using multi-turn row."""
+def to_multiturn(row: dict[str, Any], *, question: str, interaction: bool = False) -> dict[str, Any]:
+    """A single-turn verl row (``scripts/data/gsm8k.py`` / ``reasoning_gym.py``) -> the tool-using multi-turn row
+    (``interaction``: the interaction-only row)."""
     truth = row["reward_model"]["ground_truth"]
+    if interaction:
+        return {
+            **row,
+            "prompt": [{"role": "system", "content": INTERACTION_SYSTEM_PROMPT},
+                       {"role": "user", "content": question + INSTRUCTION}],
+            "extra_info": {**row["extra_info"],
+                           "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": truth}},
+        }
     return {
         **row,
         "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question + INSTRUCTION}],
@@ -62,15 +81,17 @@ def to_multiturn(row: dict[str, Any], *, question: str) -> dict[str, Any]:
     }
 
 
-def from_gsm8k(input_path: Path, *, split: str | None = None) -> dict[str, list[dict[str, Any]]]:
+def from_gsm8k(input_path: Path, *, split: str | None = None, interaction: bool = False) -> dict[str, list[dict[str, Any]]]:
     gsm8k = _sibling("gsm8k")
-    return {name: [to_multiturn(r, question=r["extra_info"]["question"]) for r in rows]
+    return {name: [to_multiturn(r, question=r["extra_info"]["question"], interaction=interaction) for r in rows]
             for name, rows in gsm8k.load_splits(input_path, split=split).items()}
 
 
-def from_gsm_symbolic(*, num_train: int, num_test: int, seed: int = 0) -> dict[str, list[dict[str, Any]]]:
+def from_gsm_symbolic(*, num_train: int, num_test: int, seed: int = 0,
+                      interaction: bool = False) -> dict[str, list[dict[str, Any]]]:
     splits = _sibling("reasoning_gym").generate(["gsm_symbolic"], num_train=num_train, num_test=num_test, seed=seed)
-    return {name: [to_multiturn(r, question=json.loads(r["extra_info"]["entry"])["question"]) for r in rows]
+    return {name: [to_multiturn(r, question=json.loads(r["extra_info"]["entry"])["question"], interaction=interaction)
+                   for r in rows]
             for name, rows in splits.items()}
 
 
@@ -83,11 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-train", type=int, default=5000, help="--gsm-symbolic: train problems")
     p.add_argument("--num-test", type=int, default=200, help="--gsm-symbolic: test problems")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--interaction", action="store_true",
+                   help="interaction-only rows (verl's gsm8k_multiturn_w_interaction): no tools, interaction_kwargs")
     p.add_argument("--out-dir", type=Path, default=Path("data/gsm8k_tool"))
     args = p.parse_args(argv)
 
-    splits = (from_gsm8k(args.input.expanduser(), split=args.split) if args.input is not None
-              else from_gsm_symbolic(num_train=args.num_train, num_test=args.num_test, seed=args.seed))
+    splits = (from_gsm8k(args.input.expanduser(), split=args.split, interaction=args.interaction) if args.input is not None
+              else from_gsm_symbolic(num_train=args.num_train, num_test=args.num_test, seed=args.seed,
+                                     interaction=args.interaction))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_rows = _sibling("gsm8k").write_rows
     for name, rows in splits.items():
