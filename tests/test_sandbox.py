@@ -391,9 +391,10 @@ def test_the_sandbox_dies_with_its_parent(tmp_path):
     assert processes_with(marker) == []
 
 
-def test_root_on_the_host_is_not_root_inside():
-    """Nothing host-writable is bound, whoever runs the trainer: a new user namespace (as root inside it) cannot
-    remount the read-only binds and write through them, and the sandbox has no capability to start with."""
+def test_root_on_the_host_is_not_root_inside(tmp_path):
+    """Nothing host-writable is bound, whoever runs the trainer; the sandbox has no capability, cannot make itself a
+    user namespace to gain some (seccomp as root, --disable-userns otherwise), so cannot remount the read-only binds
+    and write through them."""
     stdlib = os.path.dirname(os.__file__)
     marker = f"escaped-{uuid.uuid4().hex[:8]}"
     code = (f"import ctypes, os\nprint('uid', os.getuid(), [l for l in open('/proc/self/status') if l.startswith('CapEff')])\n"
@@ -404,8 +405,10 @@ def test_root_on_the_host_is_not_root_inside():
             "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n        print(p, e)")
     r = run(code)
     assert "wrote" not in r.output and "CapEff:\\t0000000000000000" in r.output, r.output
-    assert "uid 0" not in r.output
+    assert "uid 0" not in r.output and "unshare -1 " in r.output
     assert not os.path.exists(os.path.join(stdlib, marker)) and not os.path.exists("/usr/lib/" + marker)
+    if os.geteuid() == 0:  # control: unsandboxed, the same call makes a user namespace
+        assert "unshare 0 " in control(code.split("print('remount'")[0], tmp_path / "control").stdout
 
 
 def test_output_from_the_sandbox_cannot_reach_the_trainer_through_inherited_files():

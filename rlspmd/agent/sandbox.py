@@ -19,7 +19,9 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
   containers), bwrap sets the namespaces up without a user namespace and the runner, before it reads the code, drops to
   a fresh, otherwise unused uid/gid per call (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid:
   the kernel exempts uid 0 from ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
-  bound filesystem is ``nosuid``.
+  bound filesystem is ``nosuid``. On x86_64 a seccomp filter (``seccomp_filter``) refuses new user namespaces (the
+  way back to capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring and
+  32-bit/x32 system calls.
 * **No network**: a network namespace with only its own loopback (the host's ``127.0.0.1``, its abstract and path
   unix sockets are out of reach).
 * **Limits** (per process, inherited by everything it starts): address space ``memory_mb`` (``RLIMIT_AS``), CPU time
@@ -36,8 +38,9 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
 The code runs with ``python -I -S``: no ``site``, so the standard library only (no packages of the trainer's venv).
 Inside the sandbox it may start processes, use ``ctypes``, write files: the limits above hold for all of them. Not
 enforced: the CPU and memory use of the machine as a whole beyond ``max_processes`` times the per-process limits (run
-fewer tools at once with ``rollout.agent.max_parallel_tools``), and kernel attack surface (no seccomp filter: a kernel
-bug reachable from an unprivileged process is out of scope; run hostile workloads on a separate machine).
+fewer tools at once with ``rollout.agent.max_parallel_tools``), and the rest of the kernel's attack surface (a kernel
+bug reachable from an unprivileged process through an allowed system call is out of scope; run hostile workloads on
+a separate machine).
 
 Where bwrap is missing or cannot create its namespaces, ``check_sandbox`` (called when the ``python`` tool is built,
 i.e. at config validation) raises an error naming what is missing: the tool does not start.
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import random
 import select
 import shutil
@@ -285,16 +289,22 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
     as_root = os.geteuid() == 0
     uid = SANDBOX_UID_BASE + random.getrandbits(24) if as_root else -1
     info_r, info_w = os.pipe()
-    cmd = [shutil.which("bwrap") or "bwrap", *bwrap_arguments(interp, as_root=as_root, workdir_mb=workdir_mb,
-                                                              info_fd=info_w),
-           "--", interp.executable, "-I", "-S", "-c", BWRAP_RUNNER, str(uid), str(memory_mb << 20),
-           str(max(1, int(cpu_s))), str(max_file_mb << 20), str(max_processes)]
+    child_fds = [info_w]  # bwrap's ends, closed here once it started
+    args = bwrap_arguments(interp, as_root=as_root, workdir_mb=workdir_mb, info_fd=info_w)
+    bpf = seccomp_filter()
+    if bpf is not None:
+        child_fds.append(os.memfd_create("rlspmd-seccomp", 0))
+        os.write(child_fds[-1], bpf)
+        os.lseek(child_fds[-1], 0, os.SEEK_SET)
+        args += ["--seccomp", str(child_fds[-1])]
+    cmd = [shutil.which("bwrap") or "bwrap", *args, "--", interp.executable, "-I", "-S", "-c", BWRAP_RUNNER, str(uid),
+           str(memory_mb << 20), str(max(1, int(cpu_s))), str(max_file_mb << 20), str(max_processes)]
     pidfd = None
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env={},
-                                start_new_session=True, pass_fds=(info_w,))
-        os.close(info_w)
-        info_w = -1
+                                start_new_session=True, pass_fds=child_fds)
+        while child_fds:
+            os.close(child_fds.pop())
         pidfd = _sandbox_init(info_r, deadline)
         try:
             proc.communicate(code.encode(), timeout=max(0.0, deadline - time.monotonic()))
@@ -304,11 +314,43 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
         _end_sandbox(proc, pidfd)
         return (None if timed_out else proc.returncode), timed_out
     finally:
-        os.close(info_r)
-        if info_w >= 0:
-            os.close(info_w)
-        if pidfd is not None:
-            os.close(pidfd)
+        for fd in [info_r, *child_fds] + ([pidfd] if pidfd is not None else []):
+            os.close(fd)
+
+
+# A seccomp filter (classic BPF over struct seccomp_data) for x86_64, the architecture it was tested on; elsewhere
+# none is installed. It refuses what a standard-library program never needs and what most kernel exploits start
+# from: new user namespaces (clone/unshare with CLONE_NEWUSER; as root the sandbox has no user namespace whose
+# --disable-userns would do it), clone3 (its flags are out of a filter's reach: ENOSYS, and glibc falls back to
+# clone), bpf, perf_event_open, userfaultfd, io_uring, the kernel keyring, and 32-bit / x32 system calls.
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_X86_64 = {"clone": 56, "unshare": 272, "clone3": 435, "refused": (321, 298, 323, 425, 426, 427, 248, 249, 250)}
+_CLONE_NEWUSER = 0x10000000
+
+
+@lru_cache(maxsize=1)
+def seccomp_filter() -> bytes | None:
+    """The filter as bwrap's ``--seccomp`` reads it (``struct sock_filter`` array), or None off x86_64."""
+    if platform.machine() != "x86_64" or sys.byteorder != "little":
+        return None
+    import struct
+
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    nr = _X86_64
+    # (code, jump-if-true label, jump-if-false label, k); labels resolve to relative offsets below
+    prog = [(ld, None, None, 4), (jeq, None, "enosys", _AUDIT_ARCH_X86_64), (ld, None, None, 0),
+            (jge, "enosys", None, 0x40000000), (jeq, "enosys", None, nr["clone3"])]
+    prog += [(jeq, "eperm", None, n) for n in nr["refused"]]
+    prog += [(jeq, "flags", None, nr["unshare"]), (jeq, "flags", None, nr["clone"]), (ret, None, None, allow)]
+    labels = {"flags": len(prog)}
+    prog += [(ld, None, None, 16), (jset, "eperm", None, _CLONE_NEWUSER), (ret, None, None, allow)]  # args[0], low
+    labels["eperm"] = len(prog)
+    prog.append((ret, None, None, eperm))
+    labels["enosys"] = len(prog)
+    prog.append((ret, None, None, enosys))
+    rel = lambda i, label: 0 if label is None else labels[label] - i - 1  # noqa: E731
+    return b"".join(struct.pack("=HBBI", code, rel(i, jt), rel(i, jf), k) for i, (code, jt, jf, k) in enumerate(prog))
 
 
 def _sandbox_init(info_r: int, deadline: float) -> int | None:
