@@ -293,7 +293,7 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
     args = bwrap_arguments(interp, as_root=as_root, workdir_mb=workdir_mb, info_fd=info_w)
     bpf = seccomp_filter()
     if bpf is not None:
-        child_fds.append(os.memfd_create("rlspmd-seccomp", 0))
+        child_fds.append(os.memfd_create("rlspmd-seccomp"))  # close-on-exec: only bwrap gets it (pass_fds)
         os.write(child_fds[-1], bpf)
         os.lseek(child_fds[-1], 0, os.SEEK_SET)
         args += ["--seccomp", str(child_fds[-1])]
