@@ -10,12 +10,15 @@ No skip: where bubblewrap or user namespaces are missing, ``check_sandbox`` fail
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -464,3 +467,45 @@ def test_refused_user_namespaces_refuse_to_start_naming_them(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert "model-written code cannot be isolated on this machine" in out.stdout, (out.stdout, out.stderr)
     assert "namespace" in out.stdout, out.stdout  # bwrap's own words on what it could not create
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+AS_NOBODY = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = sandbox
+spec.loader.exec_module(sandbox)
+r = sandbox.run_python(sys.argv[2], timeout_s=20.0, memory_mb=256, cpu_s=5, max_output_chars=4000)
+print(json.dumps({"output": r.output, "exit_code": r.exit_code}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+                    reason="runs the unprivileged path as uid 65534: needs root here and a system Python at /usr/bin")
+def test_the_unprivileged_path_holds_too(tmp_path):
+    """An ordinary user's trainer (here uid 65534, the system Python): a user namespace instead of root's uid drop.
+    The run directory is world-readable and world-writable, so the user could read and write it unsandboxed."""
+    shared = Path(tempfile.mkdtemp(prefix="rlspmd-test-shared-"))
+    try:
+        os.chmod(shared, 0o777)
+        canary = f"CANARY-{uuid.uuid4().hex}"
+        (shared / "ckpt.pt").write_text(canary)
+        os.chmod(shared / "ckpt.pt", 0o644)
+        target = shared / "escaped"
+        code = ("import ctypes, os, sys\nprint('uid', os.getuid())\n"
+                f"try:\n    print(open({str(shared / 'ckpt.pt')!r}).read())\nexcept OSError as e:\n    print(e)\n"
+                f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
+                "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n"
+                "n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
+                "        n += 1\nexcept OSError:\n    pass\nprint('children', n)")
+        sandbox_py = str(ROOT / "rlspmd/agent/sandbox.py")
+        nobody = dict(user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=120, cwd="/")
+        r = subprocess.run([SYSTEM_PYTHON, "-I", "-c", AS_NOBODY, sandbox_py, code], **nobody)
+        out = json.loads(r.stdout.splitlines()[-1])["output"] if r.returncode == 0 else r.stderr
+        assert "uid 65534" in out and canary not in out and "unshare -1" in out and not target.exists(), out
+        assert 1 <= int(out.split("children ")[1]) <= 16 - 2, out  # its user namespace's count: init, runner
+        c = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", code], **nobody)  # control: unsandboxed, same user
+        assert canary in c.stdout and target.exists(), (c.stdout, c.stderr)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

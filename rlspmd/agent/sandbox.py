@@ -15,7 +15,8 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
   there), is a tmpfs of ``workdir_mb`` that lives and dies with the call: nothing it writes reaches the host's disks;
   its stdout and stderr go to one host file the trainer opened, capped by ``RLIMIT_FSIZE``.
 * **It runs as an identity that can write nowhere else.** Without root, under a user namespace of its own as uid/gid
-  65534 (mapped to the caller's uid), with user namespaces disabled inside (``--disable-userns``). As root (CI,
+  65534 (mapped to the caller's uid), in which it cannot create another (the seccomp filter below; elsewhere
+  ``--disable-userns``, bubblewrap 0.8+). As root (CI,
   containers), bwrap sets the namespaces up without a user namespace and the runner, before it reads the code, drops to
   a fresh, otherwise unused uid/gid per call (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid:
   the kernel exempts uid 0 from ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
@@ -252,14 +253,16 @@ def interpreter() -> Interpreter:
     return Interpreter(executable=exe, binds=tuple(binds), symlinks=tuple(symlinks))
 
 
-def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info_fd: int) -> list[str]:
-    """The namespaces and the filesystem of one sandbox (the command follows ``--``)."""
+def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info_fd: int,
+                    disable_userns: bool = True) -> list[str]:
+    """The namespaces and the filesystem of one sandbox (the command follows ``--``). ``disable_userns`` (bubblewrap
+    0.8+) is redundant where the seccomp filter already refuses new user namespaces."""
     args = ["--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox", "--info-fd", str(info_fd)]
     if as_root:  # namespaces without a user namespace; the runner drops to its own uid with these two, then has none
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        args += ["--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534"]
+        args += ["--unshare-user", "--uid", "65534", "--gid", "65534"] + (["--disable-userns"] if disable_userns else [])
     # the directories leading to the binds, world-readable: bwrap would create them 0700 for root, and the code (its
     # own uid) could then not import a module that was not loaded before the runner dropped root
     parents = {os.path.dirname(p) for p in interp.binds} | {os.path.dirname(p) for _, p in interp.symlinks}
@@ -290,8 +293,8 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
     uid = SANDBOX_UID_BASE + random.getrandbits(24) if as_root else -1
     info_r, info_w = os.pipe()
     child_fds = [info_w]  # bwrap's ends, closed here once it started
-    args = bwrap_arguments(interp, as_root=as_root, workdir_mb=workdir_mb, info_fd=info_w)
     bpf = seccomp_filter()
+    args = bwrap_arguments(interp, as_root=as_root, workdir_mb=workdir_mb, info_fd=info_w, disable_userns=bpf is None)
     if bpf is not None:
         child_fds.append(os.memfd_create("rlspmd-seccomp"))  # close-on-exec: only bwrap gets it (pass_fds)
         os.write(child_fds[-1], bpf)
