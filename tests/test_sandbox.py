@@ -4,8 +4,9 @@ canary's content is not in the output, a process is still alive or gone), not me
 effect is observable outside the sandbox, the same program is also run unsandboxed (``control``) to show that it does
 produce the effect there: the check can fail.
 
-No skip: where bubblewrap or user namespaces are missing, ``check_sandbox`` fails these tests naming what to install
-(``scripts/install.sh`` installs bubblewrap as root), as the python tool itself refuses to start."""
+No skip for missing isolation: where bubblewrap or user namespaces are missing, ``check_sandbox`` fails these tests
+naming what to install (``scripts/install.sh`` installs bubblewrap as root), as the python tool itself refuses to
+start. Runs as root (CI) with the root path and, as uid 65534, the unprivileged one."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def isolation_available():
 
 @functools.lru_cache(maxsize=1)
 def shell_inside() -> bool:
-    """Whether the sandbox has a /bin/sh (it does where the interpreter's prefix is /usr and /usr/bin is bound)."""
+    """Whether the sandbox has a /bin/sh (not bound today: a route through a shell then stops at the shell, and its
+    effect is checked all the same; the unsandboxed control, with the host's shell, shows the effect)."""
     return run("import os; print(os.path.exists('/bin/sh'))").output.strip() == "True"
 
 
