@@ -5,7 +5,8 @@
     python scripts/bench/sandbox_calls.py --calls 200 --threads 1 4 16
 
 Modes alternate in blocks of ten calls so that a load change on a shared machine hits both alike. Each call runs
-``print(6 * 7)`` and its output is checked. Sequential: the median wall time of one call and its inverse, calls per
+``print(6 * 7)`` and its output is checked; ``bare`` is the floor, the same interpreter (``-I -S``) started with no
+isolation. Sequential: the median wall time of one call and its inverse, calls per
 second; concurrent: calls per second with N threads calling at once (the agent loop runs up to
 ``rollout.agent.max_parallel_tools`` tool calls at once). Prints one JSON line.
 """
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from common import emit
 
-from rlspmd.agent.sandbox import check_sandbox, run_python
+from rlspmd.agent.sandbox import check_sandbox, interpreter, run_python
 
 LIMITS = dict(timeout_s=30.0, memory_mb=512, cpu_s=5, max_output_chars=2000)
 CODE = "print(6 * 7)"
@@ -27,8 +29,11 @@ CODE = "print(6 * 7)"
 
 def one(mode: str) -> float:
     t0 = time.perf_counter()
-    r = run_python(CODE, **LIMITS, sandbox=mode)
-    assert r.exit_code == 0 and r.output.strip() == "42", (mode, r)  # the call really ran the program
+    if mode == "bare":  # the floor: the same interpreter started with no isolation at all
+        out = subprocess.run([interpreter().executable, "-I", "-S", "-c", CODE], capture_output=True, text=True).stdout
+    else:
+        out = run_python(CODE, **LIMITS, sandbox=mode).output
+    assert out.strip() == "42", (mode, out)  # the call really ran the program
     return time.perf_counter() - t0
 
 
@@ -38,9 +43,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[4], help="concurrency levels to measure")
     args = p.parse_args(argv)
 
-    modes = ("audit-hook-unsafe", "bwrap")
+    modes = ("bare", "audit-hook-unsafe", "bwrap")
     for mode in modes:
-        check_sandbox(mode)
+        if mode != "bare":
+            check_sandbox(mode)
         one(mode)  # warm-up: the bwrap probe, the unshare check, page cache
     seconds = {m: [] for m in modes}
     for _ in range(max(1, args.calls // 10)):
