@@ -194,6 +194,53 @@ def test_no_write_create_link_or_special_file_outside(attempt, run_dir, tmp_path
         assert snapshot(d) != before  # unsandboxed, the same program does change the run directory
 
 
+# Every directory the program can see is tried for a new file: only its own directory takes one. Below a directory
+# refused as a read-only file system, the rest of its mount (same mnt_id) is read-only too: it is not walked further
+# unless another mount lies beneath. TOP: where the walk starts.
+WRITABLE_DIRS = """
+import errno, os
+def mount_id(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with open(f'/proc/self/fdinfo/{fd}') as f:
+            return next(line.split()[1] for line in f if line.startswith('mnt_id:'))
+    finally:
+        os.close(fd)
+with open('/proc/self/mountinfo') as f:
+    mount_points = [line.split()[4] for line in f]
+writable, read_only_mounts = [], set()
+for d, dirs, _ in os.walk(TOP):
+    dirs[:] = [x for x in dirs if os.path.join(d, x) not in ('/proc', '/sys')]
+    try:
+        mnt = mount_id(d)
+    except OSError:
+        continue
+    if mnt not in read_only_mounts:
+        try:
+            fd = os.open(os.path.join(d, '.probe'), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.close(fd)
+            os.unlink(os.path.join(d, '.probe'))
+            writable.append(d)
+            continue
+        except OSError as e:
+            if e.errno != errno.EROFS:
+                continue
+            read_only_mounts.add(mnt)
+    if not any(m.startswith(d.rstrip('/') + '/') for m in mount_points):
+        dirs[:] = []
+print('writable', writable)
+"""
+
+
+def test_its_own_directory_is_the_only_writable_place(tmp_path):
+    r = run("TOP = '/'\n" + WRITABLE_DIRS)
+    assert "writable ['/sandbox']" in r.output, r.output
+    (tmp_path / "run").mkdir()  # control: the same walk on the host, from a directory standing for the run's
+    c = control(f"TOP = {str(tmp_path)!r}\n" + WRITABLE_DIRS, tmp_path / "control")
+    assert sorted(eval(c.stdout.split("writable ")[1])) == [str(tmp_path), str(tmp_path / "control"),
+                                                               str(tmp_path / "run")], c
+
+
 def test_repository_and_home_are_invisible_and_unwritable():
     own = Path(__file__).read_text().splitlines()[0]
     home = Path.home()
@@ -499,19 +546,21 @@ def test_the_unprivileged_path_holds_too(tmp_path):
         (shared / "ckpt.pt").write_text(canary)
         os.chmod(shared / "ckpt.pt", 0o644)
         target = shared / "escaped"
-        code = ("import ctypes, os, sys\nprint('uid', os.getuid())\n"
-                f"try:\n    print(open({str(shared / 'ckpt.pt')!r}).read())\nexcept OSError as e:\n    print(e)\n"
-                f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
-                "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n"
-                "n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
+        attack = ("import ctypes, os, sys\nprint('uid', os.getuid())\n"
+                  f"try:\n    print(open({str(shared / 'ckpt.pt')!r}).read())\nexcept OSError as e:\n    print(e)\n"
+                  f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
+                  "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n")
+        bomb = ("n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
                 "        n += 1\nexcept OSError:\n    pass\nprint('children', n)")
+        code = "TOP = '/'\n" + WRITABLE_DIRS + attack + bomb
         sandbox_py = str(ROOT / "rlspmd/agent/sandbox.py")
         nobody = dict(user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=120, cwd="/")
         r = subprocess.run([SYSTEM_PYTHON, "-I", "-c", AS_NOBODY, sandbox_py, code], **nobody)
         out = json.loads(r.stdout.splitlines()[-1])["output"] if r.returncode == 0 else r.stderr
         assert "uid 65534" in out and canary not in out and "unshare -1" in out and not target.exists(), out
+        assert "writable ['/sandbox']" in out, out
         assert 1 <= int(out.split("children ")[1]) <= 16 - 2, out  # its user namespace's count: init, runner
-        c = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", code], **nobody)  # control: unsandboxed, same user
+        c = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", attack], **nobody)  # control: unsandboxed, same user
         assert canary in c.stdout and target.exists(), (c.stdout, c.stderr)
     finally:
         shutil.rmtree(shared, ignore_errors=True)

@@ -272,7 +272,9 @@ def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info
         args += ["--ro-bind", path, path]
     for target, path in interp.symlinks:
         args += ["--symlink", target, path]
-    args += ["--proc", "/proc", "--dev", "/dev",
+    # /dev read-only (its device nodes stay usable): its tmpfs, owned by the code in a user namespace, has no size
+    # limit; the only writable place is the workdir's sized tmpfs
+    args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(workdir_mb << 20), "--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp",
              "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv",
              "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR, "--setenv", "PATH", "/usr/bin:/bin"]
