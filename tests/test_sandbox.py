@@ -549,7 +549,9 @@ def test_the_unprivileged_path_holds_too(tmp_path):
         attack = ("import ctypes, os, sys\nprint('uid', os.getuid())\n"
                   f"try:\n    print(open({str(shared / 'ckpt.pt')!r}).read())\nexcept OSError as e:\n    print(e)\n"
                   f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
-                  "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n")
+                  "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n"
+                  # bwrap's init, outside the limits, with the code's uid here: not to be taken over
+                  "print('ptrace', libc.ptrace(16, 1, 0, 0), 'init', os.listdir('/proc/1') if os.getpid() == 2 else '')\n")
         bomb = ("n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
                 "        n += 1\nexcept OSError:\n    pass\nprint('children', n)")
         code = "TOP = '/'\n" + WRITABLE_DIRS + attack + bomb
@@ -558,7 +560,7 @@ def test_the_unprivileged_path_holds_too(tmp_path):
         r = subprocess.run([SYSTEM_PYTHON, "-I", "-c", AS_NOBODY, sandbox_py, code], **nobody)
         out = json.loads(r.stdout.splitlines()[-1])["output"] if r.returncode == 0 else r.stderr
         assert "uid 65534" in out and canary not in out and "unshare -1" in out and not target.exists(), out
-        assert "writable ['/sandbox']" in out, out
+        assert "writable ['/sandbox']" in out and "ptrace -1 init []" in out, out
         assert 1 <= int(out.split("children ")[1]) <= 16 - 2, out  # its user namespace's count: init, runner
         c = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", attack], **nobody)  # control: unsandboxed, same user
         assert canary in c.stdout and target.exists(), (c.stdout, c.stderr)

@@ -21,8 +21,8 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
   a fresh, otherwise unused uid/gid per call (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid:
   the kernel exempts uid 0 from ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
   bound filesystem is ``nosuid``. On x86_64 a seccomp filter (``seccomp_filter``) refuses new user namespaces (the
-  way back to capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring and
-  32-bit/x32 system calls.
+  way back to capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring,
+  32-bit/x32 system calls and ``ptrace`` & co.; ``/proc/1`` (bwrap's init, outside the code's rlimits) is masked.
 * **No network**: a network namespace with only its own loopback (the host's ``127.0.0.1``, its abstract and path
   unix sockets are out of reach).
 * **Limits** (per process, inherited by everything it starts): address space ``memory_mb`` (``RLIMIT_AS``), CPU time
@@ -274,7 +274,10 @@ def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info
         args += ["--symlink", target, path]
     # /dev read-only (its device nodes stay usable): its tmpfs, owned by the code in a user namespace, has no size
     # limit; the only writable place is the workdir's sized tmpfs
-    args += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+    # /proc/1 (bwrap's init, which holds none of the code's limits) masked by an empty directory: as an ordinary user
+    # init has the code's uid, and its /proc entries (mem, fds) would be a way around the limits
+    args += ["--proc", "/proc", "--perms", "0555", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
+             "--dev", "/dev", "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(workdir_mb << 20), "--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp",
              "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv",
              "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR, "--setenv", "PATH", "/usr/bin:/bin"]
@@ -327,9 +330,13 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
 # none is installed. It refuses what a standard-library program never needs and what most kernel exploits start
 # from: new user namespaces (clone/unshare with CLONE_NEWUSER; as root the sandbox has no user namespace whose
 # --disable-userns would do it), clone3 (its flags are out of a filter's reach: ENOSYS, and glibc falls back to
-# clone), bpf, perf_event_open, userfaultfd, io_uring, the kernel keyring, and 32-bit / x32 system calls.
+# clone), bpf, perf_event_open, userfaultfd, io_uring, the kernel keyring, 32-bit / x32 system calls, and access to
+# another process's memory or files (ptrace & co.: as an ordinary user bwrap's init has the code's uid, not its limits).
 _AUDIT_ARCH_X86_64 = 0xC000003E
-_X86_64 = {"clone": 56, "unshare": 272, "clone3": 435, "refused": (321, 298, 323, 425, 426, 427, 248, 249, 250)}
+_X86_64 = {"clone": 56, "unshare": 272, "clone3": 435,
+           # bpf, perf_event_open, userfaultfd, io_uring_{setup,enter,register}, add_key, request_key, keyctl;
+           # ptrace, process_vm_{readv,writev}, kcmp, pidfd_getfd, process_madvise (into another process: bwrap's init)
+           "refused": (321, 298, 323, 425, 426, 427, 248, 249, 250, 101, 310, 311, 312, 438, 440)}
 _CLONE_NEWUSER = 0x10000000
 
 
