@@ -566,3 +566,13 @@ def test_the_unprivileged_path_holds_too(tmp_path):
         assert canary in c.stdout and target.exists(), (c.stdout, c.stderr)
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_the_cost_benchmark_runs_and_prints_json():
+    """``scripts/bench/sandbox_calls.py`` (README: its figures); a smoke run, the figures are not asserted."""
+    out = subprocess.run([sys.executable, "scripts/bench/sandbox_calls.py", "--calls", "10", "--threads", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for mode in ("bare", "audit-hook-unsafe", "bwrap"):
+        assert result[mode]["calls"] == 10 and result[mode]["calls_per_s_2_threads"] > 0
