@@ -9,16 +9,16 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
 * **It sees only its own directory and what the interpreter needs.** The root is an empty, read-only tmpfs; into it
   are bound, read-only and ``nosuid``, the interpreter (the trainer's *base* interpreter, ``sys._base_executable``,
   not a venv's), its standard library (the install prefix's ``lib``), the system library directories (``/usr/lib*``,
-  ``/lib*``) and ``/etc/ld.so.cache``; a minimal ``/dev`` (null, zero, full, random, urandom, tty); ``/proc`` of its
-  own PID namespace. The run's data, checkpoints, configs, rlspmd's code, ``/home``, ``/root``'s files, ``/tmp`` and
-  the other processes do not exist there. Its directory, ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``; ``/tmp`` points
-  there), is a tmpfs of ``workdir_mb`` that lives and dies with the call: nothing it writes reaches the host's disks;
-  its stdout and stderr go to one host file the trainer opened, capped by ``RLIMIT_FSIZE``.
+  ``/lib*``) and ``/etc/ld.so.cache``; a minimal, read-only ``/dev`` (null, zero, full, random, urandom, tty);
+  ``/proc`` of its own PID namespace. The run's data, checkpoints, configs, rlspmd's code, ``/home``, ``/root``'s
+  files, ``/tmp`` and the other processes do not exist there. Its directory, ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``;
+  ``/tmp`` points there), is a tmpfs of ``workdir_mb`` that lives and dies with the call, the only place it can write:
+  nothing it writes reaches the host's disks; its stdout and stderr go to one host file the trainer opened, capped by
+  ``RLIMIT_FSIZE``.
 * **It runs as an identity that can write nowhere else.** Without root, under a user namespace of its own as uid/gid
   65534 (mapped to the caller's uid), in which it cannot create another (the seccomp filter below; elsewhere
-  ``--disable-userns``, bubblewrap 0.8+). As root (CI,
-  containers), bwrap sets the namespaces up without a user namespace and the runner, before it reads the code, drops to
-  a fresh, otherwise unused uid/gid per call (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid:
+  ``--disable-userns``, bubblewrap 0.8+). As root (CI, containers), bwrap sets the namespaces up without a user
+  namespace and the runner, before it reads the code, drops to a fresh, otherwise unused uid/gid per call (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid:
   the kernel exempts uid 0 from ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
   bound filesystem is ``nosuid``. On x86_64 a seccomp filter (``seccomp_filter``) refuses new user namespaces (the
   way back to capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring,
