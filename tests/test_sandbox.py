@@ -194,7 +194,7 @@ def test_no_write_create_link_or_special_file_outside(attempt, run_dir, tmp_path
         assert snapshot(d) != before  # unsandboxed, the same program does change the run directory
 
 
-# Every directory the program can see is tried for a new file: only its own directory takes one. Below a directory
+# Every directory the program can see is tried for a new file: only its own directory (and /dev/shm) takes one. Below a directory
 # refused as a read-only file system, the rest of its mount (same mnt_id) is read-only too: it is not walked further
 # unless another mount lies beneath. TOP: where the walk starts.
 WRITABLE_DIRS = """
@@ -233,8 +233,10 @@ print('writable', writable)
 
 
 def test_its_own_directory_is_the_only_writable_place(tmp_path):
-    r = run("TOP = '/'\n" + WRITABLE_DIRS)
-    assert "writable ['/sandbox']" in r.output, r.output
+    r = run("TOP = '/'\n" + WRITABLE_DIRS + "import multiprocessing as mp\nwith mp.Pool(2) as p:\n"
+            "    print('pool', p.map(abs, [-1, -2]))\n")
+    assert sorted(eval(r.output.split("writable ")[1].splitlines()[0])) == ["/dev/shm", "/sandbox"], r.output
+    assert "pool [1, 2]" in r.output, r.output  # the one use of /dev/shm: multiprocessing's semaphores
     (tmp_path / "run").mkdir()  # control: the same walk on the host, from a directory standing for the run's
     c = control(f"TOP = {str(tmp_path)!r}\n" + WRITABLE_DIRS, tmp_path / "control")
     assert sorted(eval(c.stdout.split("writable ")[1])) == [str(tmp_path), str(tmp_path / "control"),
@@ -560,7 +562,8 @@ def test_the_unprivileged_path_holds_too(tmp_path):
         r = subprocess.run([SYSTEM_PYTHON, "-I", "-c", AS_NOBODY, sandbox_py, code], **nobody)
         out = json.loads(r.stdout.splitlines()[-1])["output"] if r.returncode == 0 else r.stderr
         assert "uid 65534" in out and canary not in out and "unshare -1" in out and not target.exists(), out
-        assert "writable ['/sandbox']" in out and "ptrace -1 init []" in out, out
+        assert sorted(eval(out.split("writable ")[1].splitlines()[0])) == ["/dev/shm", "/sandbox"], out
+        assert "ptrace -1 init []" in out, out
         assert 1 <= int(out.split("children ")[1]) <= 16 - 2, out  # its user namespace's count: init, runner
         c = subprocess.run([SYSTEM_PYTHON, "-I", "-S", "-c", attack], **nobody)  # control: unsandboxed, same user
         assert canary in c.stdout and target.exists(), (c.stdout, c.stderr)

@@ -12,8 +12,8 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
   ``/lib*``) and ``/etc/ld.so.cache``; a minimal, read-only ``/dev`` (null, zero, full, random, urandom, tty);
   ``/proc`` of its own PID namespace. The run's data, checkpoints, configs, rlspmd's code, ``/home``, ``/root``'s
   files, ``/tmp`` and the other processes do not exist there. Its directory, ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``;
-  ``/tmp`` points there), is a tmpfs of ``workdir_mb`` that lives and dies with the call, the only place it can write:
-  nothing it writes reaches the host's disks; its stdout and stderr go to one host file the trainer opened, capped by
+  ``/tmp`` points there), is a tmpfs of ``workdir_mb`` that lives and dies with the call, the only place it can write
+  but a 4 MiB ``/dev/shm`` (multiprocessing's semaphores): nothing it writes reaches the host's disks; its stdout and stderr go to one host file the trainer opened, capped by
   ``RLIMIT_FSIZE``.
 * **It runs as an identity that can write nowhere else.** Without root, under a user namespace of its own as uid/gid
   65534 (mapped to the caller's uid), in which it cannot create another (the seccomp filter below; elsewhere
@@ -77,6 +77,8 @@ FIELD = "rollout.agent.code.sandbox"
 SANDBOX_UID_BASE = 0x5A000000
 """As root, each call runs as ``SANDBOX_UID_BASE + random 24 bits`` (1509949440 ..): a uid range no account uses."""
 WORKDIR = "/sandbox"
+SHM_MB = 4
+"""``/dev/shm``: a tmpfs of its own, for multiprocessing's semaphores."""
 
 # The bwrap runner: trusted code that drops its identity (as root), limits itself, then runs the model's code from
 # stdin. Nothing of the model's runs before the limits are in place.
@@ -272,12 +274,13 @@ def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info
         args += ["--ro-bind", path, path]
     for target, path in interp.symlinks:
         args += ["--symlink", target, path]
-    # /dev read-only (its device nodes stay usable): its tmpfs, owned by the code in a user namespace, has no size
-    # limit; the only writable place is the workdir's sized tmpfs
     # /proc/1 (bwrap's init, which holds none of the code's limits) masked by an empty directory: as an ordinary user
-    # init has the code's uid, and its /proc entries (mem, fds) would be a way around the limits
+    # init has the code's uid, and its /proc entries (mem, fds) would be a way around the limits. /dev read-only (its
+    # device nodes stay usable): as an ordinary user its tmpfs is the code's, with no size limit; /dev/shm a small
+    # tmpfs of its own, for multiprocessing's semaphores.
     args += ["--proc", "/proc", "--perms", "0555", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
-             "--dev", "/dev", "--remount-ro", "/dev",
+             "--dev", "/dev", "--perms", "1777", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
+             "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(workdir_mb << 20), "--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp",
              "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv",
              "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR, "--setenv", "PATH", "/usr/bin:/bin"]
