@@ -13,13 +13,15 @@ PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (`
   ``/proc`` of its own PID namespace. The run's data, checkpoints, configs, rlspmd's code, ``/home``, ``/root``'s
   files, ``/tmp`` and the other processes do not exist there. Its directory, ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``;
   ``/tmp`` points there), is a tmpfs of ``workdir_mb`` that lives and dies with the call, the only place it can write
-  but a 4 MiB ``/dev/shm`` (multiprocessing's semaphores): nothing it writes reaches the host's disks; its stdout and stderr go to one host file the trainer opened, capped by
-  ``RLIMIT_FSIZE``.
+  but a 4 MiB ``/dev/shm`` (multiprocessing's semaphores): nothing it writes reaches the host's disks. Its code
+  arrives on stdin as a sealed in-memory file; its stdout and stderr go to one host file the trainer opened, capped
+  by ``RLIMIT_FSIZE``.
 * **It runs as an identity that can write nowhere else.** Without root, under a user namespace of its own as uid/gid
   65534 (mapped to the caller's uid), in which it cannot create another (the seccomp filter below; elsewhere
   ``--disable-userns``, bubblewrap 0.8+). As root (CI, containers), bwrap sets the namespaces up without a user
-  namespace and the runner, before it reads the code, drops to a fresh, otherwise unused uid/gid per call (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid:
-  the kernel exempts uid 0 from ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
+  namespace and the runner, before it reads the code, drops to a fresh, otherwise unused uid/gid per call
+  (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid: the kernel exempts uid 0 from
+  ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
   bound filesystem is ``nosuid``. On x86_64 a seccomp filter (``seccomp_filter``) refuses new user namespaces (the
   way back to capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring,
   32-bit/x32 system calls and ``ptrace`` & co.; ``/proc/1`` (bwrap's init, outside the code's rlimits) is masked.
@@ -56,6 +58,7 @@ anywhere the trainer can.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -264,7 +267,8 @@ def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info
     if as_root:  # namespaces without a user namespace; the runner drops to its own uid with these two, then has none
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        args += ["--unshare-user", "--uid", "65534", "--gid", "65534"] + (["--disable-userns"] if disable_userns else [])
+        args += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+        args += ["--disable-userns"] if disable_userns else []
     # the directories leading to the binds, world-readable: bwrap would create them 0700 for root, and the code (its
     # own uid) could then not import a module that was not loaded before the runner dropped root
     parents = {os.path.dirname(p) for p in interp.binds} | {os.path.dirname(p) for _, p in interp.symlinks}
@@ -304,29 +308,41 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
     bpf = seccomp_filter()
     args = bwrap_arguments(interp, as_root=as_root, workdir_mb=workdir_mb, info_fd=info_w, disable_userns=bpf is None)
     if bpf is not None:
-        child_fds.append(os.memfd_create("rlspmd-seccomp"))  # close-on-exec: only bwrap gets it (pass_fds)
-        os.write(child_fds[-1], bpf)
-        os.lseek(child_fds[-1], 0, os.SEEK_SET)
+        child_fds.append(_sealed_memfd("rlspmd-seccomp", bpf))  # close-on-exec: only bwrap gets it (pass_fds)
         args += ["--seccomp", str(child_fds[-1])]
     cmd = [shutil.which("bwrap") or "bwrap", *args, "--", interp.executable, "-I", "-S", "-c", BWRAP_RUNNER, str(uid),
            str(memory_mb << 20), str(max(1, int(cpu_s))), str(max_file_mb << 20), str(max_processes)]
+    code_fd = _sealed_memfd("rlspmd-code", code.encode())  # stdin: a file, so no writer can block on a full pipe
     pidfd = None
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env={},
+        proc = subprocess.Popen(cmd, stdin=code_fd, stdout=out, stderr=subprocess.STDOUT, env={},
                                 start_new_session=True, pass_fds=child_fds)
         while child_fds:
             os.close(child_fds.pop())
-        pidfd = _sandbox_init(info_r, deadline)
+        # bwrap's own exit, waited on with a pidfd (Popen.wait(timeout) polls with sleeps of up to 50 ms)
+        bwrap_fd = os.pidfd_open(proc.pid)
         try:
-            proc.communicate(code.encode(), timeout=max(0.0, deadline - time.monotonic()))
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            pidfd = _sandbox_init(info_r, deadline)
+            timed_out = not select.select([bwrap_fd], [], [], max(0.0, deadline - time.monotonic()))[0]
+        finally:
+            os.close(bwrap_fd)
         _end_sandbox(proc, pidfd)
         return (None if timed_out else proc.returncode), timed_out
     finally:
-        for fd in [info_r, *child_fds] + ([pidfd] if pidfd is not None else []):
+        for fd in [info_r, code_fd, *child_fds] + ([pidfd] if pidfd is not None else []):
             os.close(fd)
+
+
+def _sealed_memfd(name: str, data: bytes) -> int:
+    """An in-memory file holding ``data``, sealed against any change (the code could otherwise write to its stdin),
+    positioned at its start."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 # A seccomp filter (classic BPF over struct seccomp_data) for x86_64, the architecture it was tested on; elsewhere
@@ -401,7 +417,7 @@ def _end_sandbox(proc: subprocess.Popen, pidfd: int | None) -> None:
         except ProcessLookupError:
             pass
     _kill_group(proc)  # bwrap (its own process group): --die-with-parent ends a sandbox still being set up
-    proc.communicate()
+    proc.wait()
     if pidfd is not None:
         select.select([pidfd], [], [], 30.0)  # readable once PID 1, and so its whole namespace, has exited
 
