@@ -264,8 +264,7 @@ def test_repository_and_home_are_invisible_and_unwritable():
 def test_the_run_data_next_to_it_cannot_be_read(run_dir, monkeypatch):
     d, canary = run_dir
     monkeypatch.setenv("RLSPMD_TEST_CANARY", canary)  # the trainer's environment is not the sandbox's
-    code = (f"import os, glob\nfor p in [{str(d / 'ckpt.pt')!r}, *glob.glob({str(d) + '/*'!r}), "
-            "]:\n"
+    code = (f"import os, glob\nfor p in [{str(d / 'ckpt.pt')!r}, *glob.glob({str(d) + '/*'!r})]:\n"
             "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)\n"
             "print(dict(os.environ))")
     r = run(code)
@@ -293,14 +292,18 @@ def test_other_processes_proc_entries_are_out_of_reach(tmp_path):
         sleeper.wait()
 
 
-def test_signals_cannot_reach_other_processes():
+def test_signals_cannot_reach_other_processes(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        r = run(f"import os, signal\nfor pid in ({sleeper.pid}, {os.getpid()}, -1, 0):\n"
-                "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print(pid, e)\n"
-                f"try:\n    os.killpg({os.getpgid(sleeper.pid)}, signal.SIGKILL)\nexcept OSError as e:\n    print(e)")
+        # the sleeper, this test's process, the sleeper's group, then everything it may signal, then its own group
+        r = run(f"import os, signal\ntry:\n    os.killpg({os.getpgid(sleeper.pid)}, signal.SIGKILL)\n"
+                "except OSError as e:\n    print(e)\n"
+                f"for pid in ({sleeper.pid}, {os.getpid()}, -1, 0):\n"
+                "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print(pid, e)\n")
         time.sleep(0.2)
         assert sleeper.poll() is None, r.output  # still alive (and so is this test's process)
+        control(f"import os, signal; os.kill({sleeper.pid}, signal.SIGKILL)", tmp_path / "control")
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL  # unsandboxed, the same signal does reach it
     finally:
         sleeper.kill()
         sleeper.wait()
