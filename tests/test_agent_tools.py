@@ -1,6 +1,7 @@
 """Tools as plain Python: tool-call parsing, schema and argument checks, the start-up checks that name the tool and
 the field, the built-in tools, and the code runner's limits (a real subprocess under real rlimits)."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -123,31 +124,38 @@ def test_start_up_checks_name_the_tool_and_the_field(tmp_path):
 
 
 LIMITS = dict(timeout_s=5.0, memory_mb=256, cpu_s=5, max_output_chars=400)
+MODES = pytest.mark.parametrize("sandbox", ["bwrap", "audit-hook-unsafe"])
 
 
-def test_code_runner_runs_code_in_its_own_directory():
-    r = run_python("import os; open('out.txt', 'w').write('x' * 3); print(sorted(os.listdir('.')), os.getpid())", **LIMITS)
+@MODES
+def test_code_runner_runs_code_in_its_own_directory(sandbox):
+    r = run_python("import os; open('out.txt', 'w').write('x' * 3); print(sorted(os.listdir('.')), os.getpid())",
+                   **LIMITS, sandbox=sandbox)
     assert r.exit_code == 0 and not r.timed_out
     assert "'out.txt'" in r.output and str(os.getpid()) not in r.output.split("]")[1]  # another process
-    tool = load_tools(AgentConfig(tools=["python"], code=CodeRunnerConfig(timeout_s=5.0)))[0]
+    with pytest.warns(UserWarning, match="can read every file") if sandbox != "bwrap" else contextlib.nullcontext():
+        tool = load_tools(AgentConfig(tools=["python"], code=CodeRunnerConfig(timeout_s=5.0, sandbox=sandbox)))[0]
     text, reward, metrics = tool.call(None, {"code": "print(6 * 7)"})
     assert text.strip() == "42" and metrics["code_failures"] == 0.0
 
 
-def test_code_runner_wall_time_limit_kills_the_process_group():
-    r = run_python("import time\nwhile True: time.sleep(0.01)", **{**LIMITS, "timeout_s": 1.0})
+@MODES
+def test_code_runner_wall_time_limit_kills_the_process_group(sandbox):
+    r = run_python("import time\nwhile True: time.sleep(0.01)", **{**LIMITS, "timeout_s": 1.0}, sandbox=sandbox)
     assert r.timed_out and r.exit_code is None and r.seconds < 5
 
 
-def test_code_runner_cpu_limit():
-    r = run_python("while True: pass", **{**LIMITS, "timeout_s": 30.0, "cpu_s": 1})
+@MODES
+def test_code_runner_cpu_limit(sandbox):
+    r = run_python("while True: pass", **{**LIMITS, "timeout_s": 30.0, "cpu_s": 1}, sandbox=sandbox)
     assert not r.timed_out and r.exit_code != 0 and r.seconds < 25  # SIGXCPU, long before the wall-time limit
 
 
-def test_code_runner_memory_limit():
-    r = run_python("x = bytearray(1024 ** 3)\nprint('allocated')", **LIMITS)
+@MODES
+def test_code_runner_memory_limit(sandbox):
+    r = run_python("x = bytearray(1024 ** 3)\nprint('allocated')", **LIMITS, sandbox=sandbox)
     assert r.exit_code != 0 and "MemoryError" in r.output and "allocated" not in r.output
-    assert run_python("x = bytearray(50 * 1024 ** 2)\nprint('ok')", **LIMITS).output.strip() == "ok"
+    assert run_python("x = bytearray(50 * 1024 ** 2)\nprint('ok')", **LIMITS, sandbox=sandbox).output.strip() == "ok"
 
 
 def _listening_server():
@@ -159,18 +167,23 @@ def _listening_server():
     return server, accepted
 
 
-def test_code_runner_has_no_network():
+@MODES
+def test_code_runner_has_no_network(sandbox):
     server, accepted = _listening_server()
     port = server.getsockname()[1]
     code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
-    r = run_python(code, **LIMITS)
+    r = run_python(code, **LIMITS, sandbox=sandbox)
     assert "connected" not in r.output and r.exit_code != 0 and not accepted
-    assert "network access is disabled" in r.output  # the audit hook refuses the socket
+    if sandbox == "audit-hook-unsafe":
+        assert "network access is disabled" in r.output  # the audit hook refuses the socket
+    else:
+        assert "ConnectionRefusedError" in r.output  # a network namespace of its own: its loopback has no server
     server.close()
 
 
 def test_network_namespace_has_no_route_even_without_the_audit_hook():
-    """The layer under the audit hook: a plain Python in the runner's namespace cannot reach a server on this host."""
+    """The layer under the audit hook (audit-hook-unsafe mode): a plain Python in the runner's namespace cannot reach
+    a server on this host."""
     prefix = network_namespace_prefix()
     if not prefix:
         pytest.skip("unprivileged user namespaces are not available here; the audit hook alone refuses sockets")
@@ -185,7 +198,8 @@ def test_network_namespace_has_no_route_even_without_the_audit_hook():
     server.close()
 
 
-def test_code_runner_cannot_write_outside_its_directory(tmp_path):
+def test_audit_hook_mode_refuses_writes_outside_its_directory(tmp_path):
+    """What the weaker mode does hold (tests/test_sandbox.py attacks the default mode)."""
     target = tmp_path / "escaped.txt"
     keep = tmp_path / "keep.txt"
     keep.write_text("keep")
@@ -201,13 +215,33 @@ def test_code_runner_cannot_write_outside_its_directory(tmp_path):
         "import ctypes",
     ]
     for code in attempts:
-        r = run_python(code, **LIMITS)
+        r = run_python(code, **LIMITS, sandbox="audit-hook-unsafe")
         assert r.exit_code != 0 and "PermissionError" in r.output, (code, r.output)
     assert not target.exists() and keep.read_text() == "keep" and not (tmp_path / "dir").exists()
 
 
-def test_code_runner_truncates_its_output_and_limits_file_sizes():
-    r = run_python("print('y' * 100000)", **LIMITS)
+def test_what_the_audit_hook_mode_gives_up(tmp_path):
+    """The README's list of what audit-hook-unsafe gives up, shown: the code reads the run's files, and a process
+    started by a primitive that raises no audit event writes outside. The default mode holds against both."""
+    canary = tmp_path / "answers.txt"
+    canary.write_text("the answer is 4242")
+    target = tmp_path / "escaped.txt"
+    inner = f"open({str(target)!r}, 'w').write('x')"
+    code = (f"try:\n    print(open({str(canary)!r}).read())\nexcept OSError as e:\n    print(type(e).__name__)\n"
+            "import _posixsubprocess, os, sys\n"
+            f"inner = {inner!r}\n"
+            "pid = _posixsubprocess.fork_exec([sys.executable, '-c', inner], [os.fsencode(sys.executable)], True, (), "
+            "None, None, -1, -1, -1, -1, -1, -1, *os.pipe(), False, False, -1, None, None, None, -1, None, False)\n"
+            "os.waitpid(pid, 0)")
+    r = run_python(code, **LIMITS, sandbox="bwrap")
+    assert "4242" not in r.output and "FileNotFoundError" in r.output and not target.exists(), r.output
+    r = run_python(code, **LIMITS, sandbox="audit-hook-unsafe")
+    assert "4242" in r.output and target.exists(), r.output
+
+
+@MODES
+def test_code_runner_truncates_its_output_and_limits_file_sizes(sandbox):
+    r = run_python("print('y' * 100000)", **LIMITS, sandbox=sandbox)
     assert r.truncated and len(r.output) == LIMITS["max_output_chars"] and " [...] " in r.output
-    r = run_python("open('big', 'wb').write(b'0' * (64 << 20))", **LIMITS)  # RLIMIT_FSIZE (16 MiB)
+    r = run_python("open('big', 'wb').write(b'0' * (64 << 20))", **LIMITS, sandbox=sandbox)  # RLIMIT_FSIZE (16 MiB)
     assert r.exit_code != 0

@@ -32,7 +32,7 @@ __all__ = [
 
 def _builtin_tools(code: CodeRunnerConfig) -> dict:
     python = lambda: PythonRunner(timeout_s=code.timeout_s, memory_mb=code.memory_mb, cpu_s=code.cpu_s,  # noqa: E731
-                                  max_output_chars=code.max_output_chars)
+                                  max_output_chars=code.max_output_chars, sandbox=code.sandbox)
     return {"calculator": Calculator, "calc_gsm8k_reward": Gsm8kAnswer, "gsm8k_answer": Gsm8kAnswer, "python": python}
 
 

@@ -6,7 +6,8 @@
   their ``tools_kwargs`` load unchanged): the model submits an answer and hears whether it is right. The last submitted
   answer is the tool's final score (``score``); as in verl, a submission that does not improve on the previous one
   costs 0.05.
-* ``python`` runs model-written code in a limited subprocess (``agent/sandbox.py``) and returns its output.
+* ``python`` runs model-written code in OS-level isolation (``agent/sandbox.py``) and returns its output; it refuses
+  to be built where the configured isolation cannot run here (fail closed).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import ast
 import math
 import operator
 import re
+import warnings
 
-from rlspmd.agent.sandbox import run_python
+from rlspmd.agent.sandbox import check_sandbox, run_python
 from rlspmd.agent.tools import Tool, ToolSample, function_schema
 
 MAX_EXPRESSION_CHARS = 200
@@ -112,8 +114,14 @@ class PythonRunner(Tool):
     schema = function_schema("python", "Run a Python program and read what it prints.",
                              {"code": {"type": "string", "description": "the program"}}, ["code"])
 
-    def __init__(self, *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_chars: int):
-        self.limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_chars=max_output_chars)
+    def __init__(self, *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_chars: int, sandbox: str = "bwrap"):
+        check_sandbox(sandbox)  # fail closed: no tool that would run model code unisolated by accident
+        if sandbox == "audit-hook-unsafe":
+            warnings.warn("rollout.agent.code.sandbox='audit-hook-unsafe': the python tool's code can read every file "
+                          "this process can (data, checkpoints) and can step around the audit hook; see README: The "
+                          "python tool's sandbox", stacklevel=2)
+        self.limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_chars=max_output_chars,
+                           sandbox=sandbox)
 
     def call(self, state, arguments: dict) -> tuple[str, float, dict]:
         r = run_python(arguments["code"], **self.limits)
