@@ -112,6 +112,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     if not 0 <= t.stop_at_step <= t.total_steps:
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
     _loggers(p, "trainer.loggers", t.loggers)
+    p.at_least("trainer.samples.num_train", t.samples.num_train, 0)
+    p.at_least("trainer.samples.num_val", t.samples.num_val, 0)
     _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
     _bypass(p, cfg, split=split)
     p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
