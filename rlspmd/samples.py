@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         counts: dict[int, int] = {}
         for r in records:
             k = counts[r["step"]] = counts.get(r["step"], -1) + 1
-            print(f"step {r['step']:>5} --index {k:<3} reward {r['reward']:+.4g}  stop {r['stop']:<9} "
+            print(f"step {r['step']:>5} --index {k:<3} reward {r['reward']:+8.4f}  stop {r['stop']:<17} "
                   f"{r['response_tokens']:>5} tokens ({r['trained_tokens']} trained)  prompt index {r['index']}")
         return
     steps = sorted({r["step"] for r in records})

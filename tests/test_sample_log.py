@@ -136,6 +136,16 @@ def test_tensorboard_gets_each_sample_as_text(single_turn):
     assert events[1].tensor_proto.string_val[0].decode() == "\n".join("    " + x for x in format_sample(records[3]).splitlines())
 
 
+@pytest.mark.slow
+def test_off_by_the_flag(tiny_model, arithmetic_data, tmp_path):
+    """``--trainer.samples.no-enable``: a run (one process, one step, a validation) writes no sample log at all."""
+    out = tmp_path / "run"
+    args = rl_args(tiny_model, arithmetic_data, out, steps=1, extra=["--trainer.samples.no-enable", "--trainer.val-every", "1",
+                                                                    "--checkpoint.save-every", "0", "--checkpoint.no-save-final"])
+    subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    assert [m["step"] for m in metrics(out)] == [0, 1] and not (out / "samples").exists()
+
+
 def test_a_resume_supersedes_later_records(tmp_path):
     """``rewind_jsonl`` on the sample files: a resume at step 2 keeps steps <= 2 and moves later ones aside."""
     from rlspmd.metrics import rewind_jsonl
