@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import SampleLogConfig
