@@ -72,6 +72,7 @@ class SampleLog:
             path = self.dir / f"{split}.jsonl"
             if path.exists():
                 rewind_jsonl(path, initial_step)
+        logger.write(f"sample log: {self.dir}/{{train,val}}.jsonl (read them with: python -m rlspmd.samples {self.dir.parent})")
 
     def train(self, batch: Batch, *, step: int) -> None:
         """The step's trained batch (collective over the DP mesh): the first rows of each rank's share, to rank 0."""
