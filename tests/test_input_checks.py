@@ -13,7 +13,7 @@ import pytest
 
 from rlspmd.config import (
     ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
-    RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, load_config_file,
+    RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, VllmConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -176,6 +176,9 @@ def test_prompt_plus_response_over_the_models_context_is_a_config_error(tmp_path
     agent = context_problems(96, 512, agent=AgentConfig(tools=["calculator"]))
     assert len(agent) == 1 and "rollout.max_response_length=512 (the whole conversation after the prompt: model turns, " \
         "tool results, user turns) = 608 tokens exceeds" in agent[0]
+    vllm = context_problems(100, 100, engine="vllm", vllm=VllmConfig(max_model_len=1024))
+    assert vllm == [f"rollout.vllm.max_model_len=1024: exceeds the context of actor.model.path={str(tiny_model)!r} "
+                    "(max_position_embeddings=512)"]
     # a reference of its own is checked too; a directory without the field is not
     short = tmp_path / "short"
     shutil.copytree(tiny_model, short)
