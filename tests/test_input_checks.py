@@ -268,7 +268,8 @@ def test_an_overlong_agent_prompt_is_named_with_file_and_row(tmp_path, tiny_tool
 
     tools = tool_schemas(load_tools(AgentConfig(tools=["calculator"])))
     tools_tok = load_tokenizer(tiny_tools_model, field_name="actor.model.path")
-    prompts = [[{"role": "user", "content": "Calculate 1 + 2."}], [{"role": "user", "content": "Calculate " + " + ".join(["12"] * 30)}]]
+    prompts = [[{"role": "user", "content": "Calculate 1 + 2."}],
+               [{"role": "user", "content": "Calculate " + " + ".join(["12"] * 30)}]]
     path = write_jsonl(tmp_path / "p.jsonl", rows(prompts))
     def ids(p: list[dict], **kw) -> list[int]:
         return tools_tok(tools_tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **kw),
@@ -277,7 +278,8 @@ def test_an_overlong_agent_prompt_is_named_with_file_and_row(tmp_path, tiny_tool
     lengths = [len(ids(p, tools=tools)) for p in prompts]
     limit = lengths[0] + 5  # the first prompt fits, the second does not
     assert lengths[1] > limit and len(ids(prompts[0])) < lengths[0]  # the schemas count
-    with pytest.raises(ValueError, match=rf"data.train_files: {path} row 1: prompt has {lengths[1]} tokens > data.max_prompt_length={limit}"):
+    overlong = rf"data.train_files: {path} row 1: prompt has {lengths[1]} tokens > data.max_prompt_length={limit}"
+    with pytest.raises(ValueError, match=overlong):
         PromptDataset([path], tools_tok, prompt_key="prompt", max_prompt_length=limit, overlong="error", tools=tools)
     ds = PromptDataset([path], tools_tok, prompt_key="prompt", max_prompt_length=limit, tools=tools)
     assert len(ds) == 1 and ds.n_dropped == 1 and ds.prompt_ids[0] == ids(prompts[0], tools=tools)
