@@ -147,6 +147,23 @@ def test_off_by_the_flag(tiny_model, arithmetic_data, tmp_path):
     assert [m["step"] for m in metrics(out)] == [0, 1] and not (out / "samples").exists()
 
 
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_log(tiny_model, arithmetic_data, tmp_path):
+    """A run of 3 steps (checkpoint at step 2), then the same command again: it resumes at step 2, moves the first
+    run's step-3 records to ``*.superseded.jsonl`` and logs step 3 again, the same samples (a deterministic resume)."""
+    out = tmp_path / "run"
+    args = rl_args(tiny_model, arithmetic_data, out, steps=3, reward=write_reward(tmp_path),
+                   extra=["--checkpoint.no-save-final"])
+    for _ in range(2):
+        subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=600)
+    samples = out / "samples"
+    train, val = read_samples(samples / "train.jsonl"), read_samples(samples / "val.jsonl")
+    assert [r["step"] for r in train] == [1] * 4 + [2] * 4 + [3] * 4  # num_train=4 rows of the one rank
+    assert [r["step"] for r in val] == [0] * 8 + [2] * 8 + [3] * 8
+    old_train, old_val = read_samples(samples / "train.superseded.jsonl"), read_samples(samples / "val.superseded.jsonl")
+    assert old_train == train[8:] and old_val == val[16:]
+
+
 def test_a_resume_supersedes_later_records(tmp_path):
     """``rewind_jsonl`` on the sample files: a resume at step 2 keeps steps <= 2 and moves later ones aside."""
     from rlspmd.metrics import rewind_jsonl
