@@ -819,6 +819,21 @@ class DistConfig:
 
 
 @dataclass
+class SampleLogConfig:
+    """The sample log: a few conversations per step, readable from the run's output directory
+    (``<trainer.output_dir>/samples/{train,val}.jsonl``, TensorBoard's text tab, ``python -m rlspmd.samples``)."""
+
+    enable: bool = True
+    """Write the sample log (rank 0; the chosen rows reach it with one gather per step)."""
+    num_train: int = 4
+    """Training samples logged per step, all DP ranks together: the first rows of each rank's share of the trained batch
+    (rank r logs ``even_split(num_train, dp)[r]``). 0: none."""
+    num_val: int = 8
+    """Validation samples logged per validation: the first ``num_val`` validation prompts, the same ones every time, so
+    their answers can be compared across steps. 0: none."""
+
+
+@dataclass
 class TrainerConfig:
     total_steps: int = 100
     """RL steps to run."""
@@ -852,6 +867,8 @@ class TrainerConfig:
     version (``weight_version_B``); ``rollout/staleness/*`` logs the distribution. 0: the synchronous loop. With k > 0
     ``algorithm.rollout_correction.mode=auto`` switches the correction on. Not with dynamic sampling
     (``algorithm.filter_groups``) or ReMax, whose extra generation rounds depend on the batch being trained."""
+    samples: SampleLogConfig = field(default_factory=SampleLogConfig)
+    """The sample log (``samples/train.jsonl``, ``samples/val.jsonl``)."""
     print_summary_json: bool = False
     """Print the run summary as one JSON line at the very end (``sec_per_step``: median step time after the first
     step; ``gen_tokens_per_sec``; the step-time breakdown; the machine). The benchmark configs turn it on."""

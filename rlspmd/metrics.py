@@ -145,7 +145,7 @@ class MetricLogger:
         if "jsonl" in sinks:
             path = out / "metrics.jsonl"
             if path.exists():
-                _rewind_jsonl(path, initial_step)
+                rewind_jsonl(path, initial_step)
             self.jsonl = open(path, "a", buffering=1)
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -172,6 +172,12 @@ class MetricLogger:
             if vals:
                 self.bar.write(f"step {step} validation: " + ", ".join(f"{k}={v}" for k, v in sorted(vals.items())))
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A text entry in TensorBoard's text tab (the sample log's conversations); nothing without that sink. Shown
+        with the step's metrics, which flush the writer."""
+        if self.tb is not None:
+            self.tb.add_text(tag, text, step)
+
     def write(self, text: str) -> None:
         if not self.enabled:
             return
@@ -190,8 +196,8 @@ def _finite(metrics: dict) -> dict:
     return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
 
 
-def _rewind_jsonl(path: Path, step: int) -> None:
-    """Keep the lines of steps <= ``step`` (none for a fresh start); move the others to ``*.superseded.jsonl``."""
+def rewind_jsonl(path: Path, step: int) -> None:
+    """Keep the lines of steps <= ``step`` (none for a fresh start); move the others to ``<stem>.superseded.jsonl``."""
     keep, drop = [], []
     for line in path.read_text().splitlines(keepends=True):
         try:
@@ -201,7 +207,7 @@ def _rewind_jsonl(path: Path, step: int) -> None:
         (keep if step and s is not None and s <= step else drop).append(line)
     if not drop:
         return
-    with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
+    with open(path.with_name(f"{path.stem}.superseded.jsonl"), "a") as f:
         f.writelines(line if line.endswith("\n") else line + "\n" for line in drop)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))

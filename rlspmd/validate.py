@@ -115,12 +115,15 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     if not 0 <= t.stop_at_step <= t.total_steps:
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
     _loggers(p, "trainer.loggers", t.loggers)
+    p.at_least("trainer.samples.num_train", t.samples.num_train, 0)
+    p.at_least("trainer.samples.num_val", t.samples.num_val, 0)
     _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
     _bypass(p, cfg, split=split)
     p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
     p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
     if check_files:
         _files(p, cfg, with_critic=with_critic)
+        _context(p, cfg, with_critic=with_critic)
     return p.lines
 
 
@@ -346,6 +349,49 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         from rlspmd.trainer.checkpoint import resolve_checkpoint
 
         p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
+
+
+def model_context(path: str) -> int | None:
+    """The longest sequence a model directory's ``config.json`` allows (``max_position_embeddings``, also under a
+    multimodal ``text_config``); None when the file or the field is absent (the model-file check reports a missing
+    directory)."""
+    config_json = Path(path).expanduser() / "config.json"
+    try:
+        c = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (c, c.get("text_config") or {}):
+        limit = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
+
+
+def _context(p: Problems, cfg: Config, *, with_critic: bool) -> None:
+    """Every sequence the run builds, the prompt (``data.max_prompt_length``, tool schemas rendered in) plus the
+    response (``rollout.max_response_length``; in a multi-turn run the whole conversation after the prompt: the model's
+    turns, tool results and user turns), must fit the context of each model that reads it. Past it, positions run off
+    the model's table (RoPE past its trained range) and nothing would say so. A prompt longer than
+    ``data.max_prompt_length`` is dropped or reported with its file and row when the data loads."""
+    d, r = cfg.data, cfg.rollout
+    total = d.max_prompt_length + r.max_response_length
+    what = ("the whole conversation after the prompt: model turns, tool results, user turns" if r.agent.enabled
+            else "the generated tokens")
+    models = [("actor.model.path", cfg.actor.model.path), ("ref.model_path", cfg.ref.model_path)]
+    if with_critic:
+        models.append(("critic.model_path", cfg.critic.model_path))
+    for field, path in models:
+        limit = None if path is None else model_context(path)
+        if limit is not None and total > limit:
+            p.add("data.max_prompt_length", d.max_prompt_length,
+                  f"+ rollout.max_response_length={r.max_response_length} ({what}) = {total} tokens exceeds the context of "
+                  f"{field}={path!r} (max_position_embeddings={limit} in its config.json); lower one of them so their sum "
+                  f"is <= {limit}")
+    if r.engine == "vllm" and r.vllm.max_model_len is not None:
+        limit = model_context(cfg.actor.model.path)
+        if limit is not None and r.vllm.max_model_len > limit:
+            p.add("rollout.vllm.max_model_len", r.vllm.max_model_len, f"exceeds the context of actor.model.path="
+                  f"{cfg.actor.model.path!r} (max_position_embeddings={limit})")
 
 
 def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> tuple[int, bool]:

@@ -13,7 +13,8 @@ import pytest
 
 from rlspmd.config import (
     GSPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
-    KLCov, PPOClip, RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, load_config_file,
+    KLCov, PPOClip, RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, VllmConfig,
+    load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -181,6 +182,46 @@ def test_files_that_must_exist(tmp_path, tiny_model):
     assert [p for p in config_problems(with_(cfg, actor=ActorConfig(model=model)), world_size=1) if "actor" in p] == []
 
 
+def test_prompt_plus_response_over_the_models_context_is_a_config_error(tmp_path, tiny_model):
+    """data.max_prompt_length + rollout.max_response_length above max_position_embeddings (512 for the tiny model) is
+    reported before anything loads, naming both fields and the limit; in a multi-turn run the response budget is the
+    whole conversation. A model directory without the field, or without config.json, is not checked."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("")
+    model = dataclasses.replace(ActorConfig().model, path=str(tiny_model))
+    base = with_(actor=ActorConfig(model=model), data=DataConfig(train_files=[str(data)], val_files=[str(data)]))
+
+    def context_problems(max_prompt_length: int, max_response_length: int, cfg: Config = base, **rollout) -> list[str]:
+        cfg = with_(cfg, data=dataclasses.replace(cfg.data, max_prompt_length=max_prompt_length),
+                    rollout=RolloutConfig(max_response_length=max_response_length, **rollout))
+        return [line for line in config_problems(cfg, world_size=1) if "context" in line]
+
+    assert context_problems(400, 112) == []  # 512 fits exactly
+    assert context_problems(400, 113) == [
+        "data.max_prompt_length=400: + rollout.max_response_length=113 (the generated tokens) = 513 tokens exceeds the "
+        f"context of actor.model.path={str(tiny_model)!r} (max_position_embeddings=512 in its config.json); lower one of "
+        "them so their sum is <= 512"]
+    agent = context_problems(96, 512, agent=AgentConfig(tools=["calculator"]))
+    assert len(agent) == 1 and "rollout.max_response_length=512 (the whole conversation after the prompt: model turns, " \
+        "tool results, user turns) = 608 tokens exceeds" in agent[0]
+    vllm = context_problems(100, 100, engine="vllm", vllm=VllmConfig(max_model_len=1024))
+    assert vllm == [f"rollout.vllm.max_model_len=1024: exceeds the context of actor.model.path={str(tiny_model)!r} "
+                    "(max_position_embeddings=512)"]
+    # a reference of its own is checked too; a directory without the field is not
+    short = tmp_path / "short"
+    shutil.copytree(tiny_model, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    with_ref = with_(base, ref=RefConfig(model_path=str(short)))
+    assert [line.split(" exceeds the context of ")[1].split("=")[0] for line in context_problems(200, 100, with_ref)] == \
+        ["ref.model_path"]
+    (short / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "max_position_embeddings"}))
+    assert context_problems(200, 1000, with_(base, actor=ActorConfig(model=dataclasses.replace(model, path=str(short))))) == []
+    # the same with check_files=False (a dry run): nothing is read
+    cfg = with_(base, data=dataclasses.replace(base.data, max_prompt_length=400), rollout=RolloutConfig(max_response_length=200))
+    assert not [line for line in config_problems(cfg, world_size=1, check_files=False) if "context" in line]
+
+
 def test_reward_function_is_found_without_running_it(tmp_path):
     marker = tmp_path / "ran"
     (tmp_path / "fn.py").write_text(
@@ -246,6 +287,30 @@ def test_prompts_without_text_dropped_and_counted(tmp_path, tok, caplog):
     assert len(ds) == 3 and ds.n_empty == 2 and ds.n_dropped == 0
     assert [r["where"][1] for r in ds.rows] == [0, 2, 4]
     assert "dropped 2 prompts with no user text (data.empty_prompts=drop)" in caplog.text
+
+
+def test_an_overlong_agent_prompt_is_named_with_file_and_row(tmp_path, tiny_tools_model):
+    """Agent prompts are measured with the tool schemas rendered in (what the model reads): the row over
+    data.max_prompt_length is named with data.overlong_prompts=error, dropped and counted otherwise."""
+    from rlspmd.agent import load_tools, tool_schemas
+
+    tools = tool_schemas(load_tools(AgentConfig(tools=["calculator"])))
+    tools_tok = load_tokenizer(tiny_tools_model, field_name="actor.model.path")
+    prompts = [[{"role": "user", "content": "Calculate 1 + 2."}],
+               [{"role": "user", "content": "Calculate " + " + ".join(["12"] * 30)}]]
+    path = write_jsonl(tmp_path / "p.jsonl", rows(prompts))
+    def ids(p: list[dict], **kw) -> list[int]:
+        return tools_tok(tools_tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **kw),
+                         add_special_tokens=False)["input_ids"]
+
+    lengths = [len(ids(p, tools=tools)) for p in prompts]
+    limit = lengths[0] + 5  # the first prompt fits, the second does not
+    assert lengths[1] > limit and len(ids(prompts[0])) < lengths[0]  # the schemas count
+    overlong = rf"data.train_files: {path} row 1: prompt has {lengths[1]} tokens > data.max_prompt_length={limit}"
+    with pytest.raises(ValueError, match=overlong):
+        PromptDataset([path], tools_tok, prompt_key="prompt", max_prompt_length=limit, overlong="error", tools=tools)
+    ds = PromptDataset([path], tools_tok, prompt_key="prompt", max_prompt_length=limit, tools=tools)
+    assert len(ds) == 1 and ds.n_dropped == 1 and ds.prompt_ids[0] == ids(prompts[0], tools=tools)
 
 
 def test_a_jsonl_line_cut_in_half_is_named(tmp_path):

@@ -75,6 +75,7 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
         correction=calls.stage("correction"),
         balance=calls.stage("balance"),
         report=Obj(sampled=lambda batch, m: calls.append("report.sampled"), step=report_step),
+        samples=Obj(train=lambda batch, step: calls.append("samples.train")),
         checkpointing=NoCheckpointing(),
         data_stats={"train_prompts": 4, "train_dropped": 0, "train_empty_dropped": 0, "val_prompts": 0},
         resume_from=None,
@@ -87,7 +88,7 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
 
 DATA_FLOW = ["prompts.next", "rollout.generate", "report.sampled", "reward.score", "shaping", "baseline", "ref.log_prob",
              "actor.old_log_prob", "critic.values", "token_rewards", "advantage", "correction", "balance",
-             "critic.update", "actor.update", "rollout.sync_weights", "report.step"]
+             "critic.update", "actor.update", "rollout.sync_weights", "samples.train", "report.step"]
 
 
 def test_a_step_runs_the_stages_in_the_order_of_the_data_flow_and_hands_each_the_previous_batch():
@@ -98,7 +99,7 @@ def test_a_step_runs_the_stages_in_the_order_of_the_data_flow_and_hands_each_the
     batch = seen["batch"]
     # prompt ids + responses, then one column per stage, each seeing every column added before it
     added = [n for n in DATA_FLOW if n not in ("prompts.next", "rollout.generate", "report.sampled", "baseline",
-                                                  "rollout.sync_weights", "report.step")]
+                                                  "rollout.sync_weights", "samples.train", "report.step")]
     for i, name in enumerate(added):
         assert batch[f"{name.replace('.', '_')}_B"].tolist() == [2.0 + i] * 4, name
     # one reduction: the global mean of the two contributions (3 over 1 and 1 over 3), not the mean of their means

@@ -47,7 +47,7 @@ from rlspmd.roles.base import CriticRole, ReferenceRole, UpdatePlan, update_plan
 from rlspmd.roles.critic import Critic, NoCritic
 from rlspmd.roles.policy import NoPolicy, NoReference, OldLogProbs, Policy, Reference, build_policy_module, resolve_ref_offload
 from rlspmd.rewards.functions import spec_name
-from rlspmd.roles.reward import NoReward, Reward, component_manager
+from rlspmd.roles.reward import NoReward, Reward, component_columns, component_manager
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.agent import build_agent_loop
 from rlspmd.agent import check_rows as check_agent_rows
@@ -65,6 +65,7 @@ from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepRe
 from rlspmd.roles.rollout_correction import (
     ResolvedRolloutCorrection, RolloutCorrectionStage, resolve_rollout_correction,
 )
+from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing
 
@@ -387,6 +388,11 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         write_files=partial(_write_model_files, cfg, tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
     )
     shaping_parts = (("overlong_penalty_B", "overlong_penalty"),) if cfg.reward.overlong_buffer.enable else ()
+    samples = (SampleLog(trainer.samples, tokenizer=tokenizer, mesh=mesh, output_dir=trainer.output_dir, eos_ids=eos_ids,
+                         max_response_length=R, reward_columns=component_columns(cfg.reward, agent=cfg.rollout.agent.enabled),
+                         tool_names=episodes.tool_names if cfg.rollout.agent.enabled else None,
+                         val_prompts=data_stats["val_prompts"])
+               if trainer.samples.enable else NoSampleLog())
     return Roles(
         prompts=prompts, rollout=rollout, reward=reward, shaping=shaping, baseline=baseline, sampling=sampling, ref=ref,
         actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
@@ -394,7 +400,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts,
                           agent=AgentMetrics(tool_names=episodes.tool_names, mesh=mesh) if cfg.rollout.agent.enabled
                           else NoAgentMetrics()),
-        checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from, attn_kernel=attn_kernel,
+        samples=samples, checkpointing=checkpointing, data_stats=data_stats, resume_from=resume_from, attn_kernel=attn_kernel,
         rollout_correction=correction,
     )
 
@@ -435,8 +441,8 @@ def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, pla
         prompts=NoPrompts(), rollout=rollout, reward=NoReward(), shaping=NoShaping(),
         baseline=FollowGreedy(rollout=rollout) if plan.greedy_baseline else NoBaseline(), sampling=sampling,
         ref=NoReference(), actor=NoPolicy(), critic=NoCritic(), token_rewards=Skip(), advantage=Skip(), correction=Skip(),
-        balance=Skip(), report=NoReport(), checkpointing=NoCheckpointing(), data_stats=data_stats, resume_from=None,
-        attn_kernel=attn_kernel, rollout_correction=correction,
+        balance=Skip(), report=NoReport(), samples=NoSampleLog(), checkpointing=NoCheckpointing(), data_stats=data_stats,
+        resume_from=None, attn_kernel=attn_kernel, rollout_correction=correction,
     )
 
 

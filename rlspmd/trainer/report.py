@@ -28,9 +28,9 @@ class AgentMetrics:
     """Multi-turn rollouts (``rollout.agent``): per step, from the batch's per-sample agent fields (``agent/loop.py``),
     turns per sample, tool calls per sample (all, by tool, and the share of samples with one), tool errors and
     timeouts per sample, why conversations ended, the share of response tokens masked out of the loss, and the tools'
-    own metrics (summed per sample, averaged over samples); in validation the tool-call rate and turns."""
+    own metrics (summed per sample, averaged over samples); in validation the tool-call rate, turns and user turns."""
 
-    validation_fields = ("agent_tool_calls_BK", "agent_turns_B")
+    validation_fields = ("agent_tool_calls_BK", "agent_turns_B", "agent_user_turns_B")
 
     def __init__(self, *, tool_names: list[str], mesh: DeviceMesh):
         self.tool_names, self.mesh = tool_names, mesh
@@ -58,7 +58,8 @@ class AgentMetrics:
     def validation(self, allv: Batch) -> dict[str, float]:
         calls = allv["agent_tool_calls_BK"]
         return {"val/agent/tool_call_rate": float((calls.sum(-1) > 0).float().mean()),
-                "val/agent/tool_calls": float(calls.sum(-1).mean()), "val/agent/turns": float(allv["agent_turns_B"].mean())}
+                "val/agent/tool_calls": float(calls.sum(-1).mean()), "val/agent/turns": float(allv["agent_turns_B"].mean()),
+                "val/agent/user_turns": float(allv["agent_user_turns_B"].mean())}
 
 
 class NoAgentMetrics:

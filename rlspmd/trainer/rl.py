@@ -15,7 +15,7 @@
       -> balance               move samples between DP ranks to even out tokens (within each mini-batch)
       -> critic.update, actor.update   (the actor waits for critic.warmup_steps)
       -> rollout.sync_weights  actor -> rollout
-      -> metrics               reduced over ranks, logged by rank 0
+      -> metrics               reduced over ranks, logged by rank 0 (and a few samples: trainer/samples.py)
 
 Every stage takes the step's batch and metric buffer and returns the batch (``roles/base.py``). A prompt's samples
 are generated, scored and trained on one DP rank, so group statistics are local and only scalars cross ranks. Rank 0
@@ -99,6 +99,7 @@ class RLTrainer:
                     batch = r.actor.update(batch, m)
             with t("weight_sync"):
                 r.rollout.sync_weights(m)
+            r.samples.train(batch, step=step)  # a few trained samples to <output_dir>/samples/train.jsonl (rank 0)
         return r.report.step(batch, m, t)
 
     @torch.no_grad()
@@ -112,6 +113,7 @@ class RLTrainer:
             with progress.stage("reward"):
                 scored = r.reward.score(samples, MetricBuffer())  # unshaped
             r.report.add_validation(scored, n_pad)
+            r.samples.validation(scored, step=step, start=start)  # the first prompts' generations to samples/val.jsonl
         return r.report.validation()
 
     def fit(self) -> dict[str, float]:
@@ -124,6 +126,7 @@ class RLTrainer:
         self.logger = MetricLogger(
             cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=self.counters.step, enabled=self.rt.is_main
         )
+        r.samples.open(self.logger, initial_step=self.counters.step)
         stats = r.data_stats
         self.logger.write(f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length, "
                           f"{stats['train_empty_dropped']} empty)")

@@ -13,6 +13,7 @@ from rlspmd.roles.rollout import RolloutRole
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, RolloutCorrectionStage
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import NoReport, StepReport
+from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, NoCheckpointing
 
@@ -37,6 +38,8 @@ class Roles:
     """Rollout correction of the step's batch when the old log-probs were recomputed (else the loss applies it)."""
     balance: Stage
     report: StepReport | NoReport
+    samples: SampleLog | NoSampleLog
+    """The sample log (``trainer.samples``): a few samples per step and validation, written by rank 0."""
     checkpointing: Checkpointing | NoCheckpointing
     data_stats: dict
     """Rank 0's dataset counts, on every rank (``train_prompts``, ``train_dropped``, ``val_prompts``)."""
