@@ -36,6 +36,6 @@ setup(
         "assets": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.25"],
         # LoRA RL (actor.lora): peft's LoRA layers and its adapter format; pure Python, keeps the installed torch.
         "lora": ["peft>=0.13"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13", "mkdocs>=1.6"],  # mkdocs: tests/test_docs.py
     },
 )

@@ -6,9 +6,9 @@ answer to ``calc_gsm8k_reward``, read "correct" and end with ``#### N`` (``scrip
     python scripts/data/gsm8k_tool_sft.py --input data/gsm8k_tool/train.parquet --out data/gsm8k_tool/sft.parquet
     torchrun --nproc-per-node 2 -m rlspmd.sft --config configs/sft_gsm8k_tool_smollm2.py
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/gsm8k_tool_smollm2.py \\
-        --actor.model.path outputs/gsm8k-tool-smollm2-sft/hf ...        # README, "A real model": the CPU overrides
+        --actor.model.path outputs/gsm8k-tool-smollm2-sft/hf ...        # docs/smollm2.md: the CPU overrides
 
-Untuned, the model made no tool calls (README): GRPO had nothing to reinforce. The demonstrations render the tools
+Untuned, the model made no tool calls (docs/agents.md): GRPO had nothing to reinforce. The demonstrations render the tools
 exactly as the RL run does (``data.tools`` + ``data.tool_prompt="system"``: SmolLM2's template ignores ``tools``, so
 the schema and the ``<tool_call>`` syntax go into the system message), and the loss covers the two assistant turns
 only. The exported tokenizer (``outputs/gsm8k-tool-smollm2-sft/hf``) keeps that rendering for the RL run. A short warm

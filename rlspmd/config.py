@@ -95,7 +95,7 @@ class MegatronConfig:
     """Tensor-parallel degree (consecutive ranks). Must divide the model's KV heads, vocabulary and FFN size."""
     pp: int = 1
     """Pipeline-parallel degree: stages of consecutive layers (must divide the model's layers). The loss runs on the
-    last stage; megatron's 1F1B schedule on CUDA, a GPipe schedule on CPU (see the README's megatron section)."""
+    last stage; megatron's 1F1B schedule on CUDA, a GPipe schedule on CPU (docs/megatron.md)."""
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of forwards (autocast; parameters and optimiser state stay in ``model.dtype``). ``auto``: bfloat16
     on CUDA, float32 on CPU."""
@@ -342,7 +342,7 @@ class ActorConfig:
     """Policy optimiser."""
     engine: Literal["fsdp", "megatron"] = "fsdp"
     """Training engine of the policy (and of the reference, which follows it): ``fsdp`` (FSDP2, every feature) or
-    ``megatron`` (megatron-core tensor parallelism; ``actor.megatron``; FSDP-only features are listed in the README)."""
+    ``megatron`` (megatron-core tensor parallelism; ``actor.megatron``; FSDP-only features: docs/megatron.md)."""
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2 sharding of the policy (``engine=fsdp``)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -430,7 +430,7 @@ class CodeRunnerConfig:
     max_output_chars: int = 2000
     """Output (stdout and stderr) the model reads back; the rest is cut and marked ``[output truncated]``."""
     sandbox: Literal["bwrap", "audit-hook-unsafe"] = "bwrap"
-    """Isolation of the model's code (``rlspmd/agent/sandbox.py``; README: The python tool's sandbox): ``bwrap``,
+    """Isolation of the model's code (``rlspmd/agent/sandbox.py``; docs/agents.md, "The python tool's sandbox"): ``bwrap``,
     bubblewrap namespaces (sees only its own directory and the standard library, no network, own PID namespace,
     unprivileged identity); the tool refuses to start, naming what is missing, where they cannot be created.
     ``audit-hook-unsafe``, an explicit opt-in for such machines: a Python audit hook, which the code can step around,

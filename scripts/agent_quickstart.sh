@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The agent quickstart, end to end on CPU (README, "Agentic RL"): GRPO with a calculator tool on 3-digit arithmetic.
+# The agent quickstart, end to end on CPU (README, "Agent quickstart"): GRPO with a calculator tool on 3-digit arithmetic.
 #   1. build the tiny Qwen2-style model with a tool-calling chat template and tool-call tokens (models/tiny-tools)
 #   2. write the task in verl's multi-turn schema (train/test prompts with tools_kwargs) and SFT conversations
 #   3. SFT warm start on whole conversations (30% call the calculator), loss on the assistant turns only

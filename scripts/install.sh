@@ -18,12 +18,12 @@ if [ "${RLSPMD_NO_VLLM:-0}" != "1" ]; then
 fi
 
 # The python tool's sandbox (rlspmd/agent/sandbox.py) runs model-written code under bubblewrap; where `bwrap` is
-# missing the tool refuses to start (README: The python tool's sandbox). As root, install it; otherwise say what to.
+# missing the tool refuses to start (docs/agents.md: The python tool's sandbox). As root, install it; otherwise say what to.
 if ! command -v bwrap >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
     else
         echo "install.sh: bubblewrap (bwrap) is missing; the python tool needs it: install it as root" \
-             "(apt-get install bubblewrap, dnf install bubblewrap), or see README: The python tool's sandbox" >&2
+             "(apt-get install bubblewrap, dnf install bubblewrap), or see docs/agents.md: The python tool's sandbox" >&2
     fi
 fi

@@ -221,7 +221,7 @@ def test_audit_hook_mode_refuses_writes_outside_its_directory(tmp_path):
 
 
 def test_what_the_audit_hook_mode_gives_up(tmp_path):
-    """The README's list of what audit-hook-unsafe gives up, shown: the code reads the run's files, and a process
+    """The list of what audit-hook-unsafe gives up (docs/agents.md), shown: the code reads the run's files, and a process
     started by a primitive that raises no audit event writes outside. The default mode holds against both."""
     canary = tmp_path / "answers.txt"
     canary.write_text("the answer is 4242")

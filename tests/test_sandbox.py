@@ -575,7 +575,7 @@ def test_the_unprivileged_path_holds_too(tmp_path):
 
 
 def test_the_cost_benchmark_runs_and_prints_json():
-    """``scripts/bench/sandbox_calls.py`` (README: its figures); a smoke run, the figures are not asserted."""
+    """``scripts/bench/sandbox_calls.py`` (docs/agents.md: its figures); a smoke run, the figures are not asserted."""
     out = subprocess.run([sys.executable, "scripts/bench/sandbox_calls.py", "--calls", "10", "--threads", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -118,7 +118,7 @@ class PythonRunner(Tool):
         check_sandbox(sandbox)  # fail closed: no tool that would run model code unisolated by accident
         if sandbox == "audit-hook-unsafe":
             warnings.warn("rollout.agent.code.sandbox='audit-hook-unsafe': the python tool's code can read every file "
-                          "this process can (data, checkpoints) and can step around the audit hook; see README: The "
+                          "this process can (data, checkpoints) and can step around the audit hook; see docs/agents.md: The "
                           "python tool's sandbox", stacklevel=2)
         self.limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_chars=max_output_chars,
                            sandbox=sandbox)

@@ -201,7 +201,7 @@ def check_sandbox(mode: str, *, field_name: str = FIELD) -> None:
             "bubblewrap (`apt-get install bubblewrap`, `dnf install bubblewrap`; scripts/install.sh does as root) and "
             "allow user namespaces (sysctl user.max_user_namespaces > 0; Ubuntu 24.04: "
             "kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap), or accept the weaker "
-            f"Python-level sandbox with {field_name}='audit-hook-unsafe' (README: The python tool's sandbox)")
+            f"Python-level sandbox with {field_name}='audit-hook-unsafe' (docs/agents.md: The python tool's sandbox)")
 
 
 _PROBED: set[str] = set()

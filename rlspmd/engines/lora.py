@@ -11,7 +11,7 @@ holds state for them alone and gradients are reduced for them alone. What differ
   duration; FSDP2's gathered parameters are copies, freed at reshard, so the sharded base weights never change.
   ``weight_stream`` (vLLM, a private copy, split placement) hands out merged weights under the checkpoint's names.
   Merging once per generation was measured against applying the adapters at every decoded token
-  (``scripts/bench/lora_generate.py``; README, LoRA section).
+  (``scripts/bench/lora_generate.py``; docs/lora.md).
 * **The reference** is the same engine with the adapters switched off (``base_model``): no second copy of the model.
 * **Export** (``hf_state_dict``) is the merged model; ``adapter_state_dict`` the adapters under HF names.
 """

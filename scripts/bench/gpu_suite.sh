@@ -3,7 +3,7 @@
 #   bash scripts/bench/gpu_suite.sh [gpu_suite.py options]      (from the repository root; OUT=dir for the JSON)
 # Wheels carried in $WHEELS (default .whl/: tyro, datasets, trl, ..., fetched beforehand on a machine with registry
 # access, e.g. `pip download --no-deps -d .whl tyro datasets trl`) are installed into /tmp/site first (the machine's
-# own torch stays); python is whichever of python / python3 exists. README, "On a GPU: the GPU suite".
+# own torch stays); python is whichever of python / python3 exists. docs/performance.md, "On a GPU: the GPU suite".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=$(command -v python || command -v python3)

