@@ -15,7 +15,6 @@ an FSDP2 actor, on whatever device the installed vLLM runs on. In CI that is vLL
 import importlib.util
 
 import pytest
-
 from conftest import dist_script, load_script, torchrun
 from rl_run import assert_same_state, checkpoint_tensors, metrics, rl_args, write_reward
 

@@ -11,7 +11,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import dist_script, torchrun
 
 pytestmark = [

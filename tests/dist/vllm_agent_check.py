@@ -12,13 +12,25 @@ import dataclasses
 import sys
 
 import torch
-
 import torch.distributed as dist
 
-from rlspmd.config import ActorConfig, AgentConfig, DistConfig, MeshConfig, ModelConfig, RolloutConfig, VllmConfig
+from rlspmd.config import (
+    ActorConfig,
+    AgentConfig,
+    DistConfig,
+    MeshConfig,
+    ModelConfig,
+    RolloutConfig,
+    VllmConfig,
+)
 from rlspmd.data.prompts import PromptDataset
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
+from rlspmd.distributed.runtime import (
+    exit_process,
+    init_distributed,
+    shutdown,
+    spmd_main,
+)
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
@@ -42,12 +54,11 @@ def main():
                         vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=16))
     eos_ids = eos_token_ids(model_dir, tok)
     episodes = build_episodes(cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=tok.pad_token_id, model_field="model")
-    kw = dict(meshes=meshes, policy=policy, model_path=model_dir, compute=compute_dtype(actor_cfg.fsdp, rt.device), eos_ids=eos_ids,
-              pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=128, episodes=episodes)
+    kw = {"meshes": meshes, "policy": policy, "model_path": model_dir, "compute": compute_dtype(actor_cfg.fsdp, rt.device),
+          "eos_ids": eos_ids, "pad_id": tok.pad_token_id, "device": rt.device, "seed": 0, "max_prompt_length": 128,
+          "episodes": episodes}
     native = build_rollout(dataclasses.replace(cfg, engine="native"), **kw)
-    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute=compute_dtype(actor_cfg.fsdp, rt.device),
-                            eos_ids=eos_ids, pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=128,
-                            episodes=episodes)
+    rollout = build_rollout(cfg, **kw)
     ds = PromptDataset([data], tok, prompt_key="prompt", max_prompt_length=128, tools=episodes.tool_schemas)
     prompts = ds.batch(list(range(8))).to(rt.device)
     rollout.sync_weights(MetricBuffer())

@@ -25,10 +25,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig, RolloutConfig, VllmConfig
+from rlspmd.config import (
+    ActorConfig,
+    DistConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    VllmConfig,
+)
 from rlspmd.distributed.dispatch import all_gather_objects
 from rlspmd.distributed.mesh import DP, TP, ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
+from rlspmd.distributed.runtime import (
+    exit_process,
+    init_distributed,
+    shutdown,
+    spmd_main,
+)
 from rlspmd.engines.fsdp import compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_causal_lm, load_tokenizer
