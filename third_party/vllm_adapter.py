@@ -164,15 +164,21 @@ def _kv_cache_bytes(model_path: str, *, dtype: torch.dtype, max_num_seqs: int, m
 
 
 def _checkpoint_names(model_path: str) -> set[str]:
-    """The tensor names of the model's safetensors checkpoint (what a full weight stream must cover)."""
+    """The tensor names of the model's safetensors checkpoint that a full weight stream must cover. A tied LM head
+    is left out: the stream names a shared parameter once (the input embedding), and vLLM ties the head to it,
+    whether or not the checkpoint also stored ``lm_head.weight``."""
     import glob
 
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     names = set()
     for f in glob.glob(os.path.join(model_path, "*.safetensors")):
         with safe_open(f, framework="pt") as sf:
             names |= set(sf.keys())
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+        names = {n for n in names if not n.endswith("lm_head.weight")}
     return names
 
 
