@@ -19,7 +19,9 @@ decided here from vLLM's own platform object, never from a second code path:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import inspect
 import os
 import random
@@ -167,8 +169,6 @@ def _checkpoint_names(model_path: str) -> set[str]:
     """The tensor names of the model's safetensors checkpoint that a full weight stream must cover. A tied LM head
     is left out: the stream names a shared parameter once (the input embedding), and vLLM ties the head to it,
     whether or not the checkpoint also stored ``lm_head.weight``."""
-    import glob
-
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -180,6 +180,35 @@ def _checkpoint_names(model_path: str) -> set[str]:
     if getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
         names = {n for n in names if not n.endswith("lm_head.weight")}
     return names
+
+
+@contextlib.contextmanager
+def _unique_cpu_shm_names():
+    """vLLM 0.32 on CPU: give this job's shared-memory all-reduce segments job-unique names, and unlink them once built.
+
+    vLLM's CPU communicator (TP > 1) names its ``/dev/shm`` segments after ``VLLM_DIST_IDENT``, which the CPU worker
+    derives from the distributed init method; under ``external_launcher`` that is ``env://``, so every job on the
+    host asks for the same names, and a second job (or a rerun after a crash left the files) fails with
+    ``create shm in SHMManager failed. errno: 17``. The names get this job's rendezvous port (``MASTER_PORT``: equal on
+    its ranks, different from any job running beside it), and the files are unlinked when the engine is built (every
+    rank has mapped its peers' segments by then: vLLM joins them behind a barrier), so none outlive the job."""
+    try:
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    except ImportError:  # a build without the CPU communicator
+        yield
+        return
+    original = _CPUSHMDistributed.make_group_name
+    prefix = f"rlspmd{os.environ.get('MASTER_PORT', '')}"
+    # vLLM's own name starts with the "//" of "env://", which is what makes it a valid shm_open name ("/" first, no
+    # other slash): keep one slash in front
+    _CPUSHMDistributed.make_group_name = staticmethod(lambda communicator: f"/{prefix}" + original(communicator).lstrip("/"))
+    try:
+        yield
+    finally:
+        _CPUSHMDistributed.make_group_name = staticmethod(original)
+        for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*cpushm_*")):
+            with contextlib.suppress(FileNotFoundError):  # a peer unlinked it first
+                os.unlink(path)
 
 
 def _rebind_cpu_gemms(worker) -> int:
@@ -271,7 +300,8 @@ class VllmBackend:
         fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
         kwargs.update({k: v for k, v in optional.items() if k in fields and v is not None})
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _unique_cpu_shm_names():
+                self.llm = vllm.LLM(**kwargs)
         finally:
             self.restored = state.restore()  # what vLLM had changed in this process (empty on a well-behaved start)
         self._vllm = vllm
