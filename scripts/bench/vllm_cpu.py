@@ -183,6 +183,7 @@ def main() -> None:
         report["models"][name] = {**gen, "trainer_stages": {
             k: {"ref_s": min(r["ref_s"] for r in v), "update_s": min(r["update_s"] for r in v)} for k, v in stages.items()},
             "restored_at_engine_start": stages["vllm_loaded"][0]["restored_at_engine_start"]}
+        print(json.dumps({name: report["models"][name]}), file=sys.stderr, flush=True)  # survives an interrupted run
     print(json.dumps(report, indent=1), flush=True)
 
 
