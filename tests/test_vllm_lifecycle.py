@@ -1,4 +1,5 @@
-"""The vLLM engine's lifecycle and per-step sequence, against a recording stand-in for vLLM (which cannot run on CPU).
+"""The vLLM engine's lifecycle and per-step sequence, against a recording stand-in for vLLM's backend: it models what
+the real engine only shows on CUDA (CPU has no sleep mode; ``tests/test_vllm_cpu.py`` runs the real engine).
 
 The stand-in models what matters for correctness: a level-2 sleep turns the weights into garbage, a forward pass
 needs both the weights and the KV cache awake, and prefix-cache entries go stale when the weights change.

