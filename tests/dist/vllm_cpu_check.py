@@ -52,7 +52,7 @@ from rlspmd.rollout.native import NativeEngine
 from rlspmd.rollout.sampling import SamplingParams
 from rlspmd.rollout.weights import InPlaceWeights
 from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
-from rlspmd.trainer.rollout_correction import record_correction_metrics
+from rlspmd.roles.rollout_correction import record_correction_metrics
 from third_party.vllm_adapter import ProcessState, prepare_environment
 
 TIE = 2e-3  # top-2 logit gap (fp32) below which two correct kernels may pick different argmaxes
@@ -233,7 +233,7 @@ def main():
 def correction_for_vllm(compute: torch.dtype):
     """What ``algorithm.rollout_correction.mode=auto`` resolves to for this engine (the trainer's own resolution)."""
     from rlspmd.config import RolloutCorrectionConfig
-    from rlspmd.trainer.rollout_correction import resolve_rollout_correction
+    from rlspmd.roles.rollout_correction import resolve_rollout_correction
 
     name = str(compute).removeprefix("torch.")
     return resolve_rollout_correction(RolloutCorrectionConfig(), engine="vllm", rollout_dtype=name, actor_compute_dtype=name,
