@@ -184,39 +184,6 @@ def test_loss_spans_are_the_runs_of_trained_tokens():
 
 
 @pytest.fixture(scope="module")
-def tool_caller(tiny_tools_model, tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny model that calls the calculator: the tiny tool model fitted to one demonstration (call, tool result,
-    answer) until it reproduces it, and the agent arithmetic data (single digits). Returns (model, data)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlspmd.agent import load_tools, tool_schemas
-    from rlspmd.config import AgentConfig
-    from rlspmd.sft import SFTDataset
-
-    tmp = tmp_path_factory.mktemp("tool_caller")
-    data, model_dir = tmp / "data", tmp / "model"
-    subprocess.run([sys.executable, str(ROOT / "scripts/data/agent_arithmetic.py"), "--out-dir", str(data), "--num-train", "64",
-                    "--num-test", "16", "--num-sft", "4", "--sft-tool-share", "1.0", "--max-value", "9"],
-                   check=True, capture_output=True)
-    tok = AutoTokenizer.from_pretrained(str(tiny_tools_model))
-    ds = SFTDataset([str(data / "sft.parquet")], tok, prompt_key="prompt", response_key="response", max_length=256,
-                    messages_key="messages", tools=tool_schemas(load_tools(AgentConfig(tools=["calculator"]))))
-    prompt, response, mask = ds.examples[0]
-    ids = torch.tensor([prompt + response])
-    labels = torch.tensor([[-100] * len(prompt) + [t if m else -100 for t, m in zip(response, mask)]])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_tools_model), dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(150):
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(str(model_dir))
-    tok.save_pretrained(str(model_dir))
-    return model_dir, data
-
-
-@pytest.fixture(scope="module")
 def agent_run(tool_caller, tmp_path_factory) -> tuple[Path, Path, Path]:
     model, data = tool_caller
     tmp = tmp_path_factory.mktemp("samples_agent")

@@ -15,7 +15,7 @@ an FSDP2 actor, on whatever device the installed vLLM runs on. In CI that is vLL
 import importlib.util
 
 import pytest
-from conftest import dist_script, load_script, torchrun
+from conftest import dist_script, torchrun
 from rl_run import assert_same_state, checkpoint_tensors, metrics, rl_args, write_reward
 
 pytestmark = [
@@ -35,10 +35,12 @@ def test_vllm_tp2_over_two_cpu_ranks(tiny_model):
     assert "VLLM CHECK OK" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_vllm_serves_the_agent_loop_like_the_native_engine(tiny_tools_model, tmp_path):
-    load_script("scripts/data/agent_arithmetic.py").main(["--out-dir", str(tmp_path), "--num-train", "20", "--num-test", "10",
-                                                          "--num-sft", "0"])
-    proc = torchrun([dist_script("vllm_agent_check.py"), str(tiny_tools_model), str(tmp_path / "test.parquet")], 1, timeout=600)
+def test_vllm_serves_the_agent_loop_like_the_native_engine(tool_caller):
+    """Multi-turn: a tiny model taught to call the calculator (``tool_caller``), so the conversations hold tool calls
+    and tool results (masked out), and vLLM's match the native engine's token for token."""
+    model, data = tool_caller
+    proc = torchrun([dist_script("vllm_agent_check.py"), str(model), str(data / "test.parquet"), "--require-tool-calls"], 1,
+                    timeout=600)
     assert "VLLM AGENT OK" in proc.stdout, proc.stdout[-3000:]
 
 

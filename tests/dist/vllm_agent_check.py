@@ -42,15 +42,16 @@ from third_party.vllm_adapter import prepare_environment
 @spmd_main
 def main():
     model_dir, data = sys.argv[1], sys.argv[2]
+    require_calls = "--require-tool-calls" in sys.argv[3:]  # a model that calls tools: multi-turn conversations
     prepare_environment()
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), rt.device.type, rt.rank)
     tok = load_tokenizer(model_dir, field_name="model")
     actor_cfg = ActorConfig(model=ModelConfig(path=model_dir), mini_batch_size=rt.world_size, micro_batch_size=4)
-    plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=96,
+    plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=160,
                       total_steps=1)
     policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
-    cfg = RolloutConfig(engine="vllm", n=1, max_response_length=96, val_temperature=0.0, agent=AgentConfig(tools=["calculator"]),
+    cfg = RolloutConfig(engine="vllm", n=1, max_response_length=160, val_temperature=0.0, agent=AgentConfig(tools=["calculator"]),
                         vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=16))
     eos_ids = eos_token_ids(model_dir, tok)
     episodes = build_episodes(cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=tok.pad_token_id, model_field="model")
@@ -72,8 +73,11 @@ def main():
     ref = native.generate_validation(prompts, step=0)
     for key in ("responses_BR", "response_mask_BR", "loss_mask_BR", "agent_tool_calls_BK"):
         assert torch.equal(out[key], ref[key]), f"{key}: vLLM's conversations differ from the native engine's"
+    calls = float(out["agent_tool_calls_BK"].sum())
+    if require_calls:
+        assert calls > 0, "no conversation called a tool: the check would be single-turn"
+        assert float((resp - loss).sum()) > 0, "tool results must be in the responses, masked out of the loss"
     if rt.rank == 0:
-        calls = float(out["agent_tool_calls_BK"].sum())
         print(f"gap {g:.2e}; same conversations as the native engine; tool calls {calls:.0f}; masked share {float(1 - loss.sum() / resp.sum()):.3f}", flush=True)
         print("VLLM AGENT OK", flush=True)
     dist.barrier()
