@@ -12,12 +12,17 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 
 import tyro
 
 from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown
+
+
+USAGE_ERROR_GRACE_S = 10.0
+"""How long a rank other than 0 waits, after a command-line usage error, for rank 0 to report it."""
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
@@ -38,11 +43,18 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
         + "then overrides of any field below."
     )
     quiet = os.environ.get("RANK", "0") != "0"  # every rank parses the same argv; let rank 0 report problems
-    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
-        # CascadeSubcommandArgs: a component picked by name (``actor.policy-loss:gspo``) may stand anywhere on the line,
-        # and options of every level may follow it
-        cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog,
-                       config=(tyro.conf.CascadeSubcommandArgs,))
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
+            # CascadeSubcommandArgs: a component picked by name (``actor.policy-loss:gspo``) may stand anywhere on the
+            # line, and options of every level may follow it
+            cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog,
+                           config=(tyro.conf.CascadeSubcommandArgs,))
+    except SystemExit as e:
+        if quiet and e.code:
+            # A usage error, which rank 0 meets too: give it time to print its report before this rank's exit makes
+            # torchrun end the job (rank 0's exit ends this wait first)
+            time.sleep(USAGE_ERROR_GRACE_S)
+        raise
     return cfg, known.dry_run
 
 
