@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import glob
 import inspect
+import logging
 import os
 import random
 import warnings
@@ -211,6 +212,26 @@ def _unique_cpu_shm_names():
                 os.unlink(path)
 
 
+class _NoChatWarmupTraceback(logging.Filter):
+    """Drops vLLM 0.32's "Chat template warmup failed" record. ``LLM()`` renders a warm-up chat through the
+    tokenizer even with ``skip_tokenizer_init=True`` (rlspmd renders chats itself and passes token ids), and logs the
+    resulting ``ValueError`` with a traceback on every rank: a harmless failure that reads like a broken start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
+
+
+@contextlib.contextmanager
+def _quiet_chat_warmup():
+    log = logging.getLogger("vllm.renderers.base")
+    quiet = _NoChatWarmupTraceback()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def _rebind_cpu_gemms(worker) -> int:
     """vLLM 0.32 on CPU: point the GEMM handles of layers that keep their weight at the weight they keep.
 
@@ -300,7 +321,7 @@ class VllmBackend:
         fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
         kwargs.update({k: v for k, v in optional.items() if k in fields and v is not None})
         try:
-            with _unique_cpu_shm_names():
+            with _unique_cpu_shm_names(), _quiet_chat_warmup():
                 self.llm = vllm.LLM(**kwargs)
         finally:
             self.restored = state.restore()  # what vLLM had changed in this process (empty on a well-behaved start)

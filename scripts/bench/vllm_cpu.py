@@ -7,7 +7,11 @@ Per model and batch size: generation tokens/s of each engine on the same prompts
 moment on a shared machine hurts no engine more than another). Then the trainer's stages with each engine loaded
 in the process: the reference forward and a policy update (forward + backward + AdamW step) of the fp32 HF model on
 ``--stage-batch`` sequences of 96 tokens, in fresh processes alternating between "no vLLM engine" and "a vLLM engine
-built first" (``third_party/vllm_adapter.ProcessState`` restores what its start changes).
+built first" (``third_party/vllm_adapter.ProcessState`` restores what its start changes). Last, whole GRPO steps:
+``configs/bench/grpo_tiny.py`` (the fixed benchmark workload, ``scripts/bench/grpo_workload.py``: 16 sequences of 64
+sampled tokens, reference + old log-prob forwards, one update) under ``torchrun`` on ``--grpo-ranks`` ranks with
+``--rollout.engine native`` and ``vllm``, runs alternating ``--repeats`` times; per engine the best run's median step
+seconds and its mean seconds per stage (``--grpo-steps 0`` skips this phase).
 
 Models: ``tiny`` (``scripts/models/build_tiny.py``), ``smollm2`` (SmolLM2-135M-Instruct converted from its PyPI
 GGUF wheel by ``scripts/models/smollm2.py``, fp32; skipped with a note when the wheel is absent). One process, one
@@ -135,6 +139,36 @@ def worker_stages(path: Path, batch: int, with_vllm: bool, repeats: int) -> dict
     return {**out, "ref_s": round(min(ref), 3), "update_s": round(min(upd), 3)}
 
 
+def grpo_run(engine: str, *, steps: int, ranks: int) -> dict:
+    """One torchrun of the fixed GRPO workload with ``engine``; its summary line (median step s, stage means)."""
+    out_dir = Path(tempfile.mkdtemp(prefix=f"grpo_{engine}_"))
+    extra = ["--rollout.engine", "vllm", "--rollout.vllm.enforce-eager"] if engine == "vllm" else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+           str(29700 + os.getpid() % 200), "-m", "rlspmd.train", "--config", "configs/bench/grpo_tiny.py",
+           "--trainer.total-steps", str(steps), "--trainer.output-dir", str(out_dir), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"summary"')]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"GRPO run with {engine} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    summary = json.loads(lines[-1])["summary"]
+    return {"sec_per_step": round(summary["sec_per_step"], 3),
+            "mean_stage_s": {k: round(v, 3) for k, v in summary["mean_step_s"].items()}}
+
+
+def grpo_steps(*, steps: int, ranks: int, repeats: int) -> dict:
+    """Whole GRPO steps with each engine, alternating runs (native, vllm, native, vllm, ...); best run kept."""
+    subprocess.run([sys.executable, "scripts/bench/grpo_workload.py", "--which", "grpo_tiny"], cwd=ROOT, check=True,
+                   capture_output=True)
+    runs: dict[str, list[dict]] = {"native": [], "vllm": []}
+    for _ in range(repeats):
+        for engine in runs:
+            runs[engine].append(grpo_run(engine, steps=steps, ranks=ranks))
+    best = {k: min(v, key=lambda r: r["sec_per_step"]) for k, v in runs.items()}
+    return {"workload": "configs/bench/grpo_tiny.py", "ranks": ranks, "steps_per_run": steps, "runs": runs,
+            "best": best, "vllm_over_native_step": round(best["vllm"]["sec_per_step"] / best["native"]["sec_per_step"], 3)}
+
+
 def run_worker(argv: list[str]) -> dict:
     proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, cwd=ROOT, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -151,6 +185,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--stage-batch", type=int, default=16)
+    ap.add_argument("--grpo-steps", type=int, default=6, help="steps per GRPO run (0: skip the GRPO phase)")
+    ap.add_argument("--grpo-ranks", type=int, default=2)
     ap.add_argument("--worker", choices=["gen", "stages"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--with-vllm", type=int, default=0, help=argparse.SUPPRESS)
@@ -184,6 +220,12 @@ def main() -> None:
             k: {"ref_s": min(r["ref_s"] for r in v), "update_s": min(r["update_s"] for r in v)} for k, v in stages.items()},
             "restored_at_engine_start": stages["vllm_loaded"][0]["restored_at_engine_start"]}
         print(json.dumps({name: report["models"][name]}), file=sys.stderr, flush=True)  # survives an interrupted run
+    if args.grpo_steps:
+        report["grpo_step"] = grpo_steps(steps=args.grpo_steps, ranks=args.grpo_ranks, repeats=args.repeats)
+        print(json.dumps({"grpo_step": report["grpo_step"]}), file=sys.stderr, flush=True)
+    from rlspmd.distributed.runtime import machine_info
+
+    report["machine"] = {**machine_info(), "load_avg_1m": os.getloadavg()[0]}
     print(json.dumps(report, indent=1), flush=True)
 
 
