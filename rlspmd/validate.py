@@ -221,18 +221,19 @@ def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: in
         p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
     _optim(p, "actor.optim", a.optim)
     _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
-    _lora(p, a.lora, engine=a.engine)
+    _lora(p, a.lora, engine=a.engine.name)
 
 
 def _actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool) -> None:
     """Tensor parallelism of the FSDP training roles (``mesh.actor_tp``; its divisibility of the ranks is a placement
     check): the FSDP engine, no LoRA, and heads that split (read from config.json when files are checked)."""
     tp = cfg.mesh.actor_tp
-    if cfg.actor.engine != "fsdp":
-        p.add("mesh.actor_tp", tp, f"is the fsdp engine's tensor parallelism; actor.engine={cfg.actor.engine!r} has its own "
-              "(actor.megatron.tp)")
-    if with_critic and cfg.critic.engine != "fsdp":
-        p.add("mesh.actor_tp", tp, f"also applies to the critic, which needs critic.engine='fsdp' (got {cfg.critic.engine!r})")
+    if cfg.actor.engine.name != "fsdp":
+        p.add("mesh.actor_tp", tp, f"is the fsdp engine's tensor parallelism; actor.engine:{cfg.actor.engine.name} has its "
+              "own (actor.engine.tp)")
+    if with_critic and cfg.critic.engine.name != "fsdp":
+        p.add("mesh.actor_tp", tp, f"also applies to the critic, which needs the fsdp engine (critic.engine:"
+              f"{cfg.critic.engine.name})")
     if cfg.actor.lora.enabled:
         p.add("mesh.actor_tp", tp, "is not supported with actor.lora (adapters are not tensor-parallel); use actor_tp=1")
     config_json = Path(cfg.actor.model.path).expanduser() / "config.json"
@@ -464,7 +465,9 @@ def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
 
 
 def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    """Epochs, mini- and micro-batch sizes of a trained role, and how the step's batch splits into them."""
+    """The engine, epochs, mini- and micro-batch sizes of a trained role, and how the step's batch splits into them."""
+    for name, value, why in section.engine.problems():
+        p.add(f"{role}.engine.{name}", value, f"{why} ({section.engine.name})")
     p.at_least(f"{role}.ppo_epochs", section.ppo_epochs, 1)
     p.at_least(f"{role}.mini_batch_size", section.mini_batch_size, 1)
     p.at_least(f"{role}.micro_batch_size", section.micro_batch_size, 1)
