@@ -361,29 +361,41 @@ PolicyLoss = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in
 
 
 @dataclass
-class ActorConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy model."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Policy optimiser."""
+class TrainedRoleConfig:
+    """What the actor and the critic share: the engine they train on, how a step's batch splits into optimiser steps
+    and micro-batches (``rlspmd.trainer.build.role_plan`` reads exactly these), and how their loss is aggregated."""
+
     engine: Engine = field(default_factory=FSDPConfig)
-    """Training engine of the policy (and of the reference, which runs on it) with its options: ``FSDPConfig()`` (FSDP2,
-    every feature; the default) or ``MegatronConfig(tp=..., pp=...)`` (megatron-core tensor and pipeline parallelism;
-    FSDP-only features: docs/megatron.md). On the command line: ``actor.engine:megatron --actor.engine.tp 2``."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters instead of full fine-tuning (``lora.rank`` > 0; FSDP engine)."""
+    """Training engine with its options: ``FSDPConfig()`` (FSDP2, every feature; the default) or
+    ``MegatronConfig(tp=..., pp=...)`` (megatron-core tensor and pipeline parallelism; FSDP-only features:
+    docs/megatron.md). The reference runs on the actor's. On the command line: ``actor.engine:megatron
+    --actor.engine.tp 2``."""
     ppo_epochs: int = 1
     """Passes over each step's rollout data."""
     mini_batch_size: int = 16
-    """Prompts per optimiser step (global, all DP ranks); each prompt contributes ``rollout.n`` samples."""
+    """Prompts per optimiser step of this role (global, all DP ranks); each prompt contributes ``rollout.n`` samples."""
     micro_batch_size: int = 8
     """Sequences per forward/backward on one rank (gradient accumulation unit)."""
-    logprob_micro_batch_size: int = 16
-    """Sequences per no-grad log-prob forward on one rank."""
     max_tokens_per_micro_batch: int | None = None
     """Dynamic batching for the update: micro-batches hold at most this many valid tokens (prompt + response) per
     rank instead of ``micro_batch_size`` sequences (a longer sequence gets one of its own). All DP ranks run the same
     number of micro-batches. Mini-batches and loss normalisation are unchanged, so is the gradient. None: off."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the role's loss (see ``rlspmd.algorithms.AGG_MODES``), normalised over the global mini-batch."""
+
+
+@dataclass
+class ActorConfig(TrainedRoleConfig):
+    """The policy being trained (its engine and model also serve the reference)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Policy optimiser."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``lora.rank`` > 0; FSDP engine)."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per no-grad log-prob forward on one rank."""
     reuse_update_logprobs: bool = True
     """When a step makes exactly one optimiser update (``ppo_epochs`` 1 and ``mini_batch_size`` = the train batch) and
     nothing needs the old log-probs before the update (no KL in the reward), the behaviour policy *is* the policy
@@ -396,8 +408,6 @@ class ActorConfig:
     ``GMPO()``, ``ClipCov()``, ``KLCov()``. On the command line: ``actor.policy-loss:gspo`` picks one, then
     ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever
     ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation (see ``rlspmd.algorithms.AGG_MODES``); normalised over the global mini-batch."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= coef * entropy)."""
     use_kl_loss: bool = True
@@ -516,8 +526,9 @@ class AgentConfig:
 
 
 @dataclass
-class CriticConfig:
-    """The value model of PPO (``algorithm.adv_estimator=gae``); ignored by critic-free estimators."""
+class CriticConfig(TrainedRoleConfig):
+    """The value model of PPO (``algorithm.adv_estimator=gae``); ignored by critic-free estimators. Its engine, batch
+    sizes and loss aggregation: ``TrainedRoleConfig``."""
 
     model_path: str | None = None
     """Initialisation directory; None = ``actor.model.path``. A causal LM or base model gets a fresh scalar
@@ -527,26 +538,12 @@ class CriticConfig:
     """Recompute each decoder layer's activations in the backward pass."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimiser."""
-    engine: Engine = field(default_factory=FSDPConfig)
-    """Training engine of the critic with its options: ``FSDPConfig()`` or ``MegatronConfig(...)``
-    (``critic.engine:megatron --critic.engine.pp 2``)."""
-    ppo_epochs: int = 1
-    """Passes over each step's rollout data."""
-    mini_batch_size: int = 16
-    """Prompts per critic optimiser step (global, all DP ranks)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward on one rank."""
     values_micro_batch_size: int = 16
     """Sequences per no-grad value forward on one rank."""
-    max_tokens_per_micro_batch: int | None = None
-    """Dynamic batching for the critic update: at most this many valid tokens per micro-batch (see
-    ``actor.max_tokens_per_micro_batch``). None: off."""
     values_max_tokens_per_micro_batch: int | None = None
     """Dynamic batching for the no-grad value forward. None: off."""
     cliprange_value: float | None = 0.5
     """Value clipping: the new value may move at most this far from the rollout's value (None disables)."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the value loss (see ``rlspmd.algorithms.AGG_MODES``), over the global mini-batch."""
     warmup_steps: int = 0
     """RL steps at the start that update only the critic; actor updates start after them."""
 

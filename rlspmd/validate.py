@@ -25,7 +25,7 @@ from pathlib import Path
 from rlspmd.config import (
     ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
     RewardConfig, RolloutConfig,
-    SFTConfig,
+    SFTConfig, TrainedRoleConfig,
 )
 from rlspmd.distributed.runtime import UserError
 
@@ -208,14 +208,13 @@ def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool, check_files: bool)
 
 
 def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    from rlspmd.algorithms import AGG_MODES, KL_ESTIMATORS
+    from rlspmd.algorithms import KL_ESTIMATORS
 
-    _train_sizes(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
+    _trained_role(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
     p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
     p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
     for name, value, why in a.policy_loss.problems():
         p.add(f"actor.policy_loss.{name}", value, f"{why} ({a.policy_loss.name})")
-    p.one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     if a.use_kl_loss:
         p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
         p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
@@ -260,12 +259,9 @@ def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
 
 
 def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    from rlspmd.algorithms import AGG_MODES
-
-    _train_sizes(p, "critic", c, train_batch_size=train_batch_size, n=n, dp=dp)
+    _trained_role(p, "critic", c, train_batch_size=train_batch_size, n=n, dp=dp)
     p.at_least("critic.values_micro_batch_size", c.values_micro_batch_size, 1)
     p.optional_at_least("critic.values_max_tokens_per_micro_batch", c.values_max_tokens_per_micro_batch, 1)
-    p.one_of("critic.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         p.add("critic.cliprange_value", c.cliprange_value, "must be > 0, or None (off)")
     p.at_least("critic.warmup_steps", c.warmup_steps, 0)
@@ -464,14 +460,18 @@ def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
         p.lines.append(str(e))
 
 
-def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    """The engine, epochs, mini- and micro-batch sizes of a trained role, and how the step's batch splits into them."""
+def _trained_role(p: Problems, role: str, section: TrainedRoleConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    """What the actor and the critic share: the engine, the loss aggregation, epochs, mini- and micro-batch sizes, and
+    how the step's batch splits into them."""
+    from rlspmd.algorithms import AGG_MODES
+
     for name, value, why in section.engine.problems():
         p.add(f"{role}.engine.{name}", value, f"{why} ({section.engine.name})")
     p.at_least(f"{role}.ppo_epochs", section.ppo_epochs, 1)
     p.at_least(f"{role}.mini_batch_size", section.mini_batch_size, 1)
     p.at_least(f"{role}.micro_batch_size", section.micro_batch_size, 1)
     p.optional_at_least(f"{role}.max_tokens_per_micro_batch", section.max_tokens_per_micro_batch, 1)
+    p.one_of(f"{role}.loss_agg_mode", section.loss_agg_mode, AGG_MODES)
     mini = section.mini_batch_size
     if train_batch_size < 1 or mini < 1 or n < 1 or dp < 1:
         return  # reported above

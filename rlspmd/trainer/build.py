@@ -27,7 +27,7 @@ import torch
 
 from rlspmd.algorithms import NEEDS_GREEDY_BASELINE, NEEDS_VALUES
 from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig,
-                           RolloutConfig)
+                           RolloutConfig, TrainedRoleConfig)
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
@@ -112,7 +112,7 @@ class Balance:
 # -- roles on a training engine --------------------------------------------------------------------------------------
 
 
-def role_plan(section: Literal["actor", "critic"], cfg: ActorConfig | CriticConfig, *, samples_per_prompt: int,
+def role_plan(section: Literal["actor", "critic"], cfg: TrainedRoleConfig, *, samples_per_prompt: int,
               train_batch_size: int, dp: int, max_response_length: int, total_steps: int) -> UpdatePlan:
     """A trained role's update plan from its config section (the fields the actor and the critic share)."""
     return update_plan(section, ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size,
