@@ -519,13 +519,14 @@ def _types(p: Problems, cfg, prefix: str) -> None:
     command line; a Python config can set anything, and a string where a number belongs would otherwise run."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        value, hint = getattr(cfg, f.name), hints[f.name]
-        if dataclasses.is_dataclass(value) and not isinstance(value, type) and _matches(value, hint):
-            _types(p, value, f"{prefix}{f.name}.")  # a section, or the component a union field holds
-        elif typing.get_origin(hint) is typing.Literal and not _matches(value, hint):
-            p.add(f"{prefix}{f.name}", value, f"must be one of {list(typing.get_args(hint))}")
-        elif not _matches(value, hint):
-            p.add(f"{prefix}{f.name}", value, f"must be {_type_name(hint)}, not {type(value).__name__}")
+        name, value, hint = f"{prefix}{f.name}", getattr(cfg, f.name), hints[f.name]
+        if _matches(value, hint):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                _types(p, value, f"{name}.")  # a section, or the component a union field holds
+        elif typing.get_origin(hint) is typing.Literal:
+            p.add(name, value, f"must be one of {list(typing.get_args(hint))}")
+        else:
+            p.add(name, value, f"must be {_type_name(hint)}, not {type(value).__name__}")
 
 
 def _matches(value, hint) -> bool:
@@ -557,9 +558,17 @@ def _matches(value, hint) -> bool:
 
 
 def _type_name(hint) -> str:
+    """The annotation ``hint`` as an error message names it: ``float``, ``int or None``, ``PPOClip or GSPO or ...``,
+    ``list[str]``, ``one of ['a', 'b'] or None``."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    return "None" if hint is type(None) else getattr(hint, "__name__", None) if not typing.get_args(hint) else str(hint)
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) is typing.Literal:
+        return f"one of {list(typing.get_args(hint))}"
+    if typing.get_args(hint):  # a parametrised type (list[str], tuple[float, float]): as Python writes it
+        return str(hint)
+    return getattr(hint, "__name__", str(hint))
 
 
 def _model_files(p: Problems, name: str, path: str, *, tokenizer: str | None) -> None:
