@@ -37,7 +37,7 @@ config = Config(
     trainer=TrainerConfig(total_steps=300, val_every=20, output_dir="outputs/grpo-gsm8k"),
 )
 # 7B on 8 x 80 GB: MODEL = Qwen2.5-7B-Instruct, actor.micro_batch_size=4, actor.logprob_micro_batch_size=8,
-# actor.fsdp.cpu_offload=False; keep the rest.
+# actor.engine.cpu_offload=False; keep the rest.
 
 
 def cpu() -> Config:

@@ -19,35 +19,24 @@ SmolLM2's chat template ignores the ``tools`` argument, so ``rollout.agent.tool_
 and the ``<tool_call>`` syntax into the system message (``rlspmd/agent/chat.py``); with a model whose template renders
 tools (Qwen2.5, Llama 3.1), drop that line. The data's rows are verl's multi-turn schema
 (``extra_info.tools_kwargs``), so verl's own GSM8K multi-turn parquet files work here unchanged.
-bf16 compute on CUDA (FSDP2 mixed precision), fp32 master weights.
+
+The single-turn recipe (``configs/gsm8k_smollm2.py``, whose ``MODEL`` line picks the model; its optimiser, KL and
+batch sizes are kept) with the tool, the conversation's lengths and the multi-turn data.
 """
 
-from rlspmd.config import (
-    ActorConfig, AgentConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig,
-)
+from pathlib import Path
 
-MODEL = "~/.cache/rlspmd/smollm2-135m-instruct"  # the one field to edit for another model
+from rlspmd.config import AgentConfig, load_config_file
 
-config = Config(
-    actor=ActorConfig(
-        model=ModelConfig(path=MODEL),
-        optim=OptimConfig(lr=2e-6, warmup_steps=10, grad_clip=1.0),
-        mini_batch_size=32,
-        micro_batch_size=8,
-        logprob_micro_batch_size=16,
-        kl_loss_coef=0.001,
-    ),
-    # a conversation: reasoning (~200 tokens) + call (~25) + verdict turn (~12) + final answer; 768 leaves room to retry
-    rollout=RolloutConfig(
-        n=8, max_response_length=768, temperature=1.0, max_batch_size=512,
-        agent=AgentConfig(tools=["calc_gsm8k_reward"], tool_prompt="system", max_turns=3, max_tool_response_chars=256),
-    ),
-    data=DataConfig(
-        train_files=["data/gsm8k_tool/train.parquet"],
-        val_files=["data/gsm8k_tool/test.parquet"],
-        train_batch_size=64,
-        val_batch_size=200,
-        max_prompt_length=768,  # system prompt with the tool schema (~260 SmolLM2 tokens) + the question (<200)
-    ),
-    trainer=TrainerConfig(total_steps=100, val_every=10, output_dir="outputs/gsm8k_tool_smollm2"),
-)
+BASE = Path(__file__).with_name("gsm8k_smollm2.py")  # the single-turn recipe: its MODEL line picks the model
+
+config = load_config_file(BASE)
+config.actor.micro_batch_size = 8  # conversations are about twice as long as single answers
+config.actor.logprob_micro_batch_size = 16
+# a conversation: reasoning (~200 tokens) + call (~25) + verdict turn (~12) + final answer; 768 leaves room to retry
+config.rollout.max_response_length = 768
+config.rollout.agent = AgentConfig(tools=["calc_gsm8k_reward"], tool_prompt="system", max_turns=3, max_tool_response_chars=256)
+config.data.train_files = ["data/gsm8k_tool/train.parquet"]
+config.data.val_files = ["data/gsm8k_tool/test.parquet"]
+config.data.max_prompt_length = 768  # system prompt with the tool schema (~260 SmolLM2 tokens) + the question (<200)
+config.trainer.output_dir = "outputs/gsm8k_tool_smollm2"

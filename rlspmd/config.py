@@ -71,8 +71,20 @@ class OptimConfig:
     """Clip the global gradient norm to this value (<= 0 disables clipping)."""
 
 
+# -- training engines: each a component with its own options and checks ---------------------------------------------
+#
+# ``actor.engine`` and ``critic.engine`` hold one of these (the reference runs on the actor's). On the command line an
+# engine is a subcommand and its options follow it (``actor.engine:megatron --actor.engine.tp 2``); the default FSDP
+# engine's options need none (``--actor.engine.cpu-offload``). An option of the other engine is an error, not silently
+# ignored. ``rlspmd.trainer.build.build_engine`` builds the engine a component describes.
+
+
 @dataclass
 class FSDPConfig:
+    """The FSDP2 engine: ``fully_shard`` on each decoder layer, then the root; every feature (LoRA, ``mesh.actor_tp``,
+    CPU offload, packing). ``SFTConfig.fsdp`` is one too."""
+
+    name: ClassVar[str] = "fsdp"
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of unsharded parameters. ``auto``: bfloat16 on CUDA, float32 on CPU."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -82,15 +94,19 @@ class FSDPConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
 
+    def problems(self) -> list[Problem]:
+        return []  # any value of each option's type runs (the types are checked by rlspmd.validate)
+
 
 @dataclass
 class MegatronConfig:
-    """Layout of a role trained by the megatron-core engine (``engine="megatron"``; needs the ``megatron`` extra).
+    """The megatron-core engine (``engine=MegatronConfig(...)``; needs the ``megatron`` extra) and its layout.
 
     The role's ranks form a (pp, dp, tp) grid, tp fastest (megatron's default order): ``dp = ranks / (tp * pp)``.
     The trainer still hands every rank its own samples; the ``tp x pp`` ranks of a model replica run each
     micro-batch on their samples together and each keeps its own rows of the outputs."""
 
+    name: ClassVar[str] = "megatron"
     tp: int = 1
     """Tensor-parallel degree (consecutive ranks). Must divide the model's KV heads, vocabulary and FFN size."""
     pp: int = 1
@@ -99,6 +115,16 @@ class MegatronConfig:
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of forwards (autocast; parameters and optimiser state stay in ``model.dtype``). ``auto``: bfloat16
     on CUDA, float32 on CPU."""
+
+    def problems(self) -> list[Problem]:
+        return [(name, v, "must be >= 1") for name, v in (("tp", self.tp), ("pp", self.pp)) if v < 1]
+
+
+ENGINE_TYPES = {c.name: c for c in (FSDPConfig, MegatronConfig)}
+"""Every training engine by its name (the command line's subcommand)."""
+
+Engine = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in ENGINE_TYPES.items())]
+"""``actor.engine`` / ``critic.engine``: one of the engines above."""
 
 
 @dataclass
@@ -335,32 +361,41 @@ PolicyLoss = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in
 
 
 @dataclass
-class ActorConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy model."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Policy optimiser."""
-    engine: Literal["fsdp", "megatron"] = "fsdp"
-    """Training engine of the policy (and of the reference, which follows it): ``fsdp`` (FSDP2, every feature) or
-    ``megatron`` (megatron-core tensor parallelism; ``actor.megatron``; FSDP-only features: docs/megatron.md)."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 sharding of the policy (``engine=fsdp``)."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """megatron-core layout of the policy and the reference (``engine=megatron``)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters instead of full fine-tuning (``lora.rank`` > 0; FSDP engine)."""
+class TrainedRoleConfig:
+    """What the actor and the critic share: the engine they train on, how a step's batch splits into optimiser steps
+    and micro-batches (``rlspmd.trainer.build.role_plan`` reads exactly these), and how their loss is aggregated."""
+
+    engine: Engine = field(default_factory=FSDPConfig)
+    """Training engine with its options: ``FSDPConfig()`` (FSDP2, every feature; the default) or
+    ``MegatronConfig(tp=..., pp=...)`` (megatron-core tensor and pipeline parallelism; FSDP-only features:
+    docs/megatron.md). The reference runs on the actor's. On the command line: ``actor.engine:megatron
+    --actor.engine.tp 2``."""
     ppo_epochs: int = 1
     """Passes over each step's rollout data."""
     mini_batch_size: int = 16
-    """Prompts per optimiser step (global, all DP ranks); each prompt contributes ``rollout.n`` samples."""
+    """Prompts per optimiser step of this role (global, all DP ranks); each prompt contributes ``rollout.n`` samples."""
     micro_batch_size: int = 8
     """Sequences per forward/backward on one rank (gradient accumulation unit)."""
-    logprob_micro_batch_size: int = 16
-    """Sequences per no-grad log-prob forward on one rank."""
     max_tokens_per_micro_batch: int | None = None
     """Dynamic batching for the update: micro-batches hold at most this many valid tokens (prompt + response) per
     rank instead of ``micro_batch_size`` sequences (a longer sequence gets one of its own). All DP ranks run the same
     number of micro-batches. Mini-batches and loss normalisation are unchanged, so is the gradient. None: off."""
+    loss_agg_mode: str = "token-mean"
+    """Aggregation of the role's loss (see ``rlspmd.algorithms.AGG_MODES``), normalised over the global mini-batch."""
+
+
+@dataclass
+class ActorConfig(TrainedRoleConfig):
+    """The policy being trained (its engine and model also serve the reference)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Policy optimiser."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (``lora.rank`` > 0; FSDP engine)."""
+    logprob_micro_batch_size: int = 16
+    """Sequences per no-grad log-prob forward on one rank."""
     reuse_update_logprobs: bool = True
     """When a step makes exactly one optimiser update (``ppo_epochs`` 1 and ``mini_batch_size`` = the train batch) and
     nothing needs the old log-probs before the update (no KL in the reward), the behaviour policy *is* the policy
@@ -373,8 +408,6 @@ class ActorConfig:
     ``GMPO()``, ``ClipCov()``, ``KLCov()``. On the command line: ``actor.policy-loss:gspo`` picks one, then
     ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever
     ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation (see ``rlspmd.algorithms.AGG_MODES``); normalised over the global mini-batch."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= coef * entropy)."""
     use_kl_loss: bool = True
@@ -493,8 +526,9 @@ class AgentConfig:
 
 
 @dataclass
-class CriticConfig:
-    """The value model of PPO (``algorithm.adv_estimator=gae``); ignored by critic-free estimators."""
+class CriticConfig(TrainedRoleConfig):
+    """The value model of PPO (``algorithm.adv_estimator=gae``); ignored by critic-free estimators. Its engine, batch
+    sizes and loss aggregation: ``TrainedRoleConfig``."""
 
     model_path: str | None = None
     """Initialisation directory; None = ``actor.model.path``. A causal LM or base model gets a fresh scalar
@@ -504,29 +538,12 @@ class CriticConfig:
     """Recompute each decoder layer's activations in the backward pass."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """Critic optimiser."""
-    engine: Literal["fsdp", "megatron"] = "fsdp"
-    """Training engine of the critic: ``fsdp`` or ``megatron`` (``critic.megatron``)."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP2 sharding of the critic (``engine=fsdp``)."""
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """megatron-core layout of the critic (``engine=megatron``)."""
-    ppo_epochs: int = 1
-    """Passes over each step's rollout data."""
-    mini_batch_size: int = 16
-    """Prompts per critic optimiser step (global, all DP ranks)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward on one rank."""
     values_micro_batch_size: int = 16
     """Sequences per no-grad value forward on one rank."""
-    max_tokens_per_micro_batch: int | None = None
-    """Dynamic batching for the critic update: at most this many valid tokens per micro-batch (see
-    ``actor.max_tokens_per_micro_batch``). None: off."""
     values_max_tokens_per_micro_batch: int | None = None
     """Dynamic batching for the no-grad value forward. None: off."""
     cliprange_value: float | None = 0.5
     """Value clipping: the new value may move at most this far from the rollout's value (None disables)."""
-    loss_agg_mode: str = "token-mean"
-    """Aggregation of the value loss (see ``rlspmd.algorithms.AGG_MODES``), over the global mini-batch."""
     warmup_steps: int = 0
     """RL steps at the start that update only the critic; actor updates start after them."""
 
@@ -566,7 +583,7 @@ class RolloutConfig:
     val_temperature: float = 0.0
     """Sampling temperature for validation (0 = greedy)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Dtype of the rollout engine's weights. ``auto``: the actor's FSDP compute dtype (``actor.fsdp.param_dtype``).
+    """Dtype of the rollout engine's weights. ``auto``: the actor's compute dtype (``actor.engine.param_dtype``).
     The weight stream casts shards to it before gathering. The colocated native engine reads the actor's gathered
     weights in place when it equals the compute dtype, and keeps its own copy otherwise."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
@@ -798,7 +815,7 @@ class MeshConfig:
     actor's ranks form a 2-D ``(dp, tp)`` mesh, consecutive ranks a TP group; attention heads and MLP columns/rows are
     sharded over ``tp`` (``torch.distributed.tensor.parallel``), FSDP2 shards over ``dp``. Data stays per rank: a TP
     group runs its members' micro-batches together. Must divide the actor's ranks and the model's attention and KV
-    heads; ``actor.engine=fsdp`` only (megatron has ``actor.megatron.tp``), no ``actor.lora``, and the native rollout
+    heads; the FSDP engine only (megatron has ``actor.engine.tp``), no ``actor.lora``, and the native rollout
     then keeps its own copy of the weights (synced through the weight stream) instead of reading them in place."""
 
 
@@ -1002,11 +1019,6 @@ def ignored_settings(cfg: Config) -> list[str]:
                    "interaction_config_path")
     if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
         out.append("reward.agent_weight is set but rollout.agent is off")
-    for role, section in (("actor", cfg.actor), ("critic", cfg.critic)):
-        if section.engine == "fsdp" and section.megatron != MegatronConfig():
-            out.append(f"{role}.megatron.* is set but {role}.engine=fsdp")
-        if section.engine == "megatron" and section.fsdp != FSDPConfig():
-            out.append(f"{role}.fsdp.* is set but {role}.engine=megatron")
     return out
 
 

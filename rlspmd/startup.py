@@ -59,11 +59,14 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
 
 
 def flatten(cfg, prefix: str = "") -> dict[str, object]:
-    """``{"section.field": value}`` of a (nested) config dataclass."""
+    """``{"section.field": value}`` of a (nested) config dataclass; a component (a loss, an engine) adds its name
+    (``actor.engine = 'megatron'``), which its options alone would not tell."""
     out = {}
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
+            if isinstance(getattr(type(v), "name", None), str):
+                out[f"{prefix}{f.name}"] = type(v).name
             out.update(flatten(v, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = v

@@ -25,7 +25,7 @@ from pathlib import Path
 from rlspmd.config import (
     ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
     RewardConfig, RolloutConfig,
-    SFTConfig,
+    SFTConfig, TrainedRoleConfig,
 )
 from rlspmd.distributed.runtime import UserError
 
@@ -208,31 +208,31 @@ def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool, check_files: bool)
 
 
 def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    from rlspmd.algorithms import AGG_MODES, KL_ESTIMATORS
+    from rlspmd.algorithms import KL_ESTIMATORS
 
-    _train_sizes(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
+    _trained_role(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
     p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
     p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
     for name, value, why in a.policy_loss.problems():
         p.add(f"actor.policy_loss.{name}", value, f"{why} ({a.policy_loss.name})")
-    p.one_of("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     if a.use_kl_loss:
         p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
         p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
     _optim(p, "actor.optim", a.optim)
     _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
-    _lora(p, a.lora, engine=a.engine)
+    _lora(p, a.lora, engine=a.engine.name)
 
 
 def _actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool) -> None:
     """Tensor parallelism of the FSDP training roles (``mesh.actor_tp``; its divisibility of the ranks is a placement
     check): the FSDP engine, no LoRA, and heads that split (read from config.json when files are checked)."""
     tp = cfg.mesh.actor_tp
-    if cfg.actor.engine != "fsdp":
-        p.add("mesh.actor_tp", tp, f"is the fsdp engine's tensor parallelism; actor.engine={cfg.actor.engine!r} has its own "
-              "(actor.megatron.tp)")
-    if with_critic and cfg.critic.engine != "fsdp":
-        p.add("mesh.actor_tp", tp, f"also applies to the critic, which needs critic.engine='fsdp' (got {cfg.critic.engine!r})")
+    if cfg.actor.engine.name != "fsdp":
+        p.add("mesh.actor_tp", tp, f"is the fsdp engine's tensor parallelism; actor.engine:{cfg.actor.engine.name} has its "
+              "own (actor.engine.tp)")
+    if with_critic and cfg.critic.engine.name != "fsdp":
+        p.add("mesh.actor_tp", tp, f"also applies to the critic, which needs the fsdp engine (critic.engine:"
+              f"{cfg.critic.engine.name})")
     if cfg.actor.lora.enabled:
         p.add("mesh.actor_tp", tp, "is not supported with actor.lora (adapters are not tensor-parallel); use actor_tp=1")
     config_json = Path(cfg.actor.model.path).expanduser() / "config.json"
@@ -259,12 +259,9 @@ def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
 
 
 def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    from rlspmd.algorithms import AGG_MODES
-
-    _train_sizes(p, "critic", c, train_batch_size=train_batch_size, n=n, dp=dp)
+    _trained_role(p, "critic", c, train_batch_size=train_batch_size, n=n, dp=dp)
     p.at_least("critic.values_micro_batch_size", c.values_micro_batch_size, 1)
     p.optional_at_least("critic.values_max_tokens_per_micro_batch", c.values_max_tokens_per_micro_batch, 1)
-    p.one_of("critic.loss_agg_mode", c.loss_agg_mode, AGG_MODES)
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         p.add("critic.cliprange_value", c.cliprange_value, "must be > 0, or None (off)")
     p.at_least("critic.warmup_steps", c.warmup_steps, 0)
@@ -463,12 +460,18 @@ def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
         p.lines.append(str(e))
 
 
-def _train_sizes(p: Problems, role: str, section: ActorConfig | CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    """Epochs, mini- and micro-batch sizes of a trained role, and how the step's batch splits into them."""
+def _trained_role(p: Problems, role: str, section: TrainedRoleConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+    """What the actor and the critic share: the engine, the loss aggregation, epochs, mini- and micro-batch sizes, and
+    how the step's batch splits into them."""
+    from rlspmd.algorithms import AGG_MODES
+
+    for name, value, why in section.engine.problems():
+        p.add(f"{role}.engine.{name}", value, f"{why} ({section.engine.name})")
     p.at_least(f"{role}.ppo_epochs", section.ppo_epochs, 1)
     p.at_least(f"{role}.mini_batch_size", section.mini_batch_size, 1)
     p.at_least(f"{role}.micro_batch_size", section.micro_batch_size, 1)
     p.optional_at_least(f"{role}.max_tokens_per_micro_batch", section.max_tokens_per_micro_batch, 1)
+    p.one_of(f"{role}.loss_agg_mode", section.loss_agg_mode, AGG_MODES)
     mini = section.mini_batch_size
     if train_batch_size < 1 or mini < 1 or n < 1 or dp < 1:
         return  # reported above
@@ -516,13 +519,14 @@ def _types(p: Problems, cfg, prefix: str) -> None:
     command line; a Python config can set anything, and a string where a number belongs would otherwise run."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
-        value, hint = getattr(cfg, f.name), hints[f.name]
-        if dataclasses.is_dataclass(value) and not isinstance(value, type) and _matches(value, hint):
-            _types(p, value, f"{prefix}{f.name}.")  # a section, or the component a union field holds
-        elif typing.get_origin(hint) is typing.Literal and not _matches(value, hint):
-            p.add(f"{prefix}{f.name}", value, f"must be one of {list(typing.get_args(hint))}")
-        elif not _matches(value, hint):
-            p.add(f"{prefix}{f.name}", value, f"must be {_type_name(hint)}, not {type(value).__name__}")
+        name, value, hint = f"{prefix}{f.name}", getattr(cfg, f.name), hints[f.name]
+        if _matches(value, hint):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                _types(p, value, f"{name}.")  # a section, or the component a union field holds
+        elif typing.get_origin(hint) is typing.Literal:
+            p.add(name, value, f"must be one of {list(typing.get_args(hint))}")
+        else:
+            p.add(name, value, f"must be {_type_name(hint)}, not {type(value).__name__}")
 
 
 def _matches(value, hint) -> bool:
@@ -554,9 +558,17 @@ def _matches(value, hint) -> bool:
 
 
 def _type_name(hint) -> str:
+    """The annotation ``hint`` as an error message names it: ``float``, ``int or None``, ``PPOClip or GSPO or ...``,
+    ``list[str]``, ``one of ['a', 'b'] or None``."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    return "None" if hint is type(None) else getattr(hint, "__name__", None) if not typing.get_args(hint) else str(hint)
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) is typing.Literal:
+        return f"one of {list(typing.get_args(hint))}"
+    if typing.get_args(hint):  # a parametrised type (list[str], tuple[float, float]): as Python writes it
+        return str(hint)
+    return getattr(hint, "__name__", str(hint))
 
 
 def _model_files(p: Problems, name: str, path: str, *, tokenizer: str | None) -> None:

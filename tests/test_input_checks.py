@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from rlspmd.config import (
-    GSPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
-    KLCov, PPOClip, RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig, VllmConfig,
-    load_config_file,
+    GSPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
+    KLCov, MegatronConfig, PPOClip, RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig,
+    VllmConfig, load_config_file,
 )
 from rlspmd.data.prompts import PromptDataset, has_user_text, read_rows
 from rlspmd.models.loader import check_model_dir, load_causal_lm, load_tokenizer
@@ -66,7 +66,13 @@ def with_(cfg=None, **sections) -> Config:
     (with_(actor=ActorConfig(lora=LoraConfig(rank=-1))), ["actor.lora.rank=-1: must be >= 0"]),
     (with_(actor=ActorConfig(lora=LoraConfig(rank=4, alpha=0.0, dropout=1.0, target_modules=[]))),
      ["actor.lora.alpha=0.0: must be > 0", "actor.lora.dropout=1.0: must be in [0, 1)", "actor.lora.target_modules=[]: must name"]),
-    (with_(actor=ActorConfig(engine="megatron", lora=LoraConfig(rank=4))), ["actor.engine='megatron': actor.lora.rank=4 needs the fsdp"]),
+    (with_(actor=ActorConfig(engine=MegatronConfig(), lora=LoraConfig(rank=4))), ["actor.engine='megatron': actor.lora.rank=4 needs the fsdp"]),
+    # an engine is a component that checks its own options; the old string spelling is a type error naming both engines
+    (with_(actor=ActorConfig(engine=MegatronConfig(tp=0, pp=-1))),
+     ["actor.engine.tp=0: must be >= 1 (megatron)", "actor.engine.pp=-1: must be >= 1 (megatron)"]),
+    (with_(algorithm=AlgorithmConfig(adv_estimator="gae"), critic=CriticConfig(engine=MegatronConfig(pp=0))),
+     ["critic.engine.pp=0: must be >= 1 (megatron)"]),
+    (with_(actor=ActorConfig(engine="megatron")), ["actor.engine='megatron': must be FSDPConfig or MegatronConfig, not str"]),
     (with_(actor=ActorConfig(lora=LoraConfig(rank=4)), ref=RefConfig(model_path="other")),
      ["ref.model_path='other': with actor.lora the reference is the actor's base model"]),
     (with_(actor=ActorConfig(lora=LoraConfig(rank=0, alpha=0.0))), []),  # LoRA off: its other fields are not read

@@ -196,14 +196,17 @@ def test_front_pack_moves_valid_tokens_first():
     assert fp.resp_pos_BR[0, :2].tolist() == [2, 3]  # tokens 7, 8 sit at indices 2, 3 of the packed row
 
 
-def test_engine_fields_parse_and_unused_sections_are_reported():
-    from rlspmd.config import ActorConfig, Config, FSDPConfig, MegatronConfig, ignored_settings
+def test_an_engine_is_picked_by_name_with_its_own_options(capsys):
+    from rlspmd.config import FSDPConfig, MegatronConfig, ignored_settings
     from rlspmd.train import parse_args
 
-    cfg, _ = parse_args(["--actor.engine", "megatron", "--actor.megatron.tp", "2", "--critic.engine", "megatron",
+    cfg, _ = parse_args(["actor.engine:megatron", "--actor.engine.tp", "2", "critic.engine:megatron",
                          "--algorithm.adv-estimator", "gae"])
-    assert cfg.actor.engine == "megatron" and cfg.actor.megatron.tp == 2 and cfg.critic.engine == "megatron"
+    assert cfg.actor.engine == MegatronConfig(tp=2) and cfg.critic.engine == MegatronConfig()
     assert ignored_settings(cfg) == []
-    assert "actor.megatron.* is set but actor.engine=fsdp" in ignored_settings(Config(actor=ActorConfig(megatron=MegatronConfig(tp=2))))
-    wasted = Config(actor=ActorConfig(engine="megatron", fsdp=FSDPConfig(cpu_offload=True)))
-    assert "actor.fsdp.* is set but actor.engine=megatron" in ignored_settings(wasted)
+    cfg, _ = parse_args(["--actor.engine.cpu-offload"])  # the default engine's options need no subcommand
+    assert cfg.actor.engine == FSDPConfig(cpu_offload=True) and cfg.critic.engine == FSDPConfig()
+    with pytest.raises(SystemExit):  # an option of the other engine is an error naming the engine that has it
+        parse_args(["--actor.engine.tp", "2"])
+    err = capsys.readouterr().err
+    assert "--actor.engine.tp" in err and "actor.engine:megatron" in err

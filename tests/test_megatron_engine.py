@@ -223,8 +223,8 @@ def test_trainer_with_pipeline_stages_logs_what_one_stage_logs(tiny_model, arith
                   "--critic.mini-batch-size", "4", "--critic.micro-batch-size", "2", "--algorithm.adv-estimator", "gae",
                   "--rollout.n", "2", "--rollout.max-response-length", "8", "--data.max-val-samples", "8",
                   "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.output-dir", str(out),
-                  "--actor.engine", "megatron", "--actor.megatron.pp", str(pp),
-                  "--critic.engine", "megatron", "--critic.megatron.pp", str(pp)], 2)
+                  "actor.engine:megatron", "--actor.engine.pp", str(pp),
+                  "critic.engine:megatron", "--critic.engine.pp", str(pp)], 2)
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     one, two = run(1), run(2)

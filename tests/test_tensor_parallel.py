@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import dist_script, torchrun
-from rlspmd.config import ActorConfig, Config, MeshConfig, ModelConfig
+from rlspmd.config import ActorConfig, Config, MegatronConfig, MeshConfig, ModelConfig
 from rlspmd.distributed.mesh import ParallelDims
 from rlspmd.validate import config_problems
 
@@ -103,7 +103,7 @@ def test_bad_actor_tp_names_the_field(tiny_model):
                               actor=dataclasses.replace(cfg.actor, model=ModelConfig(path=str(tiny_model))))
     lines = config_problems(cfg, world_size=4)
     assert any(line.startswith("mesh.actor_tp=4: must divide the model's 4 attention heads and 2 KV heads") for line in lines), lines
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(actor_tp=2), actor=ActorConfig(engine="megatron"))
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(actor_tp=2), actor=ActorConfig(engine=MegatronConfig()))
     lines = config_problems(cfg, world_size=4, check_files=False)
     assert any(line.startswith("mesh.actor_tp=2: is the fsdp engine's tensor parallelism") for line in lines), lines
 

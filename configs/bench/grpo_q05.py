@@ -6,7 +6,7 @@
 
 A random-init Qwen2 causal LM with Qwen2.5-0.5B's body and the bench vocabulary: hidden 896, 24 layers, 14 heads / 2
 KV heads, intermediate 4864, vocab 8192, max positions 1024, tied embeddings, fp32 master weights (365 M parameters),
-bf16 compute (``actor.fsdp.param_dtype=auto`` on CUDA). 32 prompts x 8 samples = 256 sequences per step; 27-token
+bf16 compute (``actor.engine.param_dtype=auto`` on CUDA). 32 prompts x 8 samples = 256 sequences per step; 27-token
 prompts; exactly 256 sampled tokens (EOS never sampled); temperature 1.0; k3 KL loss to the frozen reference with
 coefficient 0.04; one optimiser update per step (the mini-batch is the whole batch; the update's forward provides the
 old log-probs); all work done (the random model earns no reward, every advantage is 0, and nothing is skipped).

@@ -201,7 +201,7 @@ def resolve_ref_offload(cfg: RefConfig, *, device: torch.device, cpu_offload: bo
     """``ref.offload`` where it does something: on CUDA, unless FSDP already keeps the parameters on the host."""
     if cfg.offload and (device.type != "cuda" or cpu_offload):
         warnings.warn("ref.offload does nothing here: the reference's parameters already live in host memory "
-                      f"(device {device.type}, fsdp.cpu_offload={cpu_offload})", stacklevel=2)
+                      f"(device {device.type}, actor.engine.cpu_offload={cpu_offload})", stacklevel=2)
         return False
     return cfg.offload
 

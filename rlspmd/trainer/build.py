@@ -27,7 +27,7 @@ import torch
 
 from rlspmd.algorithms import NEEDS_GREEDY_BASELINE, NEEDS_VALUES
 from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig,
-                           RolloutConfig)
+                           RolloutConfig, TrainedRoleConfig)
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
@@ -112,7 +112,7 @@ class Balance:
 # -- roles on a training engine --------------------------------------------------------------------------------------
 
 
-def role_plan(section: Literal["actor", "critic"], cfg: ActorConfig | CriticConfig, *, samples_per_prompt: int,
+def role_plan(section: Literal["actor", "critic"], cfg: TrainedRoleConfig, *, samples_per_prompt: int,
               train_batch_size: int, dp: int, max_response_length: int, total_steps: int) -> UpdatePlan:
     """A trained role's update plan from its config section (the fields the actor and the critic share)."""
     return update_plan(section, ppo_epochs=cfg.ppo_epochs, mini_batch_size=cfg.mini_batch_size,
@@ -126,24 +126,24 @@ actor_plan = partial(role_plan, "actor")
 critic_plan = partial(role_plan, "critic")
 
 
-def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: str, model: ModelConfig, fsdp: FSDPConfig,
-                 megatron: MegatronConfig, mesh, device: torch.device, optim: OptimConfig | None, total_optim_steps: int = 1,
+def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: FSDPConfig | MegatronConfig, model: ModelConfig,
+                 mesh, device: torch.device, optim: OptimConfig | None, total_optim_steps: int = 1,
                  gradient_checkpointing: bool = False, seed: int = 0, field_name: str, section: str,
                  lora: LoraConfig | None = None, train_mesh=None) -> TrainingEngine:
-    """A role's model on its training engine: ``engine`` (``fsdp`` or ``megatron``) from the role's config ``section``.
+    """A role's model on its training engine: ``engine``, the engine component of the role's config ``section``.
     ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen.
     ``lora`` (rank > 0): a policy training LoRA adapters only (``LoraEngine``). ``train_mesh``: the ``(dp, tp)`` mesh of
     ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked)."""
-    assert train_mesh is None or (engine == "fsdp" and not (lora is not None and lora.enabled)), "validate: mesh.actor_tp"
-    if engine == "megatron":
+    assert train_mesh is None or (isinstance(engine, FSDPConfig) and not (lora is not None and lora.enabled)), "validate: mesh.actor_tp"
+    if isinstance(engine, MegatronConfig):
         from rlspmd.engines.megatron import build_megatron_engine
 
-        return build_megatron_engine(kind, model_path, mesh=mesh, device=device, cfg=megatron, optim=optim,
+        return build_megatron_engine(kind, model_path, mesh=mesh, device=device, cfg=engine, optim=optim,
                                      total_optim_steps=total_optim_steps, dtype=model.dtype, seed=seed,
                                      gradient_checkpointing=gradient_checkpointing, field_name=field_name,
-                                     field_prefix=f"{section}.megatron")
+                                     field_prefix=f"{section}.engine")
     module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
-    kw = dict(mesh=mesh, device=device, fsdp=fsdp, optim=optim, total_optim_steps=total_optim_steps,
+    kw = dict(mesh=mesh, device=device, fsdp=engine, optim=optim, total_optim_steps=total_optim_steps,
               gradient_checkpointing=gradient_checkpointing, weights=weights)
     if train_mesh is not None:
         kw["train_mesh"] = train_mesh
@@ -177,14 +177,14 @@ def fsdp_role_module(kind: Literal["policy", "value", "scorer"], model_path: str
 
 def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
     """The dtype of the actor's forwards (its engine's ``param_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU)."""
-    return compute_dtype(cfg.megatron if cfg.engine == "megatron" else cfg.fsdp, device)
+    return compute_dtype(cfg.engine, device)
 
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
                  correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
                  seed: int = 0, train_mesh=None) -> Policy:
-    engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, fsdp=cfg.fsdp, megatron=cfg.megatron,
-                          mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
+    engine = build_engine("policy", cfg.model.path, engine=cfg.engine, model=cfg.model, mesh=mesh, device=device,
+                          optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.model.gradient_checkpointing, seed=seed, field_name="actor.model.path",
                           section="actor", lora=cfg.lora, train_mesh=train_mesh)
     return Policy(cfg, engine=engine, plan=plan, temperature=temperature, correction=correction, old_logprobs=old_logprobs,
@@ -200,18 +200,18 @@ def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.d
         if cfg.offload:
             warnings.warn("ref.offload does nothing with actor.lora: the reference reads the actor's weights", stacklevel=2)
         return Reference(cfg, engine=policy.engine.base_model(), temperature=temperature, offload=False)
-    engine = build_engine("policy", cfg.model_path or actor.model.path, engine=actor.engine, model=actor.model, fsdp=actor.fsdp,
-                          megatron=actor.megatron, mesh=mesh, device=device, optim=None, field_name="ref.model_path",
+    engine = build_engine("policy", cfg.model_path or actor.model.path, engine=actor.engine, model=actor.model, mesh=mesh,
+                          device=device, optim=None, field_name="ref.model_path",
                           section="actor", train_mesh=train_mesh)
-    offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.engine == "fsdp" and actor.fsdp.cpu_offload)
+    offload = resolve_ref_offload(cfg, device=device, cpu_offload=isinstance(actor.engine, FSDPConfig) and actor.engine.cpu_offload)
     return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
 
 
 def build_critic(cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int,
                  train_mesh=None) -> Critic:
     """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
-    engine = build_engine("value", cfg.model_path or model.path, engine=cfg.engine, model=model, fsdp=cfg.fsdp, megatron=cfg.megatron,
-                          mesh=mesh, device=device, optim=cfg.optim, total_optim_steps=plan.optim_steps,
+    engine = build_engine("value", cfg.model_path or model.path, engine=cfg.engine, model=model, mesh=mesh, device=device,
+                          optim=cfg.optim, total_optim_steps=plan.optim_steps,
                           gradient_checkpointing=cfg.gradient_checkpointing, seed=seed,
                           field_name="critic.model_path" if cfg.model_path else "actor.model.path", section="critic",
                           train_mesh=train_mesh)
@@ -222,7 +222,9 @@ def build_reward_model(cfg: Config, *, tokenizer, mesh, device: torch.device) ->
     rm, m = cfg.reward.model, cfg.actor.model
     module, weights = fsdp_role_module("scorer", rm.path, model=m, field_name="reward.model.path")
     rm_tokenizer = load_tokenizer(rm.tokenizer_path or rm.path, field_name="reward.model.tokenizer_path", require_chat_template=False)
-    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=cfg.actor.fsdp, optim=None, weights=weights)
+    # always FSDP: with a megatron actor, on FSDP's defaults
+    fsdp = cfg.actor.engine if isinstance(cfg.actor.engine, FSDPConfig) else FSDPConfig()
+    engine = FSDPEngine(module, module.hf, mesh=mesh, device=device, fsdp=fsdp, optim=None, weights=weights)
     return RewardModel(rm, engine=engine, tokenizer=rm_tokenizer, actor_tokenizer=tokenizer, device=device)
 
 
@@ -319,7 +321,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
                               model_field="actor.model.tokenizer_path" if m.tokenizer_path else "actor.model.path")
     rollout_kw = dict(meshes=meshes, model_path=m.path, compute=actor_compute_dtype(cfg.actor, rt.device), eos_ids=eos_ids,
                       pad_id=pad_id, device=rt.device, seed=trainer.seed, max_prompt_length=cfg.data.max_prompt_length,
-                      in_place_capable=cfg.actor.engine == "fsdp" and cfg.mesh.actor_tp == 1, episodes=episodes, max_staleness=trainer.max_staleness)
+                      in_place_capable=isinstance(cfg.actor.engine, FSDPConfig) and cfg.mesh.actor_tp == 1, episodes=episodes, max_staleness=trainer.max_staleness)
     if not meshes.hosts("actor"):
         return _rollout_only_roles(cfg, rt, rollout=build_rollout(cfg.rollout, policy=None, **rollout_kw), plan=plan,
                                    attn_kernel=attn_kernel, correction=correction)

@@ -39,7 +39,7 @@ def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
     import torch
     from load_memory import status_bytes, write_records
 
-    from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, ModelConfig, OptimConfig
+    from rlspmd.config import DistConfig, FSDPConfig, MeshConfig, ModelConfig, OptimConfig
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, shutdown
     from rlspmd.trainer.build import build_engine
@@ -47,8 +47,8 @@ def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
     c = parse(spec)
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(actor_tp=c["tp"]), rt.world_size), rt.device.type, rt.rank)
-    engine = build_engine("policy", model, engine="fsdp", model=ModelConfig(path=model, gradient_checkpointing=bool(c["ac"])),
-                          fsdp=FSDPConfig(cpu_offload=bool(c["offload"])), megatron=MegatronConfig(),
+    engine = build_engine("policy", model, engine=FSDPConfig(cpu_offload=bool(c["offload"])),
+                          model=ModelConfig(path=model, gradient_checkpointing=bool(c["ac"])),
                           mesh=meshes.get("actor", DP), device=rt.device, optim=OptimConfig(lr=1e-5),
                           gradient_checkpointing=bool(c["ac"]), field_name="model", section="actor",
                           train_mesh=meshes.train_mesh("actor"))

@@ -75,7 +75,7 @@ def main():
     res["after"] = full(policy.engine)
     # the same run with activation checkpointing (non-reentrant, through the frozen base layers) and FSDP2's CPU
     # offload (sharded base, adapters, gradients and AdamW state in host memory): the same adapters
-    ac_cfg = dataclasses.replace(cfg, model=ModelConfig(path=model_dir, gradient_checkpointing=True), fsdp=FSDPConfig(cpu_offload=True))
+    ac_cfg = dataclasses.replace(cfg, model=ModelConfig(path=model_dir, gradient_checkpointing=True), engine=FSDPConfig(cpu_offload=True))
     ac_policy = build_policy(ac_cfg, mesh=dp, device=rt.device, plan=plan, temperature=1.0, seed=11)
     for _ in range(2):
         ac_policy.update(data.slice(rt.rank * n, (rt.rank + 1) * n), MetricBuffer())

@@ -70,7 +70,7 @@ def run_update(model_dir, dp, rt, *, packing=True, max_tokens=None, balance=Fals
     cfg = ActorConfig(
         model=ModelConfig(path=model_dir, packing=packing, gradient_checkpointing=gradient_checkpointing),
         optim=OptimConfig(lr=0.0, grad_clip=0.0),
-        fsdp=FSDPConfig(cpu_offload=cpu_offload),
+        engine=FSDPConfig(cpu_offload=cpu_offload),
         mini_batch_size=1,  # 2 optimiser steps of 4 samples each (2 per rank)
         micro_batch_size=1,
         max_tokens_per_micro_batch=max_tokens,

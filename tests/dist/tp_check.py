@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from rlspmd.algorithms import AggArgs
-from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, ModelConfig, OptimConfig
+from rlspmd.config import DistConfig, FSDPConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.dispatch import all_reduce_sum
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
@@ -42,8 +42,7 @@ FP32 = FSDPConfig(param_dtype="float32")
 
 def engine(kind: str, model_dir: str, *, mesh, train_mesh, optim, sharded_load: bool = True):
     model = ModelConfig(path=model_dir, gradient_checkpointing=True, sharded_load=sharded_load)
-    return build_engine(kind, model_dir, engine="fsdp", model=model,
-                        fsdp=FP32, megatron=MegatronConfig(), mesh=mesh, device=torch.device("cpu"), optim=optim,
+    return build_engine(kind, model_dir, engine=FP32, model=model, mesh=mesh, device=torch.device("cpu"), optim=optim,
                         total_optim_steps=4, gradient_checkpointing=True, seed=7, field_name="m", section="actor",
                         train_mesh=train_mesh)
 

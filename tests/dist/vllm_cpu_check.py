@@ -123,7 +123,7 @@ def main():
     plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=R,
                       total_steps=1)
     policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
-    compute = compute_dtype(actor_cfg.fsdp, rt.device)
+    compute = compute_dtype(actor_cfg.engine, rt.device)
 
     before = ProcessState.capture()
     torch.manual_seed(1234)
