@@ -10,6 +10,7 @@ the optimiser builder, ...); nothing receives the whole tree except the trainer 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import sys
@@ -1031,7 +1032,19 @@ def _ignored_policy_loss_settings(actor: ActorConfig) -> list[str]:
 
 
 def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data (the run's ``config.json``, the checkpoint's meta). A component picked by name (a
+    policy loss, an engine: a class with a ``name``) records that name first, so two components with the same
+    options (PPO-clip and CISPO with equal clip values) stay told apart."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        out = {"name": cfg.name} if isinstance(getattr(type(cfg), "name", None), str) else {}
+        for f in dataclasses.fields(cfg):
+            out[f.name] = to_dict(getattr(cfg, f.name))
+        return out
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(to_dict(v) for v in cfg)
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return copy.deepcopy(cfg)
 
 
 @dataclass

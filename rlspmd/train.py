@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
 
 from rlspmd.distributed.progress import progress
 from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main, start_hang_monitor
+from rlspmd.config import to_dict
 from rlspmd.startup import parse_args, start
 from rlspmd.validate import check_config
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     if rt.is_main:
         out = Path(cfg.trainer.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     from rlspmd.trainer.build import build_trainer  # heavy imports after the cheap checks
 
     with progress.stage("startup"):

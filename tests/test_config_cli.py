@@ -1,5 +1,6 @@
 """Config files, tyro overrides, --help and --dry-run."""
 
+import json
 import subprocess
 import sys
 
@@ -93,3 +94,16 @@ def test_dry_run_split_placement_and_bad_degrees():
     assert "tensor-parallel degree 3 does not divide its 2 ranks" in bad.stderr
     bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.rollout-ranks", "0-5"], 2, check=False)
     assert bad.returncode != 0 and "mesh.rollout_ranks='0-5'" in bad.stderr
+
+
+def test_to_dict_names_the_picked_components():
+    """The run's config.json and the checkpoint's meta tell two components with the same options apart."""
+    from rlspmd.config import CISPO, ActorConfig, Config, MegatronConfig, PPOClip, to_dict
+
+    cispo = to_dict(Config(actor=ActorConfig(policy_loss=CISPO(), engine=MegatronConfig(tp=2))))
+    clip = to_dict(Config(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_low=0.2, clip_ratio_high=0.2))))
+    assert cispo["actor"]["policy_loss"] == {"name": "cispo", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2}
+    assert clip["actor"]["policy_loss"]["name"] == "ppo_clip"
+    assert cispo["actor"]["engine"]["name"] == "megatron" and cispo["actor"]["engine"]["tp"] == 2
+    assert clip["actor"]["engine"]["name"] == "fsdp"
+    json.dumps(cispo)  # plain data

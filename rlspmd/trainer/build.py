@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 
 from rlspmd.algorithms import NEEDS_GREEDY_BASELINE, NEEDS_VALUES
 from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig,
-                           RolloutConfig, TrainedRoleConfig)
+                           RolloutConfig, TrainedRoleConfig, to_dict)
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
@@ -386,7 +385,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
                 if trainer.max_staleness else None)
     checkpointing = Checkpointing(
         checkpointer, engines=engines, components=components, pipeline=pipeline, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
-        meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": dataclasses.asdict(cfg)},
+        meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
         write_files=partial(_write_model_files, cfg, tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
     )
     shaping_parts = (("overlong_penalty_B", "overlong_penalty"),) if cfg.reward.overlong_buffer.enable else ()
