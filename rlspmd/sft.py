@@ -24,7 +24,8 @@ from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
 from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main
-from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
+from rlspmd.engines.base import compute_dtype
+from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.packing import check_attn_kernel
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over {dp} DP ranks")
     m = cfg.model
     kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing, device=rt.device,
-                               dtype=compute_dtype(cfg.fsdp, rt.device), field_name="model.attn_kernel")
+                               dtype=compute_dtype(cfg.fsdp.param_dtype, rt.device), field_name="model.attn_kernel")
     if rt.is_main:
         print(f"packed attention kernel: {kernel}", flush=True)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, field_name="model.tokenizer_path")

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import load_script
-from rlspmd.engines.megatron import front_pack, grid_coords
+from rlspmd.distributed.mesh import grid_coords
+from rlspmd.engines.megatron.packing import front_pack
 from rlspmd.models import megatron_convert as mc
 
 

@@ -28,14 +28,14 @@ STATE_KEYS = ("model", "exp_avg", "exp_avg_sq", "step")
 
 
 def test_without_megatron_rlspmd_imports_and_the_engine_says_how_to_install(tiny_model):
-    """rlspmd never imports megatron-core at import time; building the engine without it is a clear ImportError."""
+    """rlspmd never imports megatron-core at import time; building a megatron module without it is a clear ImportError."""
     code = ("import sys; sys.modules['megatron'] = None; sys.modules['megatron.core'] = None\n"
             "import rlspmd.config, rlspmd.engines.megatron, rlspmd.models.megatron_convert\n"
             "assert 'third_party.megatron_adapter' not in sys.modules\n"
             "from rlspmd.config import MegatronConfig\n"
-            "from rlspmd.engines.megatron import build_megatron_engine\n"
+            "from rlspmd.engines.megatron import build_megatron_module\n"
             "try:\n"
-            f"    build_megatron_engine('policy', {str(tiny_model)!r}, mesh=None, device=None, cfg=MegatronConfig(), optim=None)\n"
+            f"    build_megatron_module('policy', {str(tiny_model)!r}, mesh=None, device=None, cfg=MegatronConfig())\n"
             "except ImportError as e:\n"
             "    print('IMPORT ERROR:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

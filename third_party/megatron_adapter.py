@@ -1,6 +1,6 @@
 """The only module that calls megatron-core. Written against megatron-core 0.16.1 (see README.md here).
 
-``rlspmd.engines.megatron`` imports this module lazily (inside its builders), so rlspmd imports and runs without
+``rlspmd.engines.megatron`` imports this module lazily (when a module is built), so rlspmd imports and runs without
 megatron-core; importing this module without it raises an ``ImportError`` that says how to install it.
 
 What it wraps, and why each piece is here rather than in the engine:

@@ -1,6 +1,6 @@
 """The one object that owns topology: which ranks host which role, and each role's named mesh dims.
 
-Nobody else calls ``DeviceMesh``/``init_device_mesh``. Roles are ``actor``, ``rollout``, ``ref``,
+Nobody else calls ``DeviceMesh``/``init_device_mesh`` or creates process groups. Roles are ``actor``, ``rollout``, ``ref``,
 ``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
 placement gives roles their own rank ranges (``actor: 0-5, rollout: 6-7``). Each role mesh is 2-D with
 dims ``(dp, tp)``; training roles use ``tp = 1`` there (their data is per rank; their engines' own tensor
@@ -19,6 +19,14 @@ The RL config (``MeshConfig``) places the actor and the rollout; ``ref``, ``crit
 (``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
 one over both rank sets (prompts, samples and control move on it) and one over the actor's first rank plus
 the rollout ranks (weights are broadcast on it). See ``link``.
+
+**Model-parallel groups of an engine** (``model_parallel_groups``): the megatron engine lays a role's ranks out as a
+(pp, dp, tp) grid of its own (``actor.engine.tp``/``pp`` of a Megatron engine, per role, known only when the engine is built). Its groups
+are made here over the role's ranks with ``new_group`` and local synchronisation (only the role's ranks take part,
+so a split placement's rollout ranks need not follow), cached per rank set. They are not ``DeviceMesh`` sub-meshes:
+a ``DeviceMesh`` is created collectively by the whole world (the rollout-only ranks of a split placement never build
+an engine), and the groups megatron needs include two no mesh dim gives (the first and last stage of a pipeline, for
+tied embeddings; this rank alone, for context parallelism 1).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import MeshConfig
@@ -197,3 +206,87 @@ class RoleMeshes:
             raise ValueError(f"no link mesh {src} -> {dst}: it exists only when they sit on disjoint ranks")
         mesh = self._links[key]
         return mesh if self.rank in mesh.mesh.tolist() else None
+
+
+# -- an engine's model-parallel groups ----------------------------------------------------------------------------------
+
+
+def grid_coords(index: int, *, tp: int, dp: int) -> tuple[int, int, int]:
+    """``(pp_rank, dp_rank, tp_rank)`` of the ``index``-th rank of a role (tp fastest, then dp, then pp)."""
+    return index // (tp * dp), (index // tp) % dp, index % tp
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def process_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group over ``ranks``, created once per process (group names are hashed from the ranks, so a second
+    ``new_group`` over the same ranks would collide). Only the member ranks take part in creating it."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _GROUPS[key]
+
+
+@dataclass
+class ModelParallelGroups:
+    """This rank's place in a role's (pp, dp, tp) grid and the process groups built over the role's ranks."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    """This rank alone (megatron's modules read a context-parallel group; context parallelism is 1)."""
+    mp_group: dist.ProcessGroup
+    """The model-parallel group: the ``tp x pp`` ranks of this DP replica, which run each micro-batch together (the
+    tp group when ``pp`` is 1). Group rank ``pp_rank * tp + tp_rank``."""
+    embd_group: dist.ProcessGroup | None
+    """First and last stage of this rank's pipeline when asked for (``pipeline_ends``: tied embeddings on both) and
+    ``pp`` > 1, on those two stages; else None."""
+    pp_ranks: list[int]
+    """Global ranks of this rank's pipeline, stage order."""
+    tp_mesh: DeviceMesh | None
+    """1-D mesh over the TP group (checkpoint DTensors); None when ``tp`` is 1."""
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def model_parallel_groups(mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: str,
+                          pipeline_ends: bool = False) -> ModelParallelGroups:
+    """The (pp, dp, tp) groups over the ranks of a role's ``mesh`` (tp fastest: megatron's order), collective over
+    those ranks only. ``pipeline_ends`` also builds the first/last-stage group (tied embeddings, ``pp`` > 1);
+    ``field_prefix`` (``actor.engine``) names the config fields in errors."""
+    ranks = mesh.mesh.flatten().tolist()
+    n = len(ranks)
+    if tp < 1 or pp < 1 or n % (tp * pp):
+        raise ValueError(f"{field_prefix}.tp={tp} x {field_prefix}.pp={pp} does not divide the role's {n} ranks")
+    dp = n // (tp * pp)
+    me = ranks.index(dist.get_rank())
+    pp_rank, dp_rank, tp_rank = grid_coords(me, tp=tp, dp=dp)
+    coords = [grid_coords(i, tp=tp, dp=dp) for i in range(n)]
+    tp_ranks = [r for r, c in zip(ranks, coords) if c[0] == pp_rank and c[1] == dp_rank]
+    pp_ranks = [r for r, c in zip(ranks, coords) if c[1] == dp_rank and c[2] == tp_rank]
+    dp_ranks = [r for r, c in zip(ranks, coords) if c[0] == pp_rank and c[2] == tp_rank]
+    mp_ranks = [r for r, c in zip(ranks, coords) if c[1] == dp_rank]  # (pp, tp) order
+    device_type = mesh.device_type
+    tp_group = process_group(tp_ranks)
+    in_ends = pipeline_ends and pp > 1 and pp_rank in (0, pp - 1)
+    return ModelParallelGroups(
+        tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+        tp_group=tp_group, pp_group=process_group(pp_ranks), dp_group=process_group(dp_ranks),
+        cp_group=process_group([dist.get_rank()]), mp_group=process_group(mp_ranks),
+        embd_group=process_group([pp_ranks[0], pp_ranks[-1]]) if in_ends else None,
+        pp_ranks=pp_ranks, tp_mesh=DeviceMesh.from_group(tp_group, device_type) if tp > 1 else None,
+    )

@@ -11,7 +11,11 @@ methods (FSDP2 in ``engines/fsdp.py``; megatron-core behind the same calls) slot
 * ``weight_stream(dtype)``: the weights as ``(Hugging Face name, full tensor)`` for a rollout engine (collective);
 * ``state_dict`` / ``load_state_dict``: DCP-compatible training state (a ``Stateful``), ``param_shapes`` to check a
   checkpoint against, ``hf_state_dict`` for export;
-* ``offload_params`` / ``load_params``: a frozen role's parameters to host memory between uses and back.
+* ``offload_params`` / ``load_params``: a frozen role's parameters to host memory between uses and back;
+* ``hf_model``: the Hugging Face model the role's module stands for (its ``config``; ``save_pretrained`` writes an HF
+  directory from ``hf_state_dict``).
+
+Both engines build their optimiser with ``engines/optim.py`` and resolve their compute dtype with ``compute_dtype``.
 
 ``InPlaceEngine`` adds what the colocated native rollout engine needs to read the weights where they are (no copy).
 """
@@ -25,6 +29,16 @@ from typing import Protocol, TypedDict, runtime_checkable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.models.loader import DTYPES
+
+
+def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
+    """The dtype an engine's forwards compute in, from its config's ``param_dtype`` (``FSDPConfig``, ``MegatronConfig``):
+    ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    if param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[param_dtype]
 
 
 class UpdateStats(TypedDict):
@@ -77,6 +91,12 @@ class TrainingEngine(Protocol):
         """Move the (frozen) parameters to host memory until ``load_params``."""
 
     def load_params(self) -> None: ...
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model of the role's weights, for its ``config`` and for writing an HF directory
+        (``save_pretrained(state_dict=hf_state_dict())``): FSDP, the sharded HF module inside the role's module;
+        megatron, a skeleton on the meta device (no memory)."""
 
 
 @runtime_checkable

@@ -20,16 +20,14 @@ Gradients are *summed* over DP ranks (gradient divide factor 1): losses are alre
 global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
 ranks or micro-batches.
 
-The optimiser is AdamW, fused (one kernel for all parameters) where the parameters live on CUDA, torch's default
-elsewhere. On the fused path an update with a non-finite gradient norm is skipped on the device (the kernel's
+The optimiser (``engines/optim.py``, shared with the megatron engine) is AdamW, fused (one kernel for all parameters)
+where the parameters live on CUDA, torch's default elsewhere. On the fused path an update with a non-finite gradient norm is skipped on the device (the kernel's
 ``found_inf`` input, GradScaler's protocol), so ``update`` reads nothing back to the host; ``optimizer_step`` is the
 same with its statistics returned as Python floats (one device-to-host copy per optimiser step).
 """
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -43,7 +41,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from rlspmd.config import FSDPConfig, OptimConfig
 from rlspmd.distributed.tp_batch import gather_group_rows, keep_own_rows
-from rlspmd.engines.base import UpdateStats
+from rlspmd.engines.base import UpdateStats, compute_dtype
+from rlspmd.engines.optim import Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
@@ -128,16 +127,9 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
-    """The dtype of unsharded parameters in forwards (``param_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU)."""
-    if cfg.param_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[cfg.param_dtype]
-
-
 def apply_fsdp(module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -150,36 +142,6 @@ def apply_fsdp(module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg:
             # (rather than NCCL's PREMUL_SUM) also works on Gloo.
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
-
-
-def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
-    def fn(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        if cfg.schedule == "cosine":
-            decay = 0.5 * (1 + math.cos(math.pi * progress))
-        else:
-            decay = 1.0 - progress
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-
-    return fn
-
-
-def build_adamw(params: list[nn.Parameter], cfg: OptimConfig, *, fused: bool) -> torch.optim.AdamW:
-    """AdamW over ``params``: ``fused=True`` (torch's single-kernel implementation, which also accepts FSDP2's DTensor
-    shards) when asked and supported, else foreach where ``fused`` was asked (one kernel per op for all tensors), else
-    torch's default for the device (CPU: the per-parameter loop, what every CPU figure here was measured with)."""
-    kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if not fused:
-        return torch.optim.AdamW(params, **kw)
-    try:
-        return torch.optim.AdamW(params, fused=True, **kw)
-    except RuntimeError as e:  # torch refuses fused for the parameters' device or dtype
-        warnings.warn(f"fused AdamW is not supported here ({e}); using foreach", stacklevel=2)
-        return torch.optim.AdamW(params, foreach=True, **kw)
 
 
 class FSDPEngine:
@@ -215,7 +177,6 @@ class FSDPEngine:
         self.mesh = mesh
         self.train_mesh = train_mesh
         self.device = device
-        self.optim_cfg = optim
         self.reshard_after_forward = fsdp.reshard_after_forward
         assert is_meta(module) == (weights is not None), "a meta-built module needs its WeightPlan, and only it"
         if train_mesh is not None:
@@ -236,24 +197,27 @@ class FSDPEngine:
         if optim is None:
             module.eval()
             module.requires_grad_(False)
-            self.optimizer = self.scheduler = None
+            self.optim = None
         else:
             module.train()
             if fused_optimizer is None:
                 fused_optimizer = device.type == "cuda" and not fsdp.cpu_offload
-            self.optimizer = build_adamw([p for p in module.parameters() if p.requires_grad], optim, fused=fused_optimizer)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_optim_steps))
+            self.optim = Optimizer([p for p in module.parameters() if p.requires_grad], optim, total_steps=total_optim_steps,
+                                   fused=fused_optimizer)
+        # the torch objects, which checkpoint state reads (None when frozen)
+        self.optimizer = self.optim.optimizer if self.optim else None
+        self.scheduler = self.optim.scheduler if self.optim else None
 
     def fsdp_modules(self) -> Iterator[FSDPModule]:
         return (m for m in self.module.modules() if isinstance(m, FSDPModule))
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+        return self.optim.lr if self.optim else 0.0
 
     @property
     def fused_optimizer(self) -> bool:
-        return bool(self.optimizer is not None and self.optimizer.defaults["fused"])
+        return self.optim is not None and self.optim.fused
 
     def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> UpdateStats:
         """Accumulate gradients over ``micro_batches`` (``loss_fn(module, mb).backward()`` each), clip, step; returns
@@ -262,32 +226,22 @@ class FSDPEngine:
         ``loss_fn`` must return the micro-batch's share of the globally-normalised loss. A non-finite gradient norm
         skips the update: on the fused path inside the optimiser kernel (no host sync), else after reading the norm.
         """
-        assert self.optimizer is not None, "optimizer_step on a frozen engine"
-        self.optimizer.zero_grad(set_to_none=True)
+        assert self.optim is not None, "optimizer_step on a frozen engine"
+        self.optim.zero_grad()
         for mb in micro_batches:
             loss_fn(self.module, mb).backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         if self.train_mesh is None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.optim.max_norm)
         else:  # parameters on two meshes (2-D TP weights, 1-D FSDP norms): norms per mesh, then clip_grad_norm_'s rule
             grad_norm = grad_norm_2d(params)
-            scale = torch.clamp(max_norm / (grad_norm + 1e-6), max=1.0)
+            scale = self.optim.clip_coef(grad_norm)
             for p in params:
                 p.grad.mul_(scale)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         skipped = (~torch.isfinite(grad_norm)).float()
-        if self.fused_optimizer:
-            # GradScaler's protocol: the fused kernel leaves parameters, moments and step count untouched when
-            # found_inf is non-zero, decided on the device.
-            self.optimizer.found_inf = skipped
-            self.optimizer.step()
-        elif bool(skipped):
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
+        self.optim.step(skipped)  # fused: skipped on the device, inside the kernel
         # float64, so that the metrics' arithmetic on them is what it was on Python floats
         return UpdateStats(grad_norm=grad_norm.detach().double(), skipped=skipped.double())
 

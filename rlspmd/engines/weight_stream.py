@@ -187,7 +187,7 @@ class WeightStream:
         self.device = engine.device
         self.dtype = dtype
         self._units = _units(self.hf_model)
-        self.tensor_parallel = getattr(engine, "train_mesh", None) is not None
+        self.tensor_parallel = engine.train_mesh is not None
         # the TP path hands out whole tensors: each unit laid out as on one rank
         world = 1 if self.tensor_parallel else self.mesh.size()
         self.manifest = WeightManifest(

@@ -171,7 +171,7 @@ def check_attn_kernel(
     """Start-up check of a role's ``model.attn_kernel`` (call it before models load); returns what the run log
     reports: the kernel name, or what runs instead when packing is off or transformers' own flash path packs.
 
-    ``dtype`` is the role's compute dtype (``engines.fsdp.compute_dtype``); ``backward`` False for a frozen role.
+    ``dtype`` is the role's compute dtype (``engines.base.compute_dtype``); ``backward`` False for a frozen role.
     """
     if kernel not in ATTN_KERNELS:
         raise ValueError(f"{field_name}={kernel!r} is not one of {list(ATTN_KERNELS)}")

@@ -7,7 +7,8 @@
   (``rlspmd/validate.py``, on every rank, before anything loads).
 * **What a rank holds** (``Roles``): on the actor's ranks the real roles; on the rollout-only ranks of a split
   placement, objects that do nothing except serve the rollout (``RolloutServer``), so every rank runs the same step.
-* Models are built, then parallelised by the engine (``engines/fsdp.py``), then handed to the role that uses them.
+* Models are built, then parallelised by the engine (``engines/fsdp.py``; a megatron module is built split and handed
+  to ``engines/megatron``), then handed to the role that uses them.
   The tokenizer is loaded once.
 * **What a checkpoint holds** is named here (``Checkpointing``): the trained engines and the trainer components.
 """
@@ -30,8 +31,8 @@ from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraCo
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
-from rlspmd.engines.base import TrainingEngine
-from rlspmd.engines.fsdp import FSDPEngine, compute_dtype
+from rlspmd.engines.base import TrainingEngine, compute_dtype
+from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.engines.lora import LoraEngine
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
@@ -135,12 +136,13 @@ def build_engine(kind: Literal["policy", "value"], model_path: str, *, engine: F
     ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked)."""
     assert train_mesh is None or (isinstance(engine, FSDPConfig) and not (lora is not None and lora.enabled)), "validate: mesh.actor_tp"
     if isinstance(engine, MegatronConfig):
-        from rlspmd.engines.megatron import build_megatron_engine
+        from rlspmd.engines.megatron import MegatronEngine, build_megatron_module
 
-        return build_megatron_engine(kind, model_path, mesh=mesh, device=device, cfg=engine, optim=optim,
-                                     total_optim_steps=total_optim_steps, dtype=model.dtype, seed=seed,
-                                     gradient_checkpointing=gradient_checkpointing, field_name=field_name,
-                                     field_prefix=f"{section}.engine")
+        if gradient_checkpointing:
+            raise ValueError(f"{section}: gradient_checkpointing=True is not supported with {section}.engine:megatron yet")
+        module = build_megatron_module(kind, model_path, mesh=mesh, device=device, cfg=engine, dtype=model.dtype,
+                                       seed=seed, field_name=field_name, field_prefix=f"{section}.engine")
+        return MegatronEngine(module, mesh=mesh, optim=optim, total_optim_steps=total_optim_steps)
     module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
     kw = dict(mesh=mesh, device=device, fsdp=engine, optim=optim, total_optim_steps=total_optim_steps,
               gradient_checkpointing=gradient_checkpointing, weights=weights)
@@ -176,7 +178,7 @@ def fsdp_role_module(kind: Literal["policy", "value", "scorer"], model_path: str
 
 def actor_compute_dtype(cfg: ActorConfig, device: torch.device) -> torch.dtype:
     """The dtype of the actor's forwards (its engine's ``param_dtype``; ``auto``: bfloat16 on CUDA, float32 on CPU)."""
-    return compute_dtype(cfg.engine, device)
+    return compute_dtype(cfg.engine.param_dtype, device)
 
 
 def build_policy(cfg: ActorConfig, *, mesh, device: torch.device, plan: UpdatePlan, temperature: float,
@@ -198,6 +200,7 @@ def build_reference(cfg: RefConfig, *, actor: ActorConfig, mesh, device: torch.d
         assert policy is not None, "a LoRA reference is the actor's engine with the adapters off"
         if cfg.offload:
             warnings.warn("ref.offload does nothing with actor.lora: the reference reads the actor's weights", stacklevel=2)
+        assert isinstance(policy.engine, LoraEngine), "build_policy gives a LoRA policy a LoraEngine"
         return Reference(cfg, engine=policy.engine.base_model(), temperature=temperature, offload=False)
     engine = build_engine("policy", cfg.model_path or actor.model.path, engine=actor.engine, model=actor.model, mesh=mesh,
                           device=device, optim=None, field_name="ref.model_path",
@@ -447,7 +450,7 @@ def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, pla
     )
 
 
-def _write_model_files(cfg: Config, ckpt: Path, *, tokenizer, engine: FSDPEngine, mesh) -> None:
+def _write_model_files(cfg: Config, ckpt: Path, *, tokenizer, engine: TrainingEngine, mesh) -> None:
     """Config and tokenizer for export; the actor as an HF directory with ``checkpoint.save_hf`` (collective)."""
     model = cfg.actor.model
     full = engine.hf_state_dict() if cfg.checkpoint.save_hf else None

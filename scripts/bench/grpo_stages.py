@@ -51,7 +51,7 @@ def main(argv=None):
     from rlspmd.config import load_config_file
     from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, shutdown
-    from rlspmd.engines.fsdp import compute_dtype
+    from rlspmd.engines.base import compute_dtype
     from rlspmd.models.packing import check_attn_kernel
     from rlspmd.trainer.timing import StageProbe, device_synchronize
 
@@ -67,7 +67,7 @@ def main(argv=None):
     meshes = RoleMeshes(ParallelDims.from_config(cfg.mesh, rt.world_size), rt.device.type, rt.rank)
     model_cfg = cfg.actor.model
     attn_kernel = check_attn_kernel(model_cfg.attn_kernel, attn_implementation=model_cfg.attn_implementation,
-                                    packing=model_cfg.packing, device=rt.device, dtype=compute_dtype(cfg.actor.engine, rt.device),
+                                    packing=model_cfg.packing, device=rt.device, dtype=compute_dtype(cfg.actor.engine.param_dtype, rt.device),
                                     field_name="actor.model.attn_kernel")
     from rlspmd.trainer.build import build_trainer
 

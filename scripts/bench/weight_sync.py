@@ -78,7 +78,7 @@ def worker(args) -> None:
     from rlspmd.config import ActorConfig, DistConfig, MeshConfig, ModelConfig, RolloutConfig
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown
-    from rlspmd.engines.fsdp import compute_dtype
+    from rlspmd.engines.base import compute_dtype
     from rlspmd.models.loader import eos_token_ids, load_tokenizer
     from rlspmd.metrics import MetricBuffer
     from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
@@ -98,7 +98,7 @@ def worker(args) -> None:
         plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=n_actor, dp=n_actor, max_response_length=16, total_steps=1)
         policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
     cfg = RolloutConfig(engine=args.engine, dtype=args.rollout_dtype, max_response_length=16)
-    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=args.model, compute=compute_dtype(actor_cfg.engine, rt.device),
+    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=args.model, compute=compute_dtype(actor_cfg.engine.param_dtype, rt.device),
                             eos_ids=eos_token_ids(args.model, tok), pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
     times, metrics = [], []
     for _ in range(args.steps):  # every rank: in split placement the rollout ranks receive the syncs
@@ -112,7 +112,7 @@ def worker(args) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     if rt.rank == 0:
-        dtype = compute_dtype(actor_cfg.engine, rt.device) if args.rollout_dtype == "auto" else getattr(torch, args.rollout_dtype)
+        dtype = compute_dtype(actor_cfg.engine.param_dtype, rt.device) if args.rollout_dtype == "auto" else getattr(torch, args.rollout_dtype)
         n_params = sum(p.numel() for p in policy.engine.hf_model.parameters())
         steady = times[1:] or times
         last = metrics[-1]

@@ -31,7 +31,7 @@ from rlspmd.config import DistConfig, FSDPConfig, MegatronConfig, MeshConfig, Op
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.engines.megatron import build_megatron_engine
+from rlspmd.engines.megatron import MegatronEngine, build_megatron_module
 from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.value import load_value_model
@@ -69,9 +69,16 @@ def fsdp_policy(model_dir: str, mesh, rt) -> FSDPEngine:
     return FSDPEngine(module, module.hf, mesh=mesh, device=rt.device, fsdp=FP32, optim=OPTIM, total_optim_steps=4)
 
 
+def megatron_engine(kind: str, model_dir: str, mesh, rt, *, cfg: MegatronConfig, optim=None, total_optim_steps: int = 1,
+                    seed: int = 0) -> MegatronEngine:
+    """As the trainer's builder makes it: the module, then the engine around it."""
+    module = build_megatron_module(kind, model_dir, mesh=mesh, device=rt.device, cfg=cfg, seed=seed)
+    return MegatronEngine(module, mesh=mesh, optim=optim, total_optim_steps=total_optim_steps)
+
+
 def megatron_policy(model_dir: str, mesh, rt, *, tp: int = 1, pp: int = 1):
-    return build_megatron_engine("policy", model_dir, mesh=mesh, device=rt.device,
-                                 cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"), optim=OPTIM, total_optim_steps=4)
+    return megatron_engine("policy", model_dir, mesh, rt, cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"),
+                           optim=OPTIM, total_optim_steps=4)
 
 
 @torch.no_grad()
@@ -108,8 +115,7 @@ def single(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
     # The critic: values of the same seeded head on the same backbone.
     ref = load_value_model(first, dtype="float32", attn_implementation="sdpa", seed=7, field_name="m", packing=True)
     ref = FSDPEngine(ref, ref.hf, mesh=mesh, device=rt.device, fsdp=FP32, optim=None)
-    critic = build_megatron_engine("value", first, mesh=mesh, device=rt.device, cfg=MegatronConfig(param_dtype="float32"),
-                                   optim=None, seed=7)
+    critic = megatron_engine("value", first, mesh, rt, cfg=MegatronConfig(param_dtype="float32"), seed=7)
     args = (batch["input_ids_BL"], batch["attention_mask_BL"], batch["position_ids_BL"])
     with torch.no_grad():
         results["values"] = {"fsdp": ref.module(*args, response_len=R), "megatron": critic.module(*args, response_len=R)}
@@ -176,8 +182,7 @@ def pipeline_run(out_dir: Path, model_dirs: list[str], mesh, rt, *, pp: int, tp:
     vocab = json.loads((Path(first) / "config.json").read_text())["vocab_size"]
     n = B // rt.world_size
     local = global_batch(vocab, seed=1).slice(rt.rank * n, (rt.rank + 1) * n)
-    critic = build_megatron_engine("value", first, mesh=mesh, device=rt.device,
-                                   cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"), optim=None, seed=7)
+    critic = megatron_engine("value", first, mesh, rt, cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"), seed=7)
     with torch.no_grad():
         results["values"] = critic.module(local["input_ids_BL"], local["attention_mask_BL"], local["position_ids_BL"],
                                           response_len=R)

@@ -31,7 +31,7 @@ from rlspmd.distributed.runtime import (
     shutdown,
     spmd_main,
 )
-from rlspmd.engines.fsdp import compute_dtype
+from rlspmd.engines.base import compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.roles.policy import compute_logprobs
@@ -55,7 +55,7 @@ def main():
                         vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=16))
     eos_ids = eos_token_ids(model_dir, tok)
     episodes = build_episodes(cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=tok.pad_token_id, model_field="model")
-    kw = {"meshes": meshes, "policy": policy, "model_path": model_dir, "compute": compute_dtype(actor_cfg.engine, rt.device),
+    kw = {"meshes": meshes, "policy": policy, "model_path": model_dir, "compute": compute_dtype(actor_cfg.engine.param_dtype, rt.device),
           "eos_ids": eos_ids, "pad_id": tok.pad_token_id, "device": rt.device, "seed": 0, "max_prompt_length": 128,
           "episodes": episodes}
     native = build_rollout(dataclasses.replace(cfg, engine="native"), **kw)

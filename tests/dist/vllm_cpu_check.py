@@ -42,7 +42,7 @@ from rlspmd.distributed.runtime import (
     shutdown,
     spmd_main,
 )
-from rlspmd.engines.fsdp import compute_dtype
+from rlspmd.engines.base import compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_causal_lm, load_tokenizer
 from rlspmd.protocol import Batch
@@ -123,7 +123,7 @@ def main():
     plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=R,
                       total_steps=1)
     policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
-    compute = compute_dtype(actor_cfg.engine, rt.device)
+    compute = compute_dtype(actor_cfg.engine.param_dtype, rt.device)
 
     before = ProcessState.capture()
     torch.manual_seed(1234)

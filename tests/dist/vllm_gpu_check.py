@@ -15,7 +15,7 @@ from rlspmd.config import ActorConfig, DistConfig, LoraConfig, MeshConfig, Model
 from rlspmd.distributed.dispatch import all_gather_objects
 from rlspmd.distributed.mesh import DP, TP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
-from rlspmd.engines.fsdp import compute_dtype
+from rlspmd.engines.base import compute_dtype
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.metrics import MetricBuffer
@@ -50,7 +50,7 @@ def main():
     used_before = VllmBackend.memory_in_use()
     cfg = RolloutConfig(engine="vllm", n=1, max_response_length=32, val_temperature=0.0,
                         vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=False))
-    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute=compute_dtype(actor_cfg.engine, rt.device),
+    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute=compute_dtype(actor_cfg.engine.param_dtype, rt.device),
                             eos_ids=eos_token_ids(model_dir, tok), pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
     used_asleep0 = VllmBackend.memory_in_use()
     texts = [tok.apply_chat_template([{"role": "user", "content": f"Calculate {a} + {b}."}], tokenize=False, add_generation_prompt=True)
