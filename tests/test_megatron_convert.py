@@ -201,7 +201,7 @@ def test_engine_fields_parse_and_unused_sections_are_reported():
     from rlspmd.train import parse_args
 
     cfg, _ = parse_args(["--actor.engine", "megatron", "--actor.megatron.tp", "2", "--critic.engine", "megatron",
-                         "--algorithm.adv-estimator", "gae"])
+                         "algorithm.adv-estimator:gae"])
     assert cfg.actor.engine == "megatron" and cfg.actor.megatron.tp == 2 and cfg.critic.engine == "megatron"
     assert ignored_settings(cfg) == []
     assert "actor.megatron.* is set but actor.engine=fsdp" in ignored_settings(Config(actor=ActorConfig(megatron=MegatronConfig(tp=2))))
