@@ -705,15 +705,17 @@ class RolloutCorrectionConfig:
     the mismatch too, and the rejection band is applied against the current policy inside the loss. Trade-off:
     one forward fewer per step, but the clip now also spends its range on the engine mismatch."""
 
-    def __post_init__(self) -> None:
-        if not self.tis_threshold > 0:
-            raise ValueError(f"algorithm.rollout_correction.tis_threshold={self.tis_threshold} must be > 0")
+    def problems(self) -> list[Problem]:
+        """Its own checks, collected by ``rlspmd.validate``. Every mode reads every threshold: the metrics show what
+        truncation and rejection would do even where the mode applies neither, and ``auto`` may pick either."""
+        out = [] if self.tis_threshold > 0 else [("tis_threshold", self.tis_threshold, "must be > 0")]
         lower, upper = self.band()
         if not 0 < lower < upper:
-            raise ValueError(f"algorithm.rollout_correction.mis_lower / mis_upper must satisfy 0 < lower < upper, "
-                             f"got {lower}, {upper} (level {self.level!r})")
+            out.append(("mis_lower", self.mis_lower, f"and mis_upper={self.mis_upper} must satisfy 0 < lower < upper "
+                        f"(with the {self.level} level's defaults: {lower}, {upper})"))
         if not self.metric_ratio_bound > 1:
-            raise ValueError(f"algorithm.rollout_correction.metric_ratio_bound={self.metric_ratio_bound} must be > 1")
+            out.append(("metric_ratio_bound", self.metric_ratio_bound, "must be > 1"))
+        return out
 
     def band(self) -> tuple[float, float]:
         """The rejection band [mis_lower, mis_upper] with the level's defaults filled in."""

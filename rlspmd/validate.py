@@ -276,6 +276,8 @@ def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: i
     if alg.use_kl_in_reward:
         p.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
         _component(p, "algorithm.kl_ctrl", alg.kl_ctrl)
+    for name, value, why in alg.rollout_correction.problems():
+        p.add(f"algorithm.rollout_correction.{name}", value, why)
     fg = alg.filter_groups
     if fg.enable:
         gen = fg.gen_batch_size or train_batch_size
