@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 import time
+import typing
 
 import tyro
 
@@ -59,11 +60,13 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
 
 
 def flatten(cfg, prefix: str = "") -> dict[str, object]:
-    """``{"section.field": value}`` of a (nested) config dataclass."""
+    """``{"section.field": value}`` of a (nested) config dataclass. A component picked by name (a field typed as a
+    union of them: ``actor.policy_loss``, ``algorithm.adv_estimator``, ...) stays whole, so its class shows."""
     out = {}
+    hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
+        if dataclasses.is_dataclass(v) and typing.get_origin(hints[f.name]) is not typing.Union:
             out.update(flatten(v, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = v

@@ -67,6 +67,15 @@ def test_an_option_of_another_estimator_is_an_error_naming_it(tmp_path):
     assert "--algorithm.adv-estimator.lam" in proc.stderr and "algorithm.adv-estimator:gae" in proc.stderr
 
 
+def test_dry_run_listing_names_each_component_with_its_options():
+    from rlspmd.startup import flatten
+
+    flat = flatten(load_config_file(ROOT / "configs/ppo.py:cpu"))
+    assert flat["algorithm.adv_estimator"] == GAE(lam=0.95) and flat["algorithm.kl_ctrl"] == AdaptiveKL(0.001, 0.02, 1000)
+    assert "algorithm.adv_estimator = GAE(gamma=1.0, lam=0.95)" in "\n".join(f"{k} = {v!r}" for k, v in flat.items())
+    assert flat["actor.policy_loss"].name == "ppo_clip" and flat["algorithm.rollout_correction.mode"] == "auto"
+
+
 def test_config_may_be_a_function(tmp_path):
     p = write(tmp_path, "from rlspmd.config import *\ndef config():\n    return Config(trainer=TrainerConfig(total_steps=7))\n")
     assert load_config_file(p).trainer.total_steps == 7
