@@ -167,7 +167,7 @@ def test_grpo_outcome_hand_values():
     # Dr.GRPO: no division by std; the singleton keeps its raw score.
     adv, _ = grpo_outcome(SCORES, MASK, GROUPS, norm_by_std=False)
     assert_close(adv, per_row([0.5, 0, -0.5, 3.0, 0, 0]))
-    # algorithm.grpo_eps reaches the division: eps 0.5 -> 0.5 / (0.5 + 0.5) = 0.5 and 3 / 1.5 = 2.
+    # GRPO.eps reaches the division: eps 0.5 -> 0.5 / (0.5 + 0.5) = 0.5 and 3 / 1.5 = 2.
     adv, _ = grpo_outcome(SCORES, MASK, GROUPS, eps=0.5)
     assert_close(adv, per_row([0.5, 0, -0.5, 2.0, 0, 0]))
 
