@@ -13,7 +13,7 @@ No KL term (the paper drops it). GSM8K: ``python scripts/data/gsm8k.py --input ~
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, ModelConfig, OptimConfig, PPOClip,
+    GRPO, ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, ModelConfig, OptimConfig, PPOClip,
     OverlongBufferConfig, RewardConfig, RolloutConfig, TrainerConfig, load_config_file,
 )
 
@@ -22,7 +22,7 @@ MODEL = "models/Qwen2.5-0.5B-Instruct"  # the one line to edit: a local Hugging 
 
 def dapo_algorithm(*, gen_batch_size: int | None, max_rounds: int) -> AlgorithmConfig:
     return AlgorithmConfig(
-        adv_estimator="grpo",
+        adv_estimator=GRPO(),
         filter_groups=FilterGroupsConfig(enable=True, metric="task_score", max_rounds=max_rounds, gen_batch_size=gen_batch_size),
     )
 

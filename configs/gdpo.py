@@ -9,7 +9,7 @@ the same advantage whenever the sums' group statistics match; GDPO normalises ea
 the combinations stay apart, and whitens the weighted sum so its scale does not grow with the number of rewards.
 The reward role puts the components in the batch field ``reward_components_BK`` (one column per reward: the task's
 rule score, then each function of ``reward.components``) and the advantage stage weighs them with
-``algorithm.gdpo_reward_weights``; here two rewards, answer correctness (the task's rule score) and format (the
+``GDPO.reward_weights`` (``--algorithm.adv-estimator.reward-weights``); here two rewards, answer correctness (the task's rule score) and format (the
 response ends in a ``#### <number>`` line, ``rlspmd.rewards.rules:answer_format``), weighted 1 and 0.5. Each is
 logged: ``reward/task_score``, ``reward/component/answer_format``.
 GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
@@ -18,7 +18,7 @@ GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainerConfig,
+    GDPO, ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainerConfig,
     load_config_file,
 )
 
@@ -30,7 +30,7 @@ COMPONENTS = ["rlspmd.rewards.rules:answer_format"]
 
 
 def gdpo_algorithm() -> AlgorithmConfig:
-    return AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])  # correctness, format
+    return AlgorithmConfig(adv_estimator=GDPO(reward_weights=[1.0, 0.5]))  # correctness, format
 
 
 config = Config(

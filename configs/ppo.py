@@ -13,7 +13,7 @@ for ``critic.warmup_steps`` before the actor starts. GSM8K: ``python scripts/dat
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, KLControlConfig, ModelConfig, OptimConfig,
+    GAE, ActorConfig, AdaptiveKL, AlgorithmConfig, Config, CriticConfig, DataConfig, FixedKL, ModelConfig, OptimConfig,
     RolloutConfig, TrainerConfig, load_config_file,
 )
 
@@ -44,8 +44,8 @@ config = Config(
         train_batch_size=512, val_batch_size=1319, max_prompt_length=512,
     ),
     algorithm=AlgorithmConfig(
-        adv_estimator="gae", gamma=1.0, lam=1.0,
-        use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=KLControlConfig(type="fixed", kl_coef=0.001),
+        adv_estimator=GAE(gamma=1.0, lam=1.0),
+        use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.001),
     ),
     trainer=TrainerConfig(total_steps=200, val_every=20, output_dir="outputs/ppo-gsm8k"),
 )
@@ -61,8 +61,8 @@ def cpu() -> Config:
         values_micro_batch_size=128, warmup_steps=2,
     )
     cfg.algorithm = AlgorithmConfig(
-        adv_estimator="gae", lam=0.95,
-        use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.001, target_kl=0.02, horizon=1000),
+        adv_estimator=GAE(lam=0.95),
+        use_kl_in_reward=True, kl_ctrl=AdaptiveKL(kl_coef=0.001, target_kl=0.02, horizon=1000),
     )
     cfg.trainer.output_dir = "outputs/ppo-cpu"
     return cfg

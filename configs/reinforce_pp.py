@@ -5,7 +5,7 @@ over the global batch; no critic, no group baseline.
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/reinforce_pp.py:cpu   # CPU: the quickstart's model
 
 REINFORCE++-baseline (the group-mean baseline variant for several samples per prompt) is
-``--algorithm.adv-estimator reinforce_pp_baseline``. Whitening statistics are all-reduced over the DP ranks, so
+``algorithm.adv-estimator:reinforce-pp-baseline``. Whitening statistics are all-reduced over the DP ranks, so
 advantages do not depend on how many ranks there are. GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k
 --out-dir data/gsm8k``.
 
@@ -15,11 +15,11 @@ reward instead of the loss, and its own batch sizes.
 
 from pathlib import Path
 
-from rlspmd.config import AlgorithmConfig, Config, KLControlConfig, load_config_file
+from rlspmd.config import AlgorithmConfig, Config, FixedKL, ReinforcePP, load_config_file
 
 GRPO = Path(__file__).with_name("grpo.py")  # the base recipe: its MODEL line picks the model
 ALGORITHM = AlgorithmConfig(
-    adv_estimator="reinforce_pp", gamma=1.0, use_kl_in_reward=True, kl_penalty="k2", kl_ctrl=KLControlConfig(kl_coef=0.001)
+    adv_estimator=ReinforcePP(gamma=1.0), use_kl_in_reward=True, kl_penalty="k2", kl_ctrl=FixedKL(kl_coef=0.001)
 )
 
 

@@ -618,16 +618,57 @@ class DataConfig:
     """Shuffle the training prompts each epoch (seeded by ``trainer.seed``)."""
 
 
+# -- KL controllers: the coefficient of the in-reward KL penalty (``algorithm.kl_ctrl``) ----------------------------
+#
+# Picked by name like the policy loss: ``algorithm.kl-ctrl:adaptive --algorithm.kl-ctrl.target-kl 0.02``.
+
+
 @dataclass
-class KLControlConfig:
-    type: Literal["fixed", "adaptive"] = "fixed"
-    """``fixed``: the coefficient stays ``kl_coef``; ``adaptive``: steered toward ``target_kl`` (Ziegler et al. 2019)."""
+class FixedKL:
+    """The coefficient stays ``kl_coef``."""
+
+    name: ClassVar[str] = "fixed"
     kl_coef: float = 0.001
-    """Initial (fixed: constant) coefficient of the per-token KL penalty in the reward."""
+    """Coefficient of the per-token KL penalty in the reward (>= 0)."""
+
+    def problems(self) -> list[Problem]:
+        return [] if self.kl_coef >= 0 else [("kl_coef", self.kl_coef, "must be >= 0")]
+
+    def build(self):
+        from rlspmd.algorithms.kl import FixedKLController
+
+        return FixedKLController(self.kl_coef)
+
+
+@dataclass
+class AdaptiveKL:
+    """The coefficient is steered toward ``target_kl`` (Ziegler et al. 2019) by the mean over samples of each sample's
+    mean KL, over the global batch."""
+
+    name: ClassVar[str] = "adaptive"
+    kl_coef: float = 0.001
+    """Initial coefficient of the per-token KL penalty in the reward (>= 0)."""
     target_kl: float = 0.1
-    """Adaptive: the per-token KL the controller steers toward."""
+    """The per-token KL the controller steers toward (> 0)."""
     horizon: float = 10000.0
-    """Adaptive: samples over which a 20% coefficient change is reached (the controller's time constant)."""
+    """Samples over which a 20% coefficient change is reached (the controller's time constant; > 0)."""
+
+    def problems(self) -> list[Problem]:
+        coef = [] if self.kl_coef >= 0 else [("kl_coef", self.kl_coef, "must be >= 0")]
+        return coef + [(name, v, "must be > 0") for name, v in (("target_kl", self.target_kl), ("horizon", self.horizon))
+                       if not v > 0]
+
+    def build(self):
+        from rlspmd.algorithms.kl import AdaptiveKLController
+
+        return AdaptiveKLController(self.kl_coef, self.target_kl, self.horizon)
+
+
+KL_CONTROL_TYPES = {c.name: c for c in (FixedKL, AdaptiveKL)}
+"""Every KL controller by its name (the command line's subcommand)."""
+
+KLControl = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in KL_CONTROL_TYPES.items())]
+"""``algorithm.kl_ctrl``: one of the controllers above."""
 
 
 @dataclass
@@ -682,15 +723,17 @@ class RolloutCorrectionConfig:
     the mismatch too, and the rejection band is applied against the current policy inside the loss. Trade-off:
     one forward fewer per step, but the clip now also spends its range on the engine mismatch."""
 
-    def __post_init__(self) -> None:
-        if not self.tis_threshold > 0:
-            raise ValueError(f"algorithm.rollout_correction.tis_threshold={self.tis_threshold} must be > 0")
+    def problems(self) -> list[Problem]:
+        """Its own checks, collected by ``rlspmd.validate``. Every mode reads every threshold: the metrics show what
+        truncation and rejection would do even where the mode applies neither, and ``auto`` may pick either."""
+        out = [] if self.tis_threshold > 0 else [("tis_threshold", self.tis_threshold, "must be > 0")]
         lower, upper = self.band()
         if not 0 < lower < upper:
-            raise ValueError(f"algorithm.rollout_correction.mis_lower / mis_upper must satisfy 0 < lower < upper, "
-                             f"got {lower}, {upper} (level {self.level!r})")
+            out.append(("mis_lower", self.mis_lower, f"and mis_upper={self.mis_upper} must satisfy 0 < lower < upper "
+                        f"(with the {self.level} level's defaults: {lower}, {upper})"))
         if not self.metric_ratio_bound > 1:
-            raise ValueError(f"algorithm.rollout_correction.metric_ratio_bound={self.metric_ratio_bound} must be > 1")
+            out.append(("metric_ratio_bound", self.metric_ratio_bound, "must be > 1"))
+        return out
 
     def band(self) -> tuple[float, float]:
         """The rejection band [mis_lower, mis_upper] with the level's defaults filled in."""
@@ -699,43 +742,236 @@ class RolloutCorrectionConfig:
                 default_upper if self.mis_upper is None else self.mis_upper)
 
 
+# -- advantage estimators: each a component with its own options, checks and bound estimator -------------------------
+#
+# ``algorithm.adv_estimator`` holds one of these, picked like the policy loss: ``algorithm.adv-estimator:gae
+# --algorithm.adv-estimator.lam 0.95``. ``build(all_reduce=...)`` binds the options to the estimator of
+# ``rlspmd.algorithms.estimators`` that the advantage stage calls on a batch; ``all_reduce`` is the stage's sum over
+# the DP ranks. The class variables say what the rest of the run must provide: a critic (``uses_critic``), one greedy
+# response per prompt, scored (``uses_greedy_baseline``), or the reward components instead of the token rewards
+# (``uses_reward_components``).
+
+
+NoFlag = tyro.conf.FlagConversionOff
+"""A bool option of an estimator is written ``--algorithm.adv-estimator.norm-adv-by-std False``: tyro (1.0.17) accepts
+a ``--no-...`` flag of a component only after its subcommand, a value also for the component a config file chose."""
+
+
+def _unit_interval_problems(**values: float) -> list[Problem]:
+    return [(name, v, "must be in [0, 1]") for name, v in values.items() if not 0 <= v <= 1]
+
+
+def _eps_problems(eps: float) -> list[Problem]:
+    return [] if eps >= 0 else [("eps", eps, "must be >= 0")]
+
+
+class _Estimator:
+    """What an estimator needs besides the token rewards; most need nothing."""
+
+    uses_critic: ClassVar[bool] = False
+    uses_greedy_baseline: ClassVar[bool] = False
+    uses_reward_components: ClassVar[bool] = False
+
+    def problems(self) -> list[Problem]:
+        return []
+
+
+@dataclass
+class GAE(_Estimator):
+    """PPO's generalised advantage estimation over the critic's values (builds the critic: ``critic.*``), whitened
+    over the global batch."""
+
+    name: ClassVar[str] = "gae"
+    uses_critic: ClassVar[bool] = True
+    gamma: float = 1.0
+    """Discount factor, in [0, 1]."""
+    lam: float = 1.0
+    """GAE lambda, in [0, 1]."""
+
+    def problems(self) -> list[Problem]:
+        return _unit_interval_problems(gamma=self.gamma, lam=self.lam)
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import gae_estimate
+
+        return partial(gae_estimate, gamma=self.gamma, lam=self.lam, all_reduce=all_reduce)
+
+
+@dataclass
+class GRPO(_Estimator):
+    """GRPO: each sample's score relative to its group's (the samples of one prompt) mean, divided by the group std.
+    ``norm_adv_by_std=False`` is Dr.GRPO."""
+
+    name: ClassVar[str] = "grpo"
+    norm_adv_by_std: NoFlag[bool] = True
+    """Divide by the group std (``--algorithm.adv-estimator.norm-adv-by-std False``: Dr.GRPO, centring only)."""
+    eps: float = 1e-6
+    """Added to the group std (verl's ``epsilon``, >= 0); a group of one sample keeps score / (1 + eps)."""
+
+    def problems(self) -> list[Problem]:
+        return _eps_problems(self.eps)
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import grpo_estimate
+
+        return partial(grpo_estimate, norm_adv_by_std=self.norm_adv_by_std, eps=self.eps)
+
+
+@dataclass
+class GRPOPassK(_Estimator):
+    """pass@k GRPO: only the best sample of a group gets an advantage, its margin over the second best."""
+
+    name: ClassVar[str] = "grpo_passk"
+    norm_adv_by_std: NoFlag[bool] = True
+    """Divide by the group std."""
+    eps: float = 1e-6
+    """Added to the group std (>= 0)."""
+
+    def problems(self) -> list[Problem]:
+        return _eps_problems(self.eps)
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import grpo_passk_estimate
+
+        return partial(grpo_passk_estimate, norm_adv_by_std=self.norm_adv_by_std, eps=self.eps)
+
+
+@dataclass
+class RLOO(_Estimator):
+    """RLOO: each sample's score minus the mean of the other samples of its group (no options)."""
+
+    name: ClassVar[str] = "rloo"
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import rloo_estimate
+
+        return rloo_estimate
+
+
+@dataclass
+class ReinforcePP(_Estimator):
+    """REINFORCE++: the discounted return-to-go of the (KL-penalised) token rewards, whitened over the global batch;
+    no critic, no group baseline."""
+
+    name: ClassVar[str] = "reinforce_pp"
+    gamma: float = 1.0
+    """Discount factor, in [0, 1]."""
+
+    def problems(self) -> list[Problem]:
+        return _unit_interval_problems(gamma=self.gamma)
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import reinforce_pp_estimate
+
+        return partial(reinforce_pp_estimate, gamma=self.gamma, all_reduce=all_reduce)
+
+
+@dataclass
+class ReinforcePPBaseline(_Estimator):
+    """REINFORCE++-baseline: the score minus its group's mean, whitened over the global batch (no options)."""
+
+    name: ClassVar[str] = "reinforce_pp_baseline"
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import reinforce_pp_baseline_estimate
+
+        return partial(reinforce_pp_baseline_estimate, all_reduce=all_reduce)
+
+
+@dataclass
+class ReMax(_Estimator):
+    """ReMax: the reward-to-go minus the score of one greedy response per prompt, generated and scored in the rollout
+    stage (no options)."""
+
+    name: ClassVar[str] = "remax"
+    uses_greedy_baseline: ClassVar[bool] = True
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import remax_estimate
+
+        return remax_estimate
+
+
+@dataclass
+class OPO(_Estimator):
+    """OPO: the score minus its group's length-weighted mean score (no options)."""
+
+    name: ClassVar[str] = "opo"
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import opo_estimate
+
+        return opo_estimate
+
+
+@dataclass
+class GPGAdvantage(_Estimator):
+    """GPG's advantage: the group-centred score scaled by alpha (rows over rows with a non-zero score, over the global
+    batch); F_norm = 1, its paper's best setting (no options). Pair with ``actor.policy_loss=GPG()``."""
+
+    name: ClassVar[str] = "gpg"
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import gpg_estimate
+
+        return partial(gpg_estimate, all_reduce=all_reduce)
+
+
+@dataclass
+class GDPO(_Estimator):
+    """GDPO: several rewards (``reward_components_BK``: the rule score, the reward model's, then each of
+    ``reward.components``), each normalised within its group, weighted, summed and whitened over the global batch.
+    KL in the reward and overlong shaping do not reach it (they shape the token rewards it does not read)."""
+
+    name: ClassVar[str] = "gdpo"
+    uses_reward_components: ClassVar[bool] = True
+    reward_weights: list[float] | None = None
+    """Weight of each reward component, one per column of ``reward_components_BK`` in its order: the rule / function
+    score, the reward model's score (with ``reward.model.path``), the agent's (with ``rollout.agent``), then each of
+    ``reward.components``. None: all 1."""
+    norm_adv_by_std: NoFlag[bool] = True
+    """Divide each component by its group std."""
+    eps: float = 1e-6
+    """Added to each group std (>= 0)."""
+
+    def problems(self) -> list[Problem]:
+        return _eps_problems(self.eps)
+
+    def build(self, *, all_reduce):
+        from rlspmd.algorithms.estimators import gdpo_estimate
+
+        return partial(gdpo_estimate, reward_weights=self.reward_weights, norm_adv_by_std=self.norm_adv_by_std,
+                       eps=self.eps, all_reduce=all_reduce)
+
+
+ADVANTAGE_ESTIMATOR_TYPES = {c.name: c for c in (GAE, GRPO, GRPOPassK, RLOO, ReinforcePP, ReinforcePPBaseline, ReMax, OPO,
+                                                  GPGAdvantage, GDPO)}
+"""Every advantage estimator by its name (the command line's subcommand, with ``-`` for ``_``)."""
+
+AdvantageEstimator = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in ADVANTAGE_ESTIMATOR_TYPES.items())]
+"""``algorithm.adv_estimator``: one of the estimators above."""
+
+
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    """Advantage estimator (see ``rlspmd.algorithms.ADVANTAGE_ESTIMATORS``): gae (PPO, needs the critic), grpo,
-    grpo_passk, rloo, reinforce_pp, reinforce_pp_baseline, remax (greedy baseline rollout), opo, gpg, gdpo (several
-    reward components: needs ``reward_components_BK`` from the reward manager)."""
-    norm_adv_by_std: bool = True
-    """grpo, grpo_passk and gdpo: divide group-relative advantages by the group std. ``False`` with grpo is Dr.GRPO
-    (``--algorithm.no-norm-adv-by-std``). GPG always uses F_norm = 1, its paper's best setting."""
-    grpo_eps: float = 1e-6
-    """epsilon added to the group std by grpo, grpo_passk and gdpo (verl's ``epsilon``); a group of one sample keeps
-    score / (1 + epsilon)."""
-    gdpo_reward_weights: list[float] | None = None
-    """gdpo: weight of each reward component in the sum of the group-normalised components, one per column of
-    ``reward_components_BK`` in its order: the rule / function score, the reward model's score (with
-    ``reward.model.path``), then each of ``reward.components``. None: all 1."""
-    gamma: float = 1.0
-    """Discount factor (GAE, REINFORCE++)."""
-    lam: float = 1.0
-    """GAE lambda."""
+    adv_estimator: AdvantageEstimator = field(default_factory=GRPO)
+    """Advantage estimator and its options: ``GAE()`` (PPO, builds the critic), ``GRPO()`` (the default),
+    ``GRPOPassK()``, ``RLOO()``, ``ReinforcePP()``, ``ReinforcePPBaseline()``, ``ReMax()`` (a greedy baseline
+    rollout), ``OPO()``, ``GPGAdvantage()``, ``GDPO()`` (several reward components). On the command line:
+    ``algorithm.adv-estimator:gae`` picks one, then ``--algorithm.adv-estimator.<option>``."""
     use_kl_in_reward: bool = False
     """Subtract ``kl_ctrl.kl_coef * KL(policy || reference)`` from every response token's reward (InstructGPT-style
     PPO, REINFORCE++). Needs the reference model. Independent of ``actor.use_kl_loss``."""
     kl_penalty: str = "k1"
     """KL estimator for the in-reward penalty: k1 (kl), abs, k2 (mse), k3 (low_var_kl); a '+' form gives the same
     values (verl's names are accepted)."""
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    """Coefficient of the in-reward KL penalty: fixed or adaptive (steered by the mean over samples of each sample's
-    mean KL, over the global batch)."""
+    kl_ctrl: KLControl = field(default_factory=FixedKL)
+    """Coefficient of the in-reward KL penalty: ``FixedKL()`` (the default) or ``AdaptiveKL()``. On the command line:
+    ``algorithm.kl-ctrl:adaptive`` picks one, then ``--algorithm.kl-ctrl.<option>``."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance-sampling correction of the policy loss for the rollout engine's numerics, and its metrics."""
-
-    def __post_init__(self) -> None:
-        if self.grpo_eps < 0:
-            raise ValueError(f"algorithm.grpo_eps={self.grpo_eps} must be >= 0")
 
 
 @dataclass
@@ -985,11 +1221,9 @@ def _split_selector(spec: str) -> tuple[Path, str]:
 def ignored_settings(cfg: Config) -> list[str]:
     """Settings that differ from their defaults but do nothing under the switches that gate them (warned once)."""
     alg, out = cfg.algorithm, []
-    if not alg.norm_adv_by_std and alg.adv_estimator not in ("grpo", "grpo_passk"):
-        out.append(f"algorithm.norm_adv_by_std=False applies to grpo and grpo_passk, not {alg.adv_estimator!r}")
-    if alg.adv_estimator != "gae" and cfg.critic != CriticConfig():
-        out.append(f"critic.* is set but algorithm.adv_estimator={alg.adv_estimator!r} uses no critic")
-    if not alg.use_kl_in_reward and (alg.kl_ctrl != KLControlConfig() or alg.kl_penalty != AlgorithmConfig.kl_penalty):
+    if not alg.adv_estimator.uses_critic and cfg.critic != CriticConfig():
+        out.append(f"critic.* is set but algorithm.adv_estimator={alg.adv_estimator.name!r} uses no critic")
+    if not alg.use_kl_in_reward and (alg.kl_ctrl != FixedKL() or alg.kl_penalty != AlgorithmConfig.kl_penalty):
         out.append("algorithm.kl_ctrl / kl_penalty are set but algorithm.use_kl_in_reward=False")
     if not alg.filter_groups.enable and alg.filter_groups != FilterGroupsConfig():
         out.append("algorithm.filter_groups.* is set but algorithm.filter_groups.enable=False")
@@ -1000,15 +1234,12 @@ def ignored_settings(cfg: Config) -> list[str]:
     if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (ActorConfig.kl_loss_coef, ActorConfig.kl_loss_type):
         out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
     out += _ignored_policy_loss_settings(cfg.actor)
-    if alg.adv_estimator == "gdpo" and alg.use_kl_in_reward:
-        out.append("algorithm.use_kl_in_reward does not reach gdpo, which reads reward_components_BK, not the token "
+    est = alg.adv_estimator.name
+    if alg.adv_estimator.uses_reward_components and alg.use_kl_in_reward:
+        out.append(f"algorithm.use_kl_in_reward does not reach {est}, which reads reward_components_BK, not the token "
                    "rewards (use actor.use_kl_loss)")
-    if alg.adv_estimator == "gdpo" and cfg.reward.overlong_buffer.enable:
-        out.append("reward.overlong_buffer does not reach gdpo, which reads reward_components_BK, not the shaped score")
-    if alg.gdpo_reward_weights is not None and alg.adv_estimator != "gdpo":
-        out.append(f"algorithm.gdpo_reward_weights is set but algorithm.adv_estimator={alg.adv_estimator!r}")
-    if alg.grpo_eps != AlgorithmConfig.grpo_eps and alg.adv_estimator not in ("grpo", "grpo_passk", "gdpo"):
-        out.append(f"algorithm.grpo_eps applies to grpo, grpo_passk and gdpo, not {alg.adv_estimator!r}")
+    if alg.adv_estimator.uses_reward_components and cfg.reward.overlong_buffer.enable:
+        out.append(f"reward.overlong_buffer does not reach {est}, which reads reward_components_BK, not the shaped score")
     rc = alg.rollout_correction
     if rc.mode in ("off", "mis") and rc.tis_threshold != RolloutCorrectionConfig.tis_threshold:
         out.append(f"algorithm.rollout_correction.tis_threshold is set but mode={rc.mode!r} does not truncate")

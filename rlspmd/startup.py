@@ -13,6 +13,8 @@ import dataclasses
 import os
 import sys
 import time
+import types
+import typing
 
 import tyro
 
@@ -59,14 +61,14 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
 
 
 def flatten(cfg, prefix: str = "") -> dict[str, object]:
-    """``{"section.field": value}`` of a (nested) config dataclass; a component (a loss, an engine) adds its name
-    (``actor.engine = 'megatron'``), which its options alone would not tell."""
+    """``{"section.field": value}`` of a (nested) config dataclass. A component picked by name (a field typed as a
+    union of them: ``actor.policy_loss``, ``actor.engine``, ``algorithm.adv_estimator``, ...) stays whole, so its
+    class shows."""
     out = {}
+    hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            if isinstance(getattr(type(v), "name", None), str):
-                out[f"{prefix}{f.name}"] = type(v).name
+        if dataclasses.is_dataclass(v) and typing.get_origin(hints[f.name]) not in (typing.Union, types.UnionType):
             out.update(flatten(v, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = v

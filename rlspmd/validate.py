@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 
 from rlspmd.config import (
-    ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
+    GDPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
     RewardConfig, RolloutConfig,
     SFTConfig, TrainedRoleConfig,
 )
@@ -82,15 +82,13 @@ def _raise(lines: list[str]) -> None:
 def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -> list[str]:
     """Every problem of an RL config, one line each (empty: it can run). The sections are checked by the functions
     below, each given the sections it reads; batch arithmetic needs the actor's DP size from the placement."""
-    from rlspmd.algorithms import NEEDS_VALUES
-
     p = Problems()
     _types(p, cfg, "")
     if p.lines:  # the checks below compare and divide: they need values of the right types
         return p.lines
     dp, split = _placement(p, cfg.mesh, world_size=world_size, engine=cfg.rollout.engine)
     d, r = cfg.data, cfg.rollout
-    with_critic = cfg.algorithm.adv_estimator in NEEDS_VALUES
+    with_critic = cfg.algorithm.adv_estimator.uses_critic
     _data(p, d)
     _rollout(p, r)
     if r.agent.enabled:
@@ -269,19 +267,14 @@ def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: 
 
 
 def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: int, dp: int) -> None:
-    from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+    from rlspmd.algorithms import KL_ESTIMATORS
 
-    p.one_of("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGE_ESTIMATORS)
-    for name, value in (("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)):
-        if not 0 <= value <= 1:
-            p.add(name, value, "must be in [0, 1]")
+    _component(p, "algorithm.adv_estimator", alg.adv_estimator)
     if alg.use_kl_in_reward:
         p.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
-        p.at_least("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef, 0)
-        if alg.kl_ctrl.type == "adaptive":
-            for name, value in (("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl), ("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)):
-                if not value > 0:
-                    p.add(name, value, "must be > 0")
+        _component(p, "algorithm.kl_ctrl", alg.kl_ctrl)
+    for name, value, why in alg.rollout_correction.problems():
+        p.add(f"algorithm.rollout_correction.{name}", value, why)
     fg = alg.filter_groups
     if fg.enable:
         gen = fg.gen_batch_size or train_batch_size
@@ -292,6 +285,12 @@ def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: i
         p.at_least("algorithm.filter_groups.max_rounds", fg.max_rounds, 1)
         if n < 2:
             p.add("rollout.n", n, "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies")
+
+
+def _component(p: Problems, field: str, component) -> None:
+    """A component's own checks (an advantage estimator, a KL controller), named by where it sits."""
+    for name, value, why in component.problems():
+        p.add(f"{field}.{name}", value, f"{why} ({component.name})")
 
 
 def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool) -> None:
@@ -319,9 +318,9 @@ def _gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig, *, agent: bool) -
     if repeated:
         p.add("reward.components", rw.components, f"name the function(s) {repeated} twice (or as a built-in column: "
               "task_score, rm_score); each component needs a name of its own")
-    weights = alg.gdpo_reward_weights
-    if alg.adv_estimator == "gdpo" and weights is not None and len(weights) != len(columns):
-        p.add("algorithm.gdpo_reward_weights", weights, f"needs one weight per reward component: {len(columns)} "
+    weights = alg.adv_estimator.reward_weights if isinstance(alg.adv_estimator, GDPO) else None
+    if weights is not None and len(weights) != len(columns):
+        p.add("algorithm.adv_estimator.reward_weights", weights, f"needs one weight per reward component: {len(columns)} "
               f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with rollout.agent, then reward.components)")
 
 
@@ -422,8 +421,6 @@ def _staleness(p: Problems, max_staleness: int, *, split: bool, alg: AlgorithmCo
     """Asynchronous RL overlaps generation on the rollout ranks with training on the actor's: it needs them apart, and
     a step whose generation depends on its own batch (dynamic sampling's extra rounds, ReMax's greedy baseline of the
     same prompts) cannot be generated a step ahead."""
-    from rlspmd.algorithms import NEEDS_GREEDY_BASELINE
-
     p.at_least("trainer.max_staleness", max_staleness, 0)
     if max_staleness < 1:
         return
@@ -433,9 +430,9 @@ def _staleness(p: Problems, max_staleness: int, *, split: bool, alg: AlgorithmCo
     if alg.filter_groups.enable:
         p.add("trainer.max_staleness", max_staleness, "does not combine with dynamic sampling (algorithm.filter_groups."
               "enable): its extra generation rounds depend on the batch being trained")
-    if alg.adv_estimator in NEEDS_GREEDY_BASELINE:
+    if alg.adv_estimator.uses_greedy_baseline:
         p.add("trainer.max_staleness", max_staleness, f"does not combine with algorithm.adv_estimator="
-              f"{alg.adv_estimator!r}, whose greedy baseline generates the trained batch's own prompts")
+              f"{alg.adv_estimator.name!r}, whose greedy baseline generates the trained batch's own prompts")
 
 
 def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:

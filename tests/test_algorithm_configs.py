@@ -35,7 +35,7 @@ def test_every_algorithm_has_a_gpu_config_and_a_cpu_variant():
     for name in ALGORITHM_CONFIGS:
         gpu, cpu = load_config_file(ROOT / f"configs/{name}.py"), load_config_file(ROOT / f"configs/{name}.py:cpu")
         assert gpu.actor.model.path != cpu.actor.model.path, name
-        assert gpu.algorithm.adv_estimator == cpu.algorithm.adv_estimator and gpu.actor.policy_loss.name == cpu.actor.policy_loss.name, name
+        assert gpu.algorithm.adv_estimator.name == cpu.algorithm.adv_estimator.name and gpu.actor.policy_loss.name == cpu.actor.policy_loss.name, name
         assert gpu.data.train_files == ["data/gsm8k/train.parquet"], name
     with pytest.raises(ValueError, match="has no `gpu`"):
         load_config_file(f"{ROOT}/configs/grpo.py:gpu")

@@ -7,7 +7,6 @@ import torch
 from torch.testing import assert_close
 
 from rlspmd.algorithms import (
-    ADVANTAGE_ESTIMATORS,
     gae,
     gdpo,
     gdpo_combine,
@@ -25,6 +24,7 @@ from rlspmd.algorithms import (
     token_level_scores,
     zero_variance_rows,
 )
+from rlspmd.config import ADVANTAGE_ESTIMATOR_TYPES
 
 F64 = torch.float64
 
@@ -167,7 +167,7 @@ def test_grpo_outcome_hand_values():
     # Dr.GRPO: no division by std; the singleton keeps its raw score.
     adv, _ = grpo_outcome(SCORES, MASK, GROUPS, norm_by_std=False)
     assert_close(adv, per_row([0.5, 0, -0.5, 3.0, 0, 0]))
-    # algorithm.grpo_eps reaches the division: eps 0.5 -> 0.5 / (0.5 + 0.5) = 0.5 and 3 / 1.5 = 2.
+    # GRPO.eps reaches the division: eps 0.5 -> 0.5 / (0.5 + 0.5) = 0.5 and 3 / 1.5 = 2.
     adv, _ = grpo_outcome(SCORES, MASK, GROUPS, eps=0.5)
     assert_close(adv, per_row([0.5, 0, -0.5, 2.0, 0, 0]))
 
@@ -373,6 +373,6 @@ def test_bad_group_ids_raise():
         grpo_outcome(SCORES[:2], MASK, GROUPS)
 
 
-def test_registry_names():
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "grpo_passk", "rloo", "reinforce_pp",
-                                         "reinforce_pp_baseline", "remax", "opo", "gpg", "gdpo"}
+def test_estimator_names():
+    assert set(ADVANTAGE_ESTIMATOR_TYPES) == {"gae", "grpo", "grpo_passk", "rloo", "reinforce_pp",
+                                              "reinforce_pp_baseline", "remax", "opo", "gpg", "gdpo"}

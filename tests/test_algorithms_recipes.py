@@ -18,12 +18,12 @@ def test_recipe_has_a_gpu_config_and_a_cpu_variant(name):
     gpu, cpu = load_config_file(ROOT / f"configs/{name}.py"), load_config_file(ROOT / f"configs/{name}.py:cpu")
     estimator, loss = RECIPES[name]
     for cfg in (gpu, cpu):
-        assert (cfg.algorithm.adv_estimator, cfg.actor.policy_loss.name) == (estimator, loss), name
+        assert (cfg.algorithm.adv_estimator.name, cfg.actor.policy_loss.name) == (estimator, loss), name
         assert ignored_settings(cfg) == [], name  # every field the recipe sets does something
     assert gpu.actor.model.path != cpu.actor.model.path
     assert gpu.data.train_files == ["data/gsm8k/train.parquet"]
     if name == "gdpo":
-        assert gpu.algorithm.gdpo_reward_weights == cpu.algorithm.gdpo_reward_weights == [1.0, 0.5]
+        assert gpu.algorithm.adv_estimator.reward_weights == cpu.algorithm.adv_estimator.reward_weights == [1.0, 0.5]
 
 
 def run_recipe(name: str, out: Path, warm_start: Path, data: Path, steps: int, *, validate: bool = False) -> list[dict]:

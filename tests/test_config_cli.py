@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT, torchrun
-from rlspmd.config import GSPO, SAPO, KLCov, load_config_file
+from rlspmd.config import GAE, GRPO, GSPO, SAPO, AdaptiveKL, FixedKL, KLCov, ReinforcePPBaseline, load_config_file
 from rlspmd.startup import parse_args
 
 
@@ -44,6 +44,37 @@ def test_an_option_of_another_policy_loss_is_an_error_naming_it(tmp_path):
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode != 0
     assert "--actor.policy-loss.clip-ratio-c" in proc.stderr and "actor.policy-loss:ppo-clip" in proc.stderr
+
+
+def test_an_estimator_and_a_kl_controller_are_picked_by_name_with_their_own_options(tmp_path):
+    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(algorithm=AlgorithmConfig(adv_estimator=GAE(lam=0.95)))\n")
+    cfg, _ = parse_args(["--config", str(p), "--algorithm.adv-estimator.gamma", "0.99"])  # the file's estimator's option
+    assert cfg.algorithm.adv_estimator == GAE(gamma=0.99, lam=0.95) and cfg.algorithm.kl_ctrl == FixedKL()
+    cfg, _ = parse_args(["--config", str(p), "algorithm.adv-estimator:grpo", "--algorithm.adv-estimator.norm-adv-by-std", "False",
+                         "algorithm.kl-ctrl:adaptive", "--algorithm.kl-ctrl.target-kl", "0.02", "--algorithm.use-kl-in-reward"])
+    assert cfg.algorithm.adv_estimator == GRPO(norm_adv_by_std=False) and cfg.algorithm.use_kl_in_reward
+    assert cfg.algorithm.kl_ctrl == AdaptiveKL(target_kl=0.02)
+    cfg, _ = parse_args(["algorithm.adv-estimator:reinforce_pp_baseline"])  # the Python name works too
+    assert cfg.algorithm.adv_estimator == ReinforcePPBaseline()
+    cfg, _ = parse_args(["--algorithm.adv-estimator.norm-adv-by-std", "False"])  # a bool option of the default (GRPO)
+    assert cfg.algorithm.adv_estimator == GRPO(norm_adv_by_std=False)
+
+
+def test_an_option_of_another_estimator_is_an_error_naming_it(tmp_path):
+    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(algorithm=AlgorithmConfig(adv_estimator=RLOO()))\n")
+    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--config", str(p), "--algorithm.adv-estimator.lam", "0.9"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "--algorithm.adv-estimator.lam" in proc.stderr and "algorithm.adv-estimator:gae" in proc.stderr
+
+
+def test_dry_run_listing_names_each_component_with_its_options():
+    from rlspmd.startup import flatten
+
+    flat = flatten(load_config_file(ROOT / "configs/ppo.py:cpu"))
+    assert flat["algorithm.adv_estimator"] == GAE(lam=0.95) and flat["algorithm.kl_ctrl"] == AdaptiveKL(0.001, 0.02, 1000)
+    assert "algorithm.adv_estimator = GAE(gamma=1.0, lam=0.95)" in "\n".join(f"{k} = {v!r}" for k, v in flat.items())
+    assert flat["actor.policy_loss"].name == "ppo_clip" and flat["algorithm.rollout_correction.mode"] == "auto"
 
 
 def test_config_may_be_a_function(tmp_path):

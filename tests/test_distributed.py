@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import dist_script, torchrun
-from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, AGG_MODES, MICRO_BATCH_LOCAL_LOSSES, POLICY_LOSSES
+from rlspmd.algorithms import AGG_MODES, MICRO_BATCH_LOCAL_LOSSES, POLICY_LOSSES
+from rlspmd.config import ADVANTAGE_ESTIMATOR_TYPES
 
 pytestmark = pytest.mark.dist
 
@@ -86,7 +87,7 @@ def test_advantages_and_kl_controller_do_not_depend_on_world_size(tmp_path):
         out = tmp_path / f"adv{nproc}.pt"
         assert "SAMPLING OK" in torchrun([dist_script("algorithm_check.py"), str(out)], nproc).stdout
         runs[nproc] = torch.load(out)
-    assert set(runs[1]) == set(ADVANTAGE_ESTIMATORS)
+    assert set(runs[1]) == set(ADVANTAGE_ESTIMATOR_TYPES)
     for name, ref in runs[1].items():
         assert ref["adv"].abs().sum() > 0, name
         torch.testing.assert_close(runs[2][name]["adv"], ref["adv"], msg=lambda m: f"{name}: {m}")

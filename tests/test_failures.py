@@ -314,7 +314,7 @@ HUGE_REWARD = "def reward(response, ground_truth):\n    return 3e38 if len(respo
 @pytest.mark.slow
 def test_non_finite_gradient_stop_names_the_step(args, tmp_path):
     fn = write_reward(tmp_path, HUGE_REWARD)
-    fails([*args(), "--reward.function", fn, "--algorithm.no-norm-adv-by-std", "--trainer.nan-policy", "stop"],
+    fails([*args(), "--reward.function", fn, "--algorithm.adv-estimator.norm-adv-by-std", "False", "--trainer.nan-policy", "stop"],
           "FloatingPointError: step 1: non-finite loss or gradient norm", "trainer.nan_policy=stop")
 
 
@@ -323,7 +323,7 @@ def test_non_finite_gradient_skip_counts_and_keeps_weights(args, tmp_path, tiny_
     from safetensors.torch import load_file
 
     fn = write_reward(tmp_path, HUGE_REWARD)
-    out = torchrun([*args(), "--reward.function", fn, "--algorithm.no-norm-adv-by-std", "--checkpoint.save-hf"], 2).stdout
+    out = torchrun([*args(), "--reward.function", fn, "--algorithm.adv-estimator.norm-adv-by-std", "False", "--checkpoint.save-hf"], 2).stdout
     assert "skipped" in out and "trainer.nan_policy=skip" in out
     rows = [m for m in metrics(tmp_path / "run") if m["step"] > 0]
     assert [m["actor/skipped_updates"] for m in rows] == [2.0, 2.0]  # both mini-batch updates of each step

@@ -38,7 +38,7 @@ RUNS = {
     "rollout_tp1": [],
     "rollout_tp2": ["--mesh.rollout-tp", "2"],
     # greedy baseline calls and a data-dependent number of generation rounds per step: the rollout ranks follow
-    "remax_dynamic_sampling": ["--algorithm.adv-estimator", "remax", "--algorithm.filter-groups.enable",
+    "remax_dynamic_sampling": ["algorithm.adv-estimator:remax", "--algorithm.filter-groups.enable",
                                "--algorithm.filter-groups.max-rounds", "3"],
 }
 

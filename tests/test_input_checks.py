@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlspmd.config import (
+    GAE, GDPO, GRPO, AdaptiveKL, ReMax,
     GSPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, FilterGroupsConfig, LoraConfig, MeshConfig, RefConfig,
     KLCov, MegatronConfig, PPOClip, RewardConfig, RolloutConfig, RolloutCorrectionConfig, SFTConfig, SFTDataConfig, TrainerConfig,
     VllmConfig, load_config_file,
@@ -41,7 +42,15 @@ def with_(cfg=None, **sections) -> Config:
     (with_(actor=ActorConfig(mini_batch_size=1), rollout=RolloutConfig(n=1)),
      ["actor.mini_batch_size=1: x rollout.n=1 = 1 samples per mini-batch do not split over the actor's 2 DP ranks"]),
     (with_(rollout=RolloutConfig(temperature=0.0)), ["rollout.temperature=0.0: must be > 0"]),
-    (with_(algorithm=AlgorithmConfig(adv_estimator="ppo")), ["algorithm.adv_estimator='ppo': must be one of ["]),
+    (with_(algorithm=AlgorithmConfig(adv_estimator="ppo")), ["algorithm.adv_estimator='ppo': must be GAE or GRPO or "]),
+    (with_(algorithm=AlgorithmConfig(adv_estimator=GAE(gamma=1.5, lam=-0.1))),
+     ["algorithm.adv_estimator.gamma=1.5: must be in [0, 1] (gae)", "algorithm.adv_estimator.lam=-0.1: must be in [0, 1] (gae)"]),
+    (with_(algorithm=AlgorithmConfig(adv_estimator=GRPO(eps=-1.0))), ["algorithm.adv_estimator.eps=-1.0: must be >= 0 (grpo)"]),
+    (with_(algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=AdaptiveKL(kl_coef=-1.0, target_kl=0.0, horizon=0))),
+     ["algorithm.kl_ctrl.kl_coef=-1.0: must be >= 0 (adaptive)", "algorithm.kl_ctrl.target_kl=0.0: must be > 0 (adaptive)",
+      "algorithm.kl_ctrl.horizon=0: must be > 0 (adaptive)"]),
+    (with_(algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_ctrl="adaptive")),
+     ["algorithm.kl_ctrl='adaptive': must be FixedKL or AdaptiveKL, not str"]),
     (with_(algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k9")), ["algorithm.kl_penalty='k9': must be one of ["]),
     (with_(actor=ActorConfig(policy_loss="ppo")), ["actor.policy_loss='ppo': must be PPOClip or GSPO or CISPO or SAPO"]),
     (with_(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_c=1.0))),
@@ -50,7 +59,7 @@ def with_(cfg=None, **sections) -> Config:
      ["actor.policy_loss.kl_cov_ratio=2.0: must be in (0, 1]", "actor.policy_loss.kl_cov_coef=-1.0: must be >= 0 (kl_cov)"]),
     (with_(actor=ActorConfig(policy_loss=GSPO(clip_ratio_low="3e-4"))),
      ["actor.policy_loss.clip_ratio_low='3e-4': must be float, not str"]),
-    (with_(algorithm=AlgorithmConfig(adv_estimator="grpo", filter_groups=FilterGroupsConfig(enable=True, gen_batch_size=16))),
+    (with_(algorithm=AlgorithmConfig(adv_estimator=GRPO(), filter_groups=FilterGroupsConfig(enable=True, gen_batch_size=16))),
      ["algorithm.filter_groups.gen_batch_size=16: must be >= data.train_batch_size=32"]),
     (with_(reward=RewardConfig(rule_weight=0.0)), ["reward.rule_weight=0.0: 0 without a reward model"]),
     (with_(reward=RewardConfig(rule_weight=0.0), rollout=RolloutConfig(agent=AgentConfig(tools=["calculator"]))), []),
@@ -70,7 +79,7 @@ def with_(cfg=None, **sections) -> Config:
     # an engine is a component that checks its own options; the old string spelling is a type error naming both engines
     (with_(actor=ActorConfig(engine=MegatronConfig(tp=0, pp=-1))),
      ["actor.engine.tp=0: must be >= 1 (megatron)", "actor.engine.pp=-1: must be >= 1 (megatron)"]),
-    (with_(algorithm=AlgorithmConfig(adv_estimator="gae"), critic=CriticConfig(engine=MegatronConfig(pp=0))),
+    (with_(algorithm=AlgorithmConfig(adv_estimator=GAE()), critic=CriticConfig(engine=MegatronConfig(pp=0))),
      ["critic.engine.pp=0: must be >= 1 (megatron)"]),
     (with_(actor=ActorConfig(engine="megatron")), ["actor.engine='megatron': must be FSDPConfig or MegatronConfig, not str"]),
     (with_(actor=ActorConfig(lora=LoraConfig(rank=4)), ref=RefConfig(model_path="other")),
@@ -80,7 +89,7 @@ def with_(cfg=None, **sections) -> Config:
     (with_(trainer=TrainerConfig(max_staleness=1)), ["trainer.max_staleness=1: asynchronous RL needs split placement"]),
     (with_(trainer=TrainerConfig(max_staleness=-1)), ["trainer.max_staleness=-1: must be >= 0"]),
     (with_(trainer=TrainerConfig(max_staleness=1), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
-           algorithm=AlgorithmConfig(adv_estimator="remax")),
+           algorithm=AlgorithmConfig(adv_estimator=ReMax())),
      ["trainer.max_staleness=1: does not combine with algorithm.adv_estimator='remax'"]),
     (with_(trainer=TrainerConfig(max_staleness=2), mesh=MeshConfig(actor_ranks="0", rollout_ranks="1"),
            algorithm=AlgorithmConfig(filter_groups=FilterGroupsConfig(enable=True))),
@@ -94,8 +103,8 @@ def with_(cfg=None, **sections) -> Config:
            actor=ActorConfig(mini_batch_size=32)),
      ["algorithm.rollout_correction.bypass=True needs the correction on, but its mode resolved to 'off'"]),
     # GDPO: one weight per column (the rule score, then reward.components), components named once
-    (with_(algorithm=AlgorithmConfig(adv_estimator="gdpo", gdpo_reward_weights=[1.0, 0.5])),
-     ["algorithm.gdpo_reward_weights=[1.0, 0.5]: needs one weight per reward component: 1 columns ['task_score']"]),
+    (with_(algorithm=AlgorithmConfig(adv_estimator=GDPO(reward_weights=[1.0, 0.5]))),
+     ["algorithm.adv_estimator.reward_weights=[1.0, 0.5]: needs one weight per reward component: 1 columns ['task_score']"]),
     (with_(reward=RewardConfig(components=["a.py:fmt", "b.py:fmt"])),
      ["reward.components=['a.py:fmt', 'b.py:fmt']: name the function(s) ['fmt'] twice"]),
 ])

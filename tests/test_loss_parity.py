@@ -36,7 +36,7 @@ KEYS = ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor
         "critic/grad_norm", "critic/value_mse")
 RUNS = {
     "grpo": [],
-    "ppo": ["--algorithm.adv-estimator", "gae", "--critic.mini-batch-size", "2", "--critic.micro-batch-size", "4"],
+    "ppo": ["algorithm.adv-estimator:gae", "--critic.mini-batch-size", "2", "--critic.micro-batch-size", "4"],
     "grpo-split": ["--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1"],
 }
 

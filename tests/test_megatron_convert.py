@@ -202,7 +202,7 @@ def test_an_engine_is_picked_by_name_with_its_own_options(capsys):
     from rlspmd.train import parse_args
 
     cfg, _ = parse_args(["actor.engine:megatron", "--actor.engine.tp", "2", "critic.engine:megatron",
-                         "--algorithm.adv-estimator", "gae"])
+                         "algorithm.adv-estimator:gae"])
     assert cfg.actor.engine == MegatronConfig(tp=2) and cfg.critic.engine == MegatronConfig()
     assert ignored_settings(cfg) == []
     cfg, _ = parse_args(["--actor.engine.cpu-offload"])  # the default engine's options need no subcommand

@@ -220,7 +220,7 @@ def test_trainer_with_pipeline_stages_logs_what_one_stage_logs(tiny_model, arith
                   "--data.train-files", str(arithmetic_data / "train.parquet"),
                   "--data.val-files", str(arithmetic_data / "test.parquet"),
                   "--data.train-batch-size", "4", "--actor.mini-batch-size", "4", "--actor.micro-batch-size", "2",
-                  "--critic.mini-batch-size", "4", "--critic.micro-batch-size", "2", "--algorithm.adv-estimator", "gae",
+                  "--critic.mini-batch-size", "4", "--critic.micro-batch-size", "2", "algorithm.adv-estimator:gae",
                   "--rollout.n", "2", "--rollout.max-response-length", "8", "--data.max-val-samples", "8",
                   "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.output-dir", str(out),
                   "actor.engine:megatron", "--actor.engine.pp", str(pp),

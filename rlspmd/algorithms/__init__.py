@@ -3,18 +3,16 @@
 Pure tensor functions only: no process groups, no config objects, no I/O. Shapes are in the names (`_B` per
 sequence, `_BT` per response token) and `mask_BT` is 1.0 for response tokens that count, 0.0 for padding and for
 tool / observation tokens. Where a quantity must be global (loss denominators, whitening statistics, GPG's alpha)
-the function takes it as an argument and the trainer does the one all-reduce that produces it.
+the function takes it as an argument and the trainer does the one all-reduce that produces it (`estimators.py`
+applies the advantage estimators to a batch, with that all-reduce handed in as a function).
 
-A config string selects an implementation through the registries:
-`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_ESTIMATORS`, `AGG_MODES`. Rollout correction (importance weights
+A config string selects an implementation through the registries `POLICY_LOSSES`, `KL_ESTIMATORS`, `AGG_MODES`;
+the advantage estimators are picked by their config components (`rlspmd.config.ADVANTAGE_ESTIMATOR_TYPES`). Rollout correction (importance weights
 pi_train / pi_rollout, truncation and rejection, mismatch metrics) is in `rollout_correction.py`; its weights and
 mask go into any policy loss through `weights_BT` / `mask_BT`.
 """
 
 from rlspmd.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    NEEDS_GREEDY_BASELINE,
-    NEEDS_VALUES,
     gae,
     gdpo,
     gdpo_combine,
@@ -63,9 +61,6 @@ from rlspmd.algorithms.rollout_correction import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "NEEDS_GREEDY_BASELINE",
-    "NEEDS_VALUES",
     "AGG_MODES",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",

@@ -301,7 +301,7 @@ def grpo_outcome(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm
         mask_BT: (B, T) response mask.
         group_ids_B: (B,) integer prompt id per row, any order.
         norm_by_std: divide by the group std (GRPO) or not (Dr.GRPO).
-        eps: added to the std (`algorithm.grpo_eps`).
+        eps: added to the std (`GRPO.eps`).
 
     Returns:
         `(advantages_BT, returns_BT)`, the same tensor twice, 0 at masked positions.
@@ -564,26 +564,3 @@ def gdpo(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
     adv_BT = masked_whiten(gdpo_combine(components_BK, mask_BT, group_ids_B, weights_K=weights_K,
                                         norm_by_std=norm_by_std, eps=eps), mask_BT)
     return adv_BT, adv_BT
-
-
-ADVANTAGE_ESTIMATORS = {
-    "gae": gae,
-    "grpo": grpo_outcome,
-    "grpo_passk": grpo_passk,
-    "rloo": rloo,
-    "reinforce_pp": reinforce_pp,
-    "reinforce_pp_baseline": reinforce_pp_baseline,
-    "remax": remax,
-    "opo": opo,
-    "gpg": gpg,
-    "gdpo": gdpo,
-}
-"""Config name -> estimator. Signatures differ by family: `gae(rewards_BT, values_BT, mask_BT)`,
-`reinforce_pp(token_rewards_BT, mask_BT)`, `remax(token_rewards_BT, baseline_scores_B, mask_BT)`,
-`gdpo(components_BK, mask_BT, group_ids_B)`, and the group estimators `(scores_B, mask_BT, group_ids_B)`; options
-are keyword-only."""
-
-NEEDS_VALUES = frozenset({"gae"})
-"""Estimators that read ``values_BR`` (a run with one of them has a critic)."""
-NEEDS_GREEDY_BASELINE = frozenset({"remax"})
-"""Estimators that read ``baseline_scores_B`` (one greedy response per prompt, scored)."""

@@ -29,7 +29,7 @@ from rlspmd.roles.reward_model import RewardModel
 
 
 def component_columns(cfg: RewardConfig, *, agent: bool = False) -> list[str]:
-    """The names of ``reward_components_BK``'s columns, in order (what ``algorithm.gdpo_reward_weights`` weighs);
+    """The names of ``reward_components_BK``'s columns, in order (what ``GDPO.reward_weights`` weighs);
     ``agent``: multi-turn rollouts (``rollout.agent``), whose rewards are a column."""
     return (["task_score"] + (["rm_score"] if cfg.model.path is not None else []) + (["agent"] if agent else [])
             + [spec_name(s) for s in cfg.components])

@@ -25,7 +25,6 @@ from typing import Literal
 
 import torch
 
-from rlspmd.algorithms import NEEDS_GREEDY_BASELINE, NEEDS_VALUES
 from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig,
                            RolloutConfig, TrainedRoleConfig, to_dict)
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
@@ -82,10 +81,10 @@ class RolePlan:
     def of(cls, cfg: Config) -> "RolePlan":
         alg = cfg.algorithm
         return cls(
-            critic=alg.adv_estimator in NEEDS_VALUES,
+            critic=alg.adv_estimator.uses_critic,
             reference=cfg.actor.use_kl_loss or alg.use_kl_in_reward,
             reward_model=cfg.reward.model.path is not None,
-            greedy_baseline=alg.adv_estimator in NEEDS_GREEDY_BASELINE,
+            greedy_baseline=alg.adv_estimator.uses_greedy_baseline,
         )
 
 
@@ -399,7 +398,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
                if trainer.samples.enable else NoSampleLog())
     return Roles(
         prompts=prompts, rollout=rollout, reward=reward, shaping=shaping, baseline=baseline, sampling=sampling, ref=ref,
-        actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm, mesh=mesh),
+        actor=actor, critic=critic, token_rewards=token_rewards, advantage=AdvantageStage(cfg.algorithm.adv_estimator, mesh=mesh),
         correction=RolloutCorrectionStage(correction) if old_logprobs == "recompute" else Skip(), balance=balance,
         report=StepReport(mesh=mesh, eos_ids=eos_ids, max_response_length=R, components=reward.components + shaping_parts,
                           agent=AgentMetrics(tool_names=episodes.tool_names, mesh=mesh) if cfg.rollout.agent.enabled

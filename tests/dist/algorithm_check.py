@@ -9,12 +9,12 @@
 usage: algorithm_check.py OUT.pt
 """
 
+import dataclasses
 import sys
 
 import torch
 
-from rlspmd.algorithms import ADVANTAGE_ESTIMATORS
-from rlspmd.config import AlgorithmConfig, DistConfig, FilterGroupsConfig, KLControlConfig, MeshConfig
+from rlspmd.config import ADVANTAGE_ESTIMATOR_TYPES, AdaptiveKL, AlgorithmConfig, DistConfig, FilterGroupsConfig, MeshConfig
 from rlspmd.distributed.dispatch import all_gather_objects, gather_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
@@ -97,13 +97,15 @@ def main():
     full = global_batch()
     rows = len(full) // w
     results = {}
-    for name in sorted(ADVANTAGE_ESTIMATORS):
-        cfg = AlgorithmConfig(adv_estimator=name, gamma=0.95, lam=0.9, use_kl_in_reward=True, kl_penalty="k3",
-                              kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.01, horizon=32))
+    for name, component in sorted(ADVANTAGE_ESTIMATOR_TYPES.items()):
+        options = {"gamma": 0.95, "lam": 0.9}
+        estimator = component(**{f.name: options[f.name] for f in dataclasses.fields(component) if f.name in options})
+        cfg = AlgorithmConfig(adv_estimator=estimator, use_kl_in_reward=True, kl_penalty="k3",
+                              kl_ctrl=AdaptiveKL(kl_coef=0.05, target_kl=0.01, horizon=32))
         token_rewards = build_token_rewards(cfg, mesh=dp)
         local = full.slice(r * rows, (r + 1) * rows)
         local = token_rewards(local, MetricBuffer())
-        local = AdvantageStage(cfg, mesh=dp)(local, MetricBuffer())
+        local = AdvantageStage(cfg.adv_estimator, mesh=dp)(local, MetricBuffer())
         gathered = gather_batch(Batch({"adv": local["advantages_BR"], "ret": local["returns_BR"]}), mesh=dp)
         if r == 0:
             results[name] = {"adv": gathered["adv"], "ret": gathered["ret"], "kl_coef": token_rewards.controller.value}

@@ -25,7 +25,7 @@ def main():
     cfg, _ = parse_args([
         "--config", "configs/ppo.py:cpu", "--actor.model.path", model, "--trainer.output-dir", out,
         "--data.train-files", f"{data}/train.parquet", "--data.val-files", f"{data}/test.parquet",
-        "--algorithm.use-kl-in-reward", "--algorithm.kl-ctrl.type", "adaptive",
+        "--algorithm.use-kl-in-reward", "algorithm.kl-ctrl:adaptive",
         "--data.train-batch-size", "4", "--actor.mini-batch-size", "2", "--critic.mini-batch-size", "2", "--rollout.n", "2",
     ])
     rt, meshes = start(cfg, dist=cfg.dist, mesh=cfg.mesh, seed=0)
