@@ -261,7 +261,7 @@ class SAPO:
 @dataclass
 class GPG:
     """GPG's plain policy gradient, loss = -A logp (no ratio, no clip; no options). Pair with
-    ``algorithm.adv_estimator=gpg``."""
+    ``algorithm.adv_estimator=GPGAdvantage()`` (``algorithm.adv-estimator:gpg``)."""
 
     name: ClassVar[str] = "gpg"
     per_sequence: ClassVar[bool] = False
@@ -528,7 +528,7 @@ class AgentConfig:
 
 @dataclass
 class CriticConfig(TrainedRoleConfig):
-    """The value model of PPO (``algorithm.adv_estimator=gae``); ignored by critic-free estimators. Its engine, batch
+    """The value model of PPO (``algorithm.adv_estimator=GAE()``); ignored by critic-free estimators. Its engine, batch
     sizes and loss aggregation: ``TrainedRoleConfig``."""
 
     model_path: str | None = None
@@ -1010,7 +1010,7 @@ class RewardConfig:
     components: list[str] = field(default_factory=list)
     """Further reward functions (``path/to/file.py:fn`` or ``module:fn``, ``reward.function``'s signature), each
     scored on every sample and logged as ``reward/component/<fn>``. They are columns of ``reward_components_BK``
-    (after the rule / function score and the reward model's), which GDPO (``algorithm.adv_estimator=gdpo``)
+    (after the rule / function score and the reward model's), which GDPO (``algorithm.adv_estimator=GDPO()``)
     normalises one by one; they do not enter ``scores_B``."""
     rule_weight: float = 1.0
     """Weight of the rule / function score. 0 with a reward model: the reward model alone (rule functions are
