@@ -14,6 +14,8 @@ import copy
 import dataclasses
 import importlib.util
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from functools import partial
@@ -1262,14 +1264,25 @@ def _ignored_policy_loss_settings(actor: ActorConfig) -> list[str]:
     return []
 
 
-def to_dict(cfg) -> dict:
-    """The config as plain data (the run's ``config.json``, the checkpoint's meta). A component picked by name (a
-    policy loss, an engine: a class with a ``name``) records that name first, so two components with the same
-    options (PPO-clip and CISPO with equal clip values) stay told apart."""
+def picked_fields(cls: type) -> frozenset[str]:
+    """The fields of config dataclass ``cls`` that hold a component picked by name: those typed as a union of
+    components (``actor.policy_loss``, ``actor.engine``, ``algorithm.adv_estimator``, ``algorithm.kl_ctrl``)."""
+    def is_choice(hint) -> bool:
+        return typing.get_origin(hint) in (Union, types.UnionType) and any(map(dataclasses.is_dataclass, typing.get_args(hint)))
+
+    hints = typing.get_type_hints(cls)
+    return frozenset(f.name for f in dataclasses.fields(cls) if is_choice(hints[f.name]))
+
+
+def to_dict(cfg, *, picked: bool = False) -> dict:
+    """The config as plain data (the run's ``config.json``, the checkpoint's meta). A component picked by name
+    (``picked_fields``) records that name first, so two components with the same options (PPO-clip and CISPO with
+    equal clip values) stay told apart."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        out = {"name": cfg.name} if isinstance(getattr(type(cfg), "name", None), str) else {}
+        out = {"name": cfg.name} if picked else {}
+        chosen = picked_fields(type(cfg))
         for f in dataclasses.fields(cfg):
-            out[f.name] = to_dict(getattr(cfg, f.name))
+            out[f.name] = to_dict(getattr(cfg, f.name), picked=f.name in chosen)
         return out
     if isinstance(cfg, (list, tuple)):
         return type(cfg)(to_dict(v) for v in cfg)

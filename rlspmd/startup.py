@@ -13,12 +13,10 @@ import dataclasses
 import os
 import sys
 import time
-import types
-import typing
 
 import tyro
 
-from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file
+from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file, picked_fields
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown
 
@@ -65,10 +63,10 @@ def flatten(cfg, prefix: str = "") -> dict[str, object]:
     union of them: ``actor.policy_loss``, ``actor.engine``, ``algorithm.adv_estimator``, ...) stays whole, so its
     class shows."""
     out = {}
-    hints = typing.get_type_hints(type(cfg))
+    picked = picked_fields(type(cfg))
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v) and typing.get_origin(hints[f.name]) not in (typing.Union, types.UnionType):
+        if dataclasses.is_dataclass(v) and f.name not in picked:
             out.update(flatten(v, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = v
