@@ -66,6 +66,15 @@ def emit(result: dict, out: str | None = None) -> None:
     print(text, flush=True)
 
 
+def last_json(cmd: list[str], env: dict | None = None) -> dict:
+    """Run ``cmd`` from the repository root; its last stdout line, parsed as JSON (a trainer run with
+    ``trainer.print_summary_json`` ends with its summary there). A failed run exits with its output."""
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

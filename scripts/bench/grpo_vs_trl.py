@@ -13,21 +13,12 @@ over the steps after the first); > 1 means rlspmd is faster.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, emit  # noqa: E402
+from common import ROOT, emit, last_json  # noqa: E402
 from grpo_workload import PRESETS, build  # noqa: E402
-
-
-def last_json(cmd: list[str]) -> dict:
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None):

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, emit  # noqa: E402
-from grpo_vs_trl import last_json  # noqa: E402
+from common import ROOT, emit, last_json  # noqa: E402
 from grpo_workload import PRESETS, build  # noqa: E402
 
 

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+from common import last_json  # noqa: E402
 
 
 def load_script(rel: str):
@@ -143,23 +144,19 @@ def grpo_run(engine: str, *, steps: int, ranks: int) -> dict:
     """One torchrun of the fixed GRPO workload with ``engine``; its summary line (median step s, stage means)."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"grpo_{engine}_"))
     extra = ["--rollout.engine", "vllm", "--rollout.vllm.enforce-eager"] if engine == "vllm" else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
-           str(29700 + os.getpid() % 200), "-m", "rlspmd.train", "--config", "configs/bench/grpo_tiny.py",
-           "--trainer.total-steps", str(steps), "--trainer.output-dir", str(out_dir), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"summary"')]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"GRPO run with {engine} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    summary = json.loads(lines[-1])["summary"]
+    summary = last_json([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                         "-m", "rlspmd.train", "--config", "configs/bench/grpo_tiny.py", "--trainer.total-steps",
+                         str(steps), "--trainer.output-dir", str(out_dir), *extra],
+                        env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})["summary"]
     return {"sec_per_step": round(summary["sec_per_step"], 3),
             "mean_stage_s": {k: round(v, 3) for k, v in summary["mean_step_s"].items()}}
 
 
 def grpo_steps(*, steps: int, ranks: int, repeats: int) -> dict:
     """Whole GRPO steps with each engine, alternating runs (native, vllm, native, vllm, ...); best run kept."""
-    subprocess.run([sys.executable, "scripts/bench/grpo_workload.py", "--which", "grpo_tiny"], cwd=ROOT, check=True,
-                   capture_output=True)
+    from grpo_workload import build
+
+    build(["grpo_tiny"], data=ROOT / "data" / "bench" / "prompts.jsonl", num_prompts=256, prompt_tokens=27)
     runs: dict[str, list[dict]] = {"native": [], "vllm": []}
     for _ in range(repeats):
         for engine in runs:
