@@ -139,6 +139,19 @@ def warm_start(tiny_model, quickstart_data, tmp_path_factory) -> Path:
     return out / "hf"
 
 
+@pytest.fixture(scope="module")
+def mesh_of_one():
+    """A world of one (Gloo, in this process) and a (dp, tp) mesh of size 1 x 1 over it."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield DeviceMesh("cpu", torch.tensor([[0]]), mesh_dim_names=("dp", "tp"))
+    dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,13 +5,10 @@ The clipping factor is checked against ``torch.nn.utils.clip_grad_norm_`` bit fo
 on a 1-D mesh, with ``clip_coef`` on a 2-D one, the megatron engine with ``clip_coef`` on a float norm)."""
 
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import OptimConfig
 from rlspmd.distributed.mesh import grid_coords, model_parallel_groups
@@ -84,19 +81,11 @@ def test_grid_coords_run_tp_fastest():
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DeviceMesh("cpu", torch.tensor([[0]]), mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
-
-
-def test_model_parallel_groups_of_one_rank(mesh):
-    g = model_parallel_groups(mesh, tp=1, pp=1, field_prefix="critic.engine", pipeline_ends=True)
+def test_model_parallel_groups_of_one_rank(mesh_of_one):
+    g = model_parallel_groups(mesh_of_one, tp=1, pp=1, field_prefix="critic.engine", pipeline_ends=True)
     assert (g.tp, g.pp, g.dp, g.tp_rank, g.pp_rank, g.dp_rank) == (1, 1, 1, 0, 0, 0)
     assert g.first_stage and g.last_stage and g.pp_ranks == [0]
     assert g.embd_group is None and g.tp_mesh is None  # no second stage to tie with; no TP DTensors
-    assert model_parallel_groups(mesh, tp=1, pp=1, field_prefix="actor.engine").tp_group is g.tp_group  # cached
+    assert model_parallel_groups(mesh_of_one, tp=1, pp=1, field_prefix="actor.engine").tp_group is g.tp_group  # cached
     with pytest.raises(ValueError, match=r"critic.engine.tp=2 x critic.engine.pp=1 does not divide the role's 1 ranks"):
-        model_parallel_groups(mesh, tp=2, pp=1, field_prefix="critic.engine")
+        model_parallel_groups(mesh_of_one, tp=2, pp=1, field_prefix="critic.engine")

@@ -9,8 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import RolloutConfig
 from rlspmd.metrics import MetricBuffer
@@ -74,15 +72,6 @@ class FakeSource:
         return {"weight_sync/gathered_bytes": 0.0}
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    """A world of one (Gloo) and the rollout's (dp, tp) mesh over it."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield DeviceMesh("cpu", torch.tensor([[0]]), mesh_dim_names=("dp", "tp"))
-    dist.destroy_process_group()
-
-
 def prompts(n=2) -> Batch:
     return Batch({"prompts_BP": torch.tensor([[0, 5, 6], [7, 8, 9]])[:n], "prompt_mask_BP": torch.tensor([[0, 1, 1], [1, 1, 1]])[:n]})
 
@@ -99,8 +88,8 @@ def colocated(mesh, *, sleep_level=2):
     return backend, engine, role
 
 
-def test_per_step_sequence_colocated(mesh):
-    backend, engine, role = colocated(mesh)
+def test_per_step_sequence_colocated(mesh_of_one):
+    backend, engine, role = colocated(mesh_of_one)
     role.sync_weights(MetricBuffer())  # the step's weight-sync stage
     assert names(backend.calls) == ["wake_up('weights',)", "load_weights", "reset_prefix_cache"]
     assert engine.lifecycle.state is State.WEIGHTS_READY
@@ -123,8 +112,8 @@ def test_per_step_sequence_colocated(mesh):
     assert metrics["weight_sync/loaded_bytes"] == (8 + 2) * 4
 
 
-def test_first_generate_syncs_and_level1_keeps_weights(mesh):
-    backend, engine, role = colocated(mesh, sleep_level=1)
+def test_first_generate_syncs_and_level1_keeps_weights(mesh_of_one):
+    backend, engine, role = colocated(mesh_of_one, sleep_level=1)
     role.generate(prompts(), step=1)  # never synced: the dummy weights must be replaced first (P1)
     assert names(backend.calls)[:3] == ["wake_up('weights',)", "load_weights", "reset_prefix_cache"]
     assert engine.holds_weights  # level 1: a CPU copy survives
@@ -133,8 +122,8 @@ def test_first_generate_syncs_and_level1_keeps_weights(mesh):
     assert names(backend.calls) == ["wake_up('weights',)", "wake_up('kv_cache',)", "generate", "reset_prefix_cache", "sleep1"]
 
 
-def test_update_changes_outputs(mesh):
-    backend, engine, role = colocated(mesh)
+def test_update_changes_outputs(mesh_of_one):
+    backend, engine, role = colocated(mesh_of_one)
     role.sync_weights(MetricBuffer())
     before = role.generate(prompts(), step=1)["responses_BR"]
     role.weights.tensors["model.norm.weight"] = torch.full((2,), 3.0)  # the actor moved
