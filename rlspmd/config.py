@@ -1332,6 +1332,8 @@ class SFTConfig:
     """Sequences per forward/backward on one rank."""
     total_steps: int = 500
     """Optimiser steps."""
+    stop_at_step: int = 0
+    """Stop after this step with a checkpoint, before ``total_steps`` (0: run to the end); ``--resume auto`` continues."""
     output_dir: str = "outputs/sft"
     """Metrics go here; the fine-tuned Hugging Face model is written to ``output_dir/hf``."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
@@ -1342,3 +1344,7 @@ class SFTConfig:
     """Seed for data order."""
     dist: DistConfig = field(default_factory=DistConfig)
     """torch.distributed settings."""
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(save_final=False))
+    """Resumable checkpoints under ``output_dir/checkpoints``: the sharded model and optimiser, the LR schedule and the
+    data order (``checkpoint.save_every``; on SIGTERM/SIGUSR1 always). ``--resume auto`` (the default) continues from
+    the newest one, bit for bit. Off at the end by default (``save_final``): the product is ``output_dir/hf``."""

@@ -6,6 +6,10 @@ Same runtime, mesh and FSDP2 engine as the RL trainer. The loss is the token-mea
 of the response (prompt tokens are context only), normalised over the global batch. At the end the model
 is written as a Hugging Face directory (safetensors + tokenizer) that RL configs point at.
 
+Checkpoints are the RL trainer's (``rlspmd.trainer.state``: DCP shards of the model and optimiser, the LR schedule,
+the data order on rank 0): every ``checkpoint.save_every`` steps, and at ``stop_at_step`` or on SIGTERM/SIGUSR1 (the
+run then stops after the step); ``--resume auto`` continues the same run bit for bit.
+
 Multi-turn demonstrations (``data.messages_key``): whole conversations with tool calls and tool results, tokenized as
 the agent loop tokenizes rollouts (prompt with the tool schemas, each assistant turn's content + EOS, the turns between
 as chat-template deltas); the loss covers the assistant tokens only (``loss_mask_BR``).
@@ -14,16 +18,17 @@ as chat-template deltas); the loss covers the assistant tokens only (``loss_mask
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from rlspmd.agent import ChatRenderer, load_tools, tool_schemas, use_system_tool_prompt
-from rlspmd.config import AgentConfig, MeshConfig, SFTConfig
+from rlspmd.config import AgentConfig, MeshConfig, SFTConfig, to_dict
 from rlspmd.data.prompts import EpochSampler, read_rows
-from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
+from rlspmd.distributed.dispatch import all_reduce_sum, on_main, scatter_batch
 from rlspmd.distributed.mesh import DP
-from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main
+from rlspmd.distributed.runtime import StopRequest, exit_process, shutdown, spmd_main
 from rlspmd.engines.base import compute_dtype
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
@@ -32,7 +37,8 @@ from rlspmd.models.packing import check_attn_kernel
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.startup import parse_args, start
-from rlspmd.trainer.checkpoint import save_hf_model
+from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, save_hf_model
+from rlspmd.trainer.state import Checkpointing, Counters
 from rlspmd.validate import check_sft_config
 
 
@@ -132,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     dp = mesh.size()
     if cfg.data.batch_size % dp:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over {dp} DP ranks")
+    # before anything loads: a bad checkpoint.dir or checkpoint.resume fails in seconds
+    checkpointer = Checkpointer(cfg.checkpoint, output_dir=cfg.output_dir, rank=rt.rank, world_size=dp, mesh=mesh)
+    resume_from = checkpointer.prepare()
+    stop_request = StopRequest().install()
     m = cfg.model
     kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing, device=rt.device,
                                dtype=compute_dtype(cfg.fsdp.param_dtype, rt.device), field_name="model.attn_kernel")
@@ -154,9 +164,17 @@ def main(argv: list[str] | None = None) -> None:
         module, module.hf, mesh=mesh, device=rt.device, fsdp=cfg.fsdp, optim=cfg.optim,
         total_optim_steps=cfg.total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
     )
-    logger = MetricLogger(cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, enabled=rt.is_main)
+    checkpointing = Checkpointing(
+        checkpointer, engines={"actor": engine}, components={"sampler": sampler} if rt.is_main else {}, mesh=mesh,
+        rank=rt.rank, is_main=rt.is_main, meta={"total_steps": cfg.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
+        write_files=lambda ckpt: on_main(partial(copy_model_files, m.path, m.tokenizer_path or m.path, ckpt / "model"), mesh=mesh),
+    )
+    counters = checkpointing.restore(resume_from) if resume_from is not None else Counters()
+    logger = MetricLogger(cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=counters.step, enabled=rt.is_main)
+    if resume_from is not None:
+        logger.write(f"resumed from {resume_from} (step {counters.step} of {cfg.total_steps})")
     losses = []
-    for step in range(1, cfg.total_steps + 1):
+    for step in range(counters.step + 1, cfg.total_steps + 1):
         batch = scatter_batch(data.batch(sampler.next_batch()) if rt.is_main else None, mesh=mesh, device=rt.device)
         tokens = float(all_reduce_sum(batch["loss_mask_BR"].sum(), mesh=mesh))
         mb_losses = []
@@ -173,9 +191,19 @@ def main(argv: list[str] | None = None) -> None:
             losses = []
         elif rt.is_main and logger.bar is not None:
             logger.bar.update(1)
-    out = Path(cfg.output_dir) / "hf"
-    save_hf_model(engine, tokenizer, cfg.model.path, out, is_main=rt.is_main)
-    logger.write(f"saved the fine-tuned model to {out}")
+        counters.step = step
+        signalled = stop_request.agreed(rt.device)
+        stop = signalled or step == cfg.stop_at_step
+        if stop or checkpointing.due(step, last=step == cfg.total_steps):
+            logger.write(f"step {step}: saved checkpoint {checkpointing.save(counters)}")
+        if stop and step < cfg.total_steps:  # at the last step the run ends anyway, with its export
+            why = "a stop signal (SIGTERM/SIGUSR1)" if signalled else f"stop_at_step={cfg.stop_at_step}"
+            logger.write(f"stopped after step {step} on {why}; continue with --resume auto")
+            break
+    else:
+        out = Path(cfg.output_dir) / "hf"
+        save_hf_model(engine, tokenizer, cfg.model.path, out, is_main=rt.is_main)
+        logger.write(f"saved the fine-tuned model to {out}")
     logger.close()
     shutdown()
 

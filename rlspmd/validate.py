@@ -23,7 +23,7 @@ import typing
 from pathlib import Path
 
 from rlspmd.config import (
-    GDPO, ActorConfig, AgentConfig, AlgorithmConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
+    GDPO, ActorConfig, AgentConfig, AlgorithmConfig, CheckpointConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
     RewardConfig, RolloutConfig,
     SFTConfig, TrainedRoleConfig,
 )
@@ -117,8 +117,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     p.at_least("trainer.samples.num_val", t.samples.num_val, 0)
     _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
     _bypass(p, cfg, split=split)
-    p.at_least("checkpoint.save_every", cfg.checkpoint.save_every, 0)
-    p.at_least("checkpoint.keep_last", cfg.checkpoint.keep_last, 0)
+    _checkpoint(p, cfg.checkpoint, check_files=check_files)
     if check_files:
         _files(p, cfg, with_critic=with_critic)
         _context(p, cfg, with_critic=with_critic)
@@ -139,11 +138,14 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
         p.add("data.batch_size", d.batch_size, f"does not split over {world_size} DP ranks (every rank is a DP rank in SFT)")
     p.at_least("micro_batch_size", cfg.micro_batch_size, 1)
     p.at_least("total_steps", cfg.total_steps, 1)
+    if not 0 <= cfg.stop_at_step <= cfg.total_steps:
+        p.add("stop_at_step", cfg.stop_at_step, f"must be in [0, total_steps={cfg.total_steps}]")
     p.at_least("log_every", cfg.log_every, 1)
     _optim(p, "optim", cfg.optim)
     _packing(p, "model", cfg.model.attn_implementation, cfg.model.packing)
     _dist(p, cfg.dist)
     _loggers(p, "loggers", cfg.loggers)
+    _checkpoint(p, cfg.checkpoint, check_files=check_files)
     if d.tools:  # demonstrations rendered with tool schemas: the tools must build as the RL run builds them
         from rlspmd.agent import load_tools
 
@@ -340,8 +342,13 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         p.file_check(check_function_spec, rw.function, field_name="reward.function")
     for i, spec in enumerate(rw.components):
         p.file_check(check_function_spec, spec, field_name=f"reward.components[{i}]")
-    resume = cfg.checkpoint.resume.strip()
-    if resume not in ("auto", "none"):
+
+
+def _checkpoint(p: Problems, c: CheckpointConfig, *, check_files: bool) -> None:
+    p.at_least("checkpoint.save_every", c.save_every, 0)
+    p.at_least("checkpoint.keep_last", c.keep_last, 0)
+    resume = c.resume.strip()
+    if check_files and resume not in ("auto", "none"):
         from rlspmd.trainer.checkpoint import resolve_checkpoint
 
         p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
