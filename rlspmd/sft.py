@@ -26,7 +26,7 @@ import torch
 from rlspmd.agent import ChatRenderer, load_tools, tool_schemas, use_system_tool_prompt
 from rlspmd.config import AgentConfig, MeshConfig, SFTConfig, to_dict
 from rlspmd.data.prompts import EpochSampler, read_rows
-from rlspmd.distributed.dispatch import all_reduce_sum, on_main, scatter_batch
+from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
 from rlspmd.distributed.runtime import StopRequest, exit_process, shutdown, spmd_main
 from rlspmd.engines.base import compute_dtype
@@ -37,8 +37,8 @@ from rlspmd.models.packing import check_attn_kernel
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.startup import parse_args, start
-from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, save_hf_model
-from rlspmd.trainer.state import Checkpointing, Counters
+from rlspmd.trainer.checkpoint import Checkpointer, save_hf_model
+from rlspmd.trainer.state import Checkpointing, Counters, write_model_files
 from rlspmd.validate import check_sft_config
 
 
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpointing = Checkpointing(
         checkpointer, engines={"actor": engine}, components={"sampler": sampler} if rt.is_main else {}, mesh=mesh,
         rank=rt.rank, is_main=rt.is_main, meta={"total_steps": cfg.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
-        write_files=lambda ckpt: on_main(partial(copy_model_files, m.path, m.tokenizer_path or m.path, ckpt / "model"), mesh=mesh),
+        write_files=partial(write_model_files, model_path=m.path, tokenizer_path=m.tokenizer_path, save_hf=cfg.checkpoint.save_hf,
+                            tokenizer=tokenizer, engine=engine, mesh=mesh),
     )
     counters = checkpointing.restore(resume_from) if resume_from is not None else Counters()
     logger = MetricLogger(cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=counters.step, enabled=rt.is_main)

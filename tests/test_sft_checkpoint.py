@@ -21,7 +21,7 @@ def sft_args(model, data, out, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_sft_stop_and_resume_is_bit_identical(tiny_model, arithmetic_data, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    torchrun(sft_args(tiny_model, arithmetic_data, whole), 2)
+    torchrun(sft_args(tiny_model, arithmetic_data, whole, "--checkpoint.save-hf"), 2)
     first = torchrun(sft_args(tiny_model, arithmetic_data, split, "--stop-at-step", "3"), 2).stdout
     assert "stopped after step 3 on stop_at_step=3" in first
     assert not (split / "hf").exists()  # the export is the end of a run, not of a stop
@@ -35,6 +35,9 @@ def test_sft_stop_and_resume_is_bit_identical(tiny_model, arithmetic_data, tmp_p
                       checkpoint_tensors(split / "checkpoints" / "step_00000004"))
     want, got = load_file(whole / "hf" / "model.safetensors"), load_file(split / "hf" / "model.safetensors")
     assert want.keys() == got.keys() and all(want[k].equal(got[k]) for k in want)
+    # checkpoint.save_hf: the step's HF directory holds the model the run ends with
+    saved = load_file(whole / "checkpoints" / "step_00000004" / "hf" / "model.safetensors")
+    assert saved.keys() == want.keys() and all(saved[k].equal(want[k]) for k in want)
 
 
 def test_sft_checkpoint_settings_are_checked_before_loading(tiny_model, arithmetic_data, tmp_path):

@@ -20,14 +20,13 @@ import warnings
 from dataclasses import dataclass
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from rlspmd.config import (ActorConfig, Config, CriticConfig, FSDPConfig, LoraConfig, MegatronConfig, ModelConfig, OptimConfig, RefConfig,
                            RolloutConfig, TrainedRoleConfig, to_dict)
-from rlspmd.distributed.dispatch import balance_batch, broadcast_object, on_main
+from rlspmd.distributed.dispatch import balance_batch, broadcast_object
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.engines.base import TrainingEngine, compute_dtype
@@ -56,7 +55,7 @@ from rlspmd.rollout.native import NativeEngine, OwnWeights
 from rlspmd.rollout.weight_sync import WeightBridge
 from rlspmd.rollout.weights import BridgedWeights, InPlaceWeights, StreamedWeights
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
-from rlspmd.trainer.checkpoint import Checkpointer, copy_model_files, write_hf_dir
+from rlspmd.trainer.checkpoint import Checkpointer
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.rl import RLTrainer
 from rlspmd.trainer.roles import Roles
@@ -66,7 +65,7 @@ from rlspmd.roles.rollout_correction import (
 )
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
-from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing
+from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
 
 @dataclass(frozen=True)
 class RolePlan:
@@ -388,7 +387,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     checkpointing = Checkpointing(
         checkpointer, engines=engines, components=components, pipeline=pipeline, mesh=mesh, rank=rt.rank, is_main=rt.is_main,
         meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
-        write_files=partial(_write_model_files, cfg, tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
+        write_files=partial(write_model_files, model_path=m.path, tokenizer_path=m.tokenizer_path, save_hf=cfg.checkpoint.save_hf,
+                            tokenizer=tokenizer, engine=actor.engine, mesh=mesh),
     )
     shaping_parts = (("overlong_penalty_B", "overlong_penalty"),) if cfg.reward.overlong_buffer.enable else ()
     samples = (SampleLog(trainer.samples, tokenizer=tokenizer, mesh=mesh, output_dir=trainer.output_dir, eos_ids=eos_ids,
@@ -447,19 +447,6 @@ def _rollout_only_roles(cfg: Config, rt: Runtime, *, rollout: RolloutServer, pla
         balance=Skip(), report=NoReport(), samples=NoSampleLog(), checkpointing=NoCheckpointing(), data_stats=data_stats,
         resume_from=None, attn_kernel=attn_kernel, rollout_correction=correction,
     )
-
-
-def _write_model_files(cfg: Config, ckpt: Path, *, tokenizer, engine: TrainingEngine, mesh) -> None:
-    """Config and tokenizer for export; the actor as an HF directory with ``checkpoint.save_hf`` (collective)."""
-    model = cfg.actor.model
-    full = engine.hf_state_dict() if cfg.checkpoint.save_hf else None
-
-    def write():
-        copy_model_files(model.path, model.tokenizer_path or model.path, ckpt / "model")
-        if full is not None:
-            write_hf_dir(engine.hf_model, full, tokenizer, model.path, ckpt / "hf")
-
-    on_main(write, mesh=mesh)
 
 
 def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes):

@@ -30,7 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlspmd.distributed.dispatch import broadcast_object, on_main
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.protocol import Batch
-from rlspmd.trainer.checkpoint import PIPELINE, CheckpointError, Checkpointer, RNGState, TrainerState, saved_tensors, to_json_text
+from rlspmd.trainer.checkpoint import (PIPELINE, CheckpointError, Checkpointer, RNGState, TrainerState, copy_model_files, saved_tensors,
+                                      to_json_text, write_hf_dir)
 
 OBJECTS = "objects_json"
 """A batch's per-sample objects in a checkpoint: their JSON text as a uint8 tensor (loading it runs no code)."""
@@ -94,6 +95,20 @@ class InFlightBatches(Stateful):
         for i in range(len(batches)):
             self.queue.append(decode_batch(batches[f"batch_{i}"]).to(self.device))
         self.layout = {}
+
+
+def write_model_files(ckpt: Path, *, model_path: str, tokenizer_path: str | None, save_hf: bool, tokenizer,
+                      engine: TrainingEngine, mesh: DeviceMesh) -> None:
+    """A checkpoint's ``write_files`` (RL and SFT): the model's config and tokenizer files for export, and with
+    ``checkpoint.save_hf`` the actor as an HF directory (collective: every rank gathers the full weights)."""
+    full = engine.hf_state_dict() if save_hf else None
+
+    def write():
+        copy_model_files(model_path, tokenizer_path or model_path, ckpt / "model")
+        if full is not None:
+            write_hf_dir(engine.hf_model, full, tokenizer, model_path, ckpt / "hf")
+
+    on_main(write, mesh=mesh)
 
 
 class Checkpointing:
