@@ -17,7 +17,15 @@ reward is the task's exact-answer check on the final text (``#### N``); only the
 """
 
 from rlspmd.config import (
-    ActorConfig, AgentConfig, Config, DataConfig, ModelConfig, OptimConfig, PPOClip, RolloutConfig, TrainerConfig,
+    ActorConfig,
+    AgentConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    PPOClip,
+    RolloutConfig,
+    TrainerConfig,
 )
 
 config = Config(
@@ -31,7 +39,9 @@ config = Config(
         kl_loss_coef=0.001,
     ),
     # a conversation: call (~25 tokens) + tool turn (~15) + answer (~10); 96 leaves room for a second call
-    rollout=RolloutConfig(n=8, max_response_length=96, temperature=1.0, agent=AgentConfig(tools=["calculator"], max_turns=3)),
+    rollout=RolloutConfig(
+        n=8, max_response_length=96, temperature=1.0, agent=AgentConfig(tools=["calculator"], max_turns=3)
+    ),
     data=DataConfig(
         train_files=["data/agent_arithmetic/train.parquet"],
         val_files=["data/agent_arithmetic/test.parquet"],

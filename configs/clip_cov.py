@@ -22,7 +22,9 @@ GRPO = Path(__file__).with_name("grpo.py")  # the base recipe: its MODEL line pi
 
 def clip_cov(cfg: Config, *, output_dir: str) -> Config:
     a = cfg.actor
-    a.policy_loss = ClipCov(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    a.policy_loss = ClipCov(
+        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_cov_ratio=2e-4, clip_cov_lb=1.0, clip_cov_ub=5.0
+    )
     a.loss_agg_mode = "token-mean"
     a.use_kl_loss = False
     cfg.trainer.output_dir = output_dir
@@ -36,5 +38,7 @@ config.actor.mini_batch_size = 32  # 8 optimiser steps per RL step
 def cpu() -> Config:
     """Clip-Cov on the quickstart (``configs/grpo.py:cpu``): the tiny model's SFT warm start, 2 CPU ranks."""
     cfg = clip_cov(load_config_file(f"{GRPO}:cpu"), output_dir="outputs/clip-cov-cpu")
-    cfg.actor.policy_loss.clip_cov_ratio = 2e-3  # micro-batches of ~1-2k tokens: a few tokens each instead of the minimum one
+    cfg.actor.policy_loss.clip_cov_ratio = (
+        2e-3  # micro-batches of ~1-2k tokens: a few tokens each instead of the minimum one
+    )
     return cfg

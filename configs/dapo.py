@@ -13,8 +13,20 @@ No KL term (the paper drops it). GSM8K: ``python scripts/data/gsm8k.py --input ~
 from pathlib import Path
 
 from rlspmd.config import (
-    GRPO, ActorConfig, AlgorithmConfig, Config, DataConfig, FilterGroupsConfig, ModelConfig, OptimConfig, PPOClip,
-    OverlongBufferConfig, RewardConfig, RolloutConfig, TrainerConfig, load_config_file,
+    GRPO,
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    FilterGroupsConfig,
+    ModelConfig,
+    OptimConfig,
+    PPOClip,
+    OverlongBufferConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+    load_config_file,
 )
 
 MODEL = "models/Qwen2.5-0.5B-Instruct"  # the one line to edit: a local Hugging Face model directory
@@ -23,7 +35,9 @@ MODEL = "models/Qwen2.5-0.5B-Instruct"  # the one line to edit: a local Hugging 
 def dapo_algorithm(*, gen_batch_size: int | None, max_rounds: int) -> AlgorithmConfig:
     return AlgorithmConfig(
         adv_estimator=GRPO(),
-        filter_groups=FilterGroupsConfig(enable=True, metric="task_score", max_rounds=max_rounds, gen_batch_size=gen_batch_size),
+        filter_groups=FilterGroupsConfig(
+            enable=True, metric="task_score", max_rounds=max_rounds, gen_batch_size=gen_batch_size
+        ),
     )
 
 
@@ -40,8 +54,11 @@ config = Config(
     ),
     rollout=RolloutConfig(n=16, temperature=1.0, max_response_length=1024, max_batch_size=512),
     data=DataConfig(
-        train_files=["data/gsm8k/train.parquet"], val_files=["data/gsm8k/test.parquet"],
-        train_batch_size=128, val_batch_size=1319, max_prompt_length=512,
+        train_files=["data/gsm8k/train.parquet"],
+        val_files=["data/gsm8k/test.parquet"],
+        train_batch_size=128,
+        val_batch_size=1319,
+        max_prompt_length=512,
     ),
     algorithm=dapo_algorithm(gen_batch_size=384, max_rounds=10),
     reward=RewardConfig(overlong_buffer=OverlongBufferConfig(enable=True, len=256, penalty_factor=1.0)),

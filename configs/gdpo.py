@@ -18,7 +18,16 @@ GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 from pathlib import Path
 
 from rlspmd.config import (
-    GDPO, ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, OptimConfig, RewardConfig, RolloutConfig, TrainerConfig,
+    GDPO,
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
     load_config_file,
 )
 
@@ -47,8 +56,11 @@ config = Config(
     ),
     rollout=RolloutConfig(n=8, temperature=1.0, max_response_length=1024, max_batch_size=512),
     data=DataConfig(
-        train_files=["data/gsm8k/train.parquet"], val_files=["data/gsm8k/test.parquet"],
-        train_batch_size=256, val_batch_size=1319, max_prompt_length=512,
+        train_files=["data/gsm8k/train.parquet"],
+        val_files=["data/gsm8k/test.parquet"],
+        train_batch_size=256,
+        val_batch_size=1319,
+        max_prompt_length=512,
     ),
     algorithm=gdpo_algorithm(),
     reward=RewardConfig(components=list(COMPONENTS)),

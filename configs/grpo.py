@@ -11,7 +11,18 @@ GSM8K comes from ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/g
 
 from pathlib import Path
 
-from rlspmd.config import GRPO, ActorConfig, AlgorithmConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig, load_config_file
+from rlspmd.config import (
+    GRPO,
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainerConfig,
+    load_config_file,
+)
 
 MODEL = "models/Qwen2.5-0.5B-Instruct"  # the one line to edit: a local Hugging Face model directory (7B: see below)
 
@@ -30,8 +41,11 @@ config = Config(
     ),
     rollout=RolloutConfig(n=8, temperature=1.0, max_response_length=1024, max_batch_size=512),
     data=DataConfig(
-        train_files=["data/gsm8k/train.parquet"], val_files=["data/gsm8k/test.parquet"],
-        train_batch_size=256, val_batch_size=1319, max_prompt_length=512,
+        train_files=["data/gsm8k/train.parquet"],
+        val_files=["data/gsm8k/test.parquet"],
+        train_batch_size=256,
+        val_batch_size=1319,
+        max_prompt_length=512,
     ),
     algorithm=AlgorithmConfig(adv_estimator=GRPO()),
     trainer=TrainerConfig(total_steps=300, val_every=20, output_dir="outputs/grpo-gsm8k"),

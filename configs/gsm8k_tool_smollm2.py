@@ -35,7 +35,9 @@ config.actor.micro_batch_size = 8  # conversations are about twice as long as si
 config.actor.logprob_micro_batch_size = 16
 # a conversation: reasoning (~200 tokens) + call (~25) + verdict turn (~12) + final answer; 768 leaves room to retry
 config.rollout.max_response_length = 768
-config.rollout.agent = AgentConfig(tools=["calc_gsm8k_reward"], tool_prompt="system", max_turns=3, max_tool_response_chars=256)
+config.rollout.agent = AgentConfig(
+    tools=["calc_gsm8k_reward"], tool_prompt="system", max_turns=3, max_tool_response_chars=256
+)
 config.data.train_files = ["data/gsm8k_tool/train.parquet"]
 config.data.val_files = ["data/gsm8k_tool/test.parquet"]
 config.data.max_prompt_length = 768  # system prompt with the tool schema (~260 SmolLM2 tokens) + the question (<200)

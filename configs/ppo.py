@@ -13,8 +13,19 @@ for ``critic.warmup_steps`` before the actor starts. GSM8K: ``python scripts/dat
 from pathlib import Path
 
 from rlspmd.config import (
-    GAE, ActorConfig, AdaptiveKL, AlgorithmConfig, Config, CriticConfig, DataConfig, FixedKL, ModelConfig, OptimConfig,
-    RolloutConfig, TrainerConfig, load_config_file,
+    GAE,
+    ActorConfig,
+    AdaptiveKL,
+    AlgorithmConfig,
+    Config,
+    CriticConfig,
+    DataConfig,
+    FixedKL,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainerConfig,
+    load_config_file,
 )
 
 MODEL = "models/Qwen2.5-0.5B-Instruct"  # the one line to edit: a local Hugging Face model directory
@@ -40,12 +51,17 @@ config = Config(
     ),
     rollout=RolloutConfig(n=1, temperature=1.0, max_response_length=1024, max_batch_size=512),
     data=DataConfig(
-        train_files=["data/gsm8k/train.parquet"], val_files=["data/gsm8k/test.parquet"],
-        train_batch_size=512, val_batch_size=1319, max_prompt_length=512,
+        train_files=["data/gsm8k/train.parquet"],
+        val_files=["data/gsm8k/test.parquet"],
+        train_batch_size=512,
+        val_batch_size=1319,
+        max_prompt_length=512,
     ),
     algorithm=AlgorithmConfig(
         adv_estimator=GAE(gamma=1.0, lam=1.0),
-        use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.001),
+        use_kl_in_reward=True,
+        kl_penalty="k1",
+        kl_ctrl=FixedKL(kl_coef=0.001),
     ),
     trainer=TrainerConfig(total_steps=200, val_every=20, output_dir="outputs/ppo-gsm8k"),
 )
@@ -57,12 +73,16 @@ def cpu() -> Config:
     cfg.actor.optim = OptimConfig(lr=1e-4)  # a higher constant LR than the quickstart's: demos of 10-20 steps
     cfg.actor.use_kl_loss = False
     cfg.critic = CriticConfig(
-        optim=OptimConfig(lr=1e-3), mini_batch_size=cfg.actor.mini_batch_size, micro_batch_size=64,
-        values_micro_batch_size=128, warmup_steps=2,
+        optim=OptimConfig(lr=1e-3),
+        mini_batch_size=cfg.actor.mini_batch_size,
+        micro_batch_size=64,
+        values_micro_batch_size=128,
+        warmup_steps=2,
     )
     cfg.algorithm = AlgorithmConfig(
         adv_estimator=GAE(lam=0.95),
-        use_kl_in_reward=True, kl_ctrl=AdaptiveKL(kl_coef=0.001, target_kl=0.02, horizon=1000),
+        use_kl_in_reward=True,
+        kl_ctrl=AdaptiveKL(kl_coef=0.001, target_kl=0.02, horizon=1000),
     )
     cfg.trainer.output_dir = "outputs/ppo-cpu"
     return cfg

@@ -6,7 +6,16 @@ Starts from the SFT warm start (``configs/sft_quickstart.py``), samples 8 answer
 exact answers in the ``#### N`` style, and validates greedily on the held-out split every 10 steps.
 """
 
-from rlspmd.config import ActorConfig, Config, DataConfig, ModelConfig, OptimConfig, PPOClip, RolloutConfig, TrainerConfig
+from rlspmd.config import (
+    ActorConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    PPOClip,
+    RolloutConfig,
+    TrainerConfig,
+)
 
 config = Config(
     actor=ActorConfig(

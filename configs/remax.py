@@ -17,7 +17,9 @@ from pathlib import Path
 from rlspmd.config import AlgorithmConfig, Config, FixedKL, ReMax, load_config_file
 
 GRPO = Path(__file__).with_name("grpo.py")  # the base recipe: its MODEL line picks the model
-ALGORITHM = AlgorithmConfig(adv_estimator=ReMax(), use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.001))
+ALGORITHM = AlgorithmConfig(
+    adv_estimator=ReMax(), use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.001)
+)
 
 
 def remax(cfg: Config, *, output_dir: str) -> Config:

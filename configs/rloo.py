@@ -16,7 +16,9 @@ from pathlib import Path
 from rlspmd.config import RLOO, AlgorithmConfig, Config, FixedKL, load_config_file
 
 GRPO = Path(__file__).with_name("grpo.py")  # the base recipe: its MODEL line picks the model
-ALGORITHM = AlgorithmConfig(adv_estimator=RLOO(), use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.001))
+ALGORITHM = AlgorithmConfig(
+    adv_estimator=RLOO(), use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.001)
+)
 
 
 def rloo(cfg: Config, *, output_dir: str) -> Config:

@@ -13,8 +13,13 @@ from rlspmd.config import ModelConfig, OptimConfig, SFTConfig, SFTDataConfig
 config = SFTConfig(
     model=ModelConfig(path="models/tiny-tools"),
     optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="cosine", min_lr_ratio=0.05),
-    data=SFTDataConfig(train_files=["data/agent_arithmetic/sft.parquet"], messages_key="messages", tools=["calculator"],
-                       batch_size=64, max_length=192),
+    data=SFTDataConfig(
+        train_files=["data/agent_arithmetic/sft.parquet"],
+        messages_key="messages",
+        tools=["calculator"],
+        batch_size=64,
+        max_length=192,
+    ),
     micro_batch_size=64,
     total_steps=400,
     log_every=50,

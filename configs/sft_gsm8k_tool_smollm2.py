@@ -23,8 +23,14 @@ config = SFTConfig(
     model=ModelConfig(path=MODEL),
     optim=OptimConfig(lr=2e-5, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1, grad_clip=1.0),
     # prompt (system with the tool schema ~260 SmolLM2 tokens, question < 200) + solution (< 300) + call + verdict + answer
-    data=SFTDataConfig(train_files=["data/gsm8k_tool/sft.parquet"], messages_key="messages", tools=["calc_gsm8k_reward"],
-                       tool_prompt="system", batch_size=16, max_length=1024),
+    data=SFTDataConfig(
+        train_files=["data/gsm8k_tool/sft.parquet"],
+        messages_key="messages",
+        tools=["calc_gsm8k_reward"],
+        tool_prompt="system",
+        batch_size=16,
+        max_length=1024,
+    ),
     micro_batch_size=4,
     total_steps=100,
     log_every=10,

@@ -187,14 +187,19 @@ class PPOClip:
     """Dual-clip bound for negative advantages (> 1; None disables dual clip)."""
 
     def problems(self) -> list[Problem]:
-        dual = [] if self.clip_ratio_c is None or self.clip_ratio_c > 1 else [
-            ("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")]
+        dual = (
+            []
+            if self.clip_ratio_c is None or self.clip_ratio_c > 1
+            else [("clip_ratio_c", self.clip_ratio_c, "the dual-clip bound must be > 1, or None (off)")]
+        )
         return _clip_problems(self.clip_ratio_low, self.clip_ratio_high) + dual
 
     def build(self, *, generator=None):
         from rlspmd.algorithms.losses import ppo_clip
 
-        return partial(ppo_clip, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c)
+        return partial(
+            ppo_clip, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high, clip_ratio_c=self.clip_ratio_c
+        )
 
 
 @dataclass
@@ -251,8 +256,11 @@ class SAPO:
     """Gate temperature for tokens with a non-positive advantage (> 0)."""
 
     def problems(self) -> list[Problem]:
-        return [(name, tau, "must be > 0") for name, tau in (("tau_pos", self.tau_pos), ("tau_neg", self.tau_neg))
-                if not tau > 0]
+        return [
+            (name, tau, "must be > 0")
+            for name, tau in (("tau_pos", self.tau_pos), ("tau_neg", self.tau_neg))
+            if not tau > 0
+        ]
 
     def build(self, *, generator=None):
         from rlspmd.algorithms.losses import sapo
@@ -318,18 +326,30 @@ class ClipCov:
     """Upper bound of the covariance band that can be drawn (> ``clip_cov_lb``)."""
 
     def problems(self) -> list[Problem]:
-        band = [] if self.clip_cov_lb < self.clip_cov_ub else [
-            ("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub={self.clip_cov_ub}")]
-        return _clip_problems(self.clip_ratio_low, self.clip_ratio_high) + _fraction_problems(
-            "clip_cov_ratio", self.clip_cov_ratio) + band
+        band = (
+            []
+            if self.clip_cov_lb < self.clip_cov_ub
+            else [("clip_cov_lb", self.clip_cov_lb, f"must be < clip_cov_ub={self.clip_cov_ub}")]
+        )
+        return (
+            _clip_problems(self.clip_ratio_low, self.clip_ratio_high)
+            + _fraction_problems("clip_cov_ratio", self.clip_cov_ratio)
+            + band
+        )
 
     def build(self, *, generator=None):
         """``generator``: the seeded draws of the tokens (per rank)."""
         from rlspmd.algorithms.losses import clip_cov
 
-        return partial(clip_cov, clip_low=self.clip_ratio_low, clip_high=self.clip_ratio_high,
-                       clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub,
-                       generator=generator)
+        return partial(
+            clip_cov,
+            clip_low=self.clip_ratio_low,
+            clip_high=self.clip_ratio_high,
+            clip_cov_ratio=self.clip_cov_ratio,
+            clip_cov_lb=self.clip_cov_lb,
+            clip_cov_ub=self.clip_cov_ub,
+            generator=generator,
+        )
 
 
 @dataclass
@@ -524,8 +544,12 @@ class AgentConfig:
 
     @property
     def enabled(self) -> bool:
-        return (bool(self.tools) or self.interaction is not None or self.tool_config_path is not None
-                or self.interaction_config_path is not None)
+        return (
+            bool(self.tools)
+            or self.interaction is not None
+            or self.tool_config_path is not None
+            or self.interaction_config_path is not None
+        )
 
 
 @dataclass
@@ -657,8 +681,11 @@ class AdaptiveKL:
 
     def problems(self) -> list[Problem]:
         coef = [] if self.kl_coef >= 0 else [("kl_coef", self.kl_coef, "must be >= 0")]
-        return coef + [(name, v, "must be > 0") for name, v in (("target_kl", self.target_kl), ("horizon", self.horizon))
-                       if not v > 0]
+        return coef + [
+            (name, v, "must be > 0")
+            for name, v in (("target_kl", self.target_kl), ("horizon", self.horizon))
+            if not v > 0
+        ]
 
     def build(self):
         from rlspmd.algorithms.kl import AdaptiveKLController
@@ -731,8 +758,14 @@ class RolloutCorrectionConfig:
         out = [] if self.tis_threshold > 0 else [("tis_threshold", self.tis_threshold, "must be > 0")]
         lower, upper = self.band()
         if not 0 < lower < upper:
-            out.append(("mis_lower", self.mis_lower, f"and mis_upper={self.mis_upper} must satisfy 0 < lower < upper "
-                        f"(with the {self.level} level's defaults: {lower}, {upper})"))
+            out.append(
+                (
+                    "mis_lower",
+                    self.mis_lower,
+                    f"and mis_upper={self.mis_upper} must satisfy 0 < lower < upper "
+                    f"(with the {self.level} level's defaults: {lower}, {upper})",
+                )
+            )
         if not self.metric_ratio_bound > 1:
             out.append(("metric_ratio_bound", self.metric_ratio_bound, "must be > 1"))
         return out
@@ -740,8 +773,10 @@ class RolloutCorrectionConfig:
     def band(self) -> tuple[float, float]:
         """The rejection band [mis_lower, mis_upper] with the level's defaults filled in."""
         default_lower, default_upper = (0.999, 1.001) if self.level == "sequence" else (0.5, 2.0)
-        return (default_lower if self.mis_lower is None else self.mis_lower,
-                default_upper if self.mis_upper is None else self.mis_upper)
+        return (
+            default_lower if self.mis_lower is None else self.mis_lower,
+            default_upper if self.mis_upper is None else self.mis_upper,
+        )
 
 
 # -- advantage estimators: each a component with its own options, checks and bound estimator -------------------------
@@ -942,15 +977,23 @@ class GDPO(_Estimator):
     def build(self, *, all_reduce):
         from rlspmd.algorithms.estimators import gdpo_estimate
 
-        return partial(gdpo_estimate, reward_weights=self.reward_weights, norm_adv_by_std=self.norm_adv_by_std,
-                       eps=self.eps, all_reduce=all_reduce)
+        return partial(
+            gdpo_estimate,
+            reward_weights=self.reward_weights,
+            norm_adv_by_std=self.norm_adv_by_std,
+            eps=self.eps,
+            all_reduce=all_reduce,
+        )
 
 
-ADVANTAGE_ESTIMATOR_TYPES = {c.name: c for c in (GAE, GRPO, GRPOPassK, RLOO, ReinforcePP, ReinforcePPBaseline, ReMax, OPO,
-                                                  GPGAdvantage, GDPO)}
+ADVANTAGE_ESTIMATOR_TYPES = {
+    c.name: c for c in (GAE, GRPO, GRPOPassK, RLOO, ReinforcePP, ReinforcePPBaseline, ReMax, OPO, GPGAdvantage, GDPO)
+}
 """Every advantage estimator by its name (the command line's subcommand, with ``-`` for ``_``)."""
 
-AdvantageEstimator = Union[tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in ADVANTAGE_ESTIMATOR_TYPES.items())]
+AdvantageEstimator = Union[
+    tuple(Annotated[c, tyro.conf.subcommand(name)] for name, c in ADVANTAGE_ESTIMATOR_TYPES.items())
+]
 """``algorithm.adv_estimator``: one of the estimators above."""
 
 
@@ -1198,12 +1241,18 @@ def load_config_file(path: str | Path, expected_type: type = Config):
     if not hasattr(module, name):
         if name != "config":
             known = sorted(
-                k for k, v in vars(module).items()
+                k
+                for k, v in vars(module).items()
                 if not k.startswith("_")
-                and (isinstance(v, expected_type) or (callable(v) and not isinstance(v, type) and getattr(v, "__module__", None) == module_name))
+                and (
+                    isinstance(v, expected_type)
+                    or (callable(v) and not isinstance(v, type) and getattr(v, "__module__", None) == module_name)
+                )
             )
             raise ValueError(f"config file {path} has no `{name}` (selected by `:{name}`); it defines {known}")
-        raise ValueError(f"config file {path} must define `config = {expected_type.__name__}(...)` or a function `config()`")
+        raise ValueError(
+            f"config file {path} must define `config = {expected_type.__name__}(...)` or a function `config()`"
+        )
     cfg = getattr(module, name)
     if callable(cfg) and not isinstance(cfg, expected_type):
         cfg = cfg()
@@ -1233,15 +1282,22 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append("reward.overlong_buffer.* is set but reward.overlong_buffer.enable=False")
     if cfg.reward.model.path is None and cfg.reward.model != RewardModelConfig():
         out.append("reward.model.* is set but reward.model.path is None")
-    if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (ActorConfig.kl_loss_coef, ActorConfig.kl_loss_type):
+    if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (
+        ActorConfig.kl_loss_coef,
+        ActorConfig.kl_loss_type,
+    ):
         out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
     out += _ignored_policy_loss_settings(cfg.actor)
     est = alg.adv_estimator.name
     if alg.adv_estimator.uses_reward_components and alg.use_kl_in_reward:
-        out.append(f"algorithm.use_kl_in_reward does not reach {est}, which reads reward_components_BK, not the token "
-                   "rewards (use actor.use_kl_loss)")
+        out.append(
+            f"algorithm.use_kl_in_reward does not reach {est}, which reads reward_components_BK, not the token "
+            "rewards (use actor.use_kl_loss)"
+        )
     if alg.adv_estimator.uses_reward_components and cfg.reward.overlong_buffer.enable:
-        out.append(f"reward.overlong_buffer does not reach {est}, which reads reward_components_BK, not the shaped score")
+        out.append(
+            f"reward.overlong_buffer does not reach {est}, which reads reward_components_BK, not the shaped score"
+        )
     rc = alg.rollout_correction
     if rc.mode in ("off", "mis") and rc.tis_threshold != RolloutCorrectionConfig.tis_threshold:
         out.append(f"algorithm.rollout_correction.tis_threshold is set but mode={rc.mode!r} does not truncate")
@@ -1249,8 +1305,10 @@ def ignored_settings(cfg: Config) -> list[str]:
         out.append(f"algorithm.rollout_correction.mis_lower / mis_upper are set but mode={rc.mode!r} rejects nothing")
     ag = cfg.rollout.agent
     if not ag.enabled and ag != AgentConfig():
-        out.append("rollout.agent.* is set but rollout.agent has no tools, tool_config_path, interaction or "
-                   "interaction_config_path")
+        out.append(
+            "rollout.agent.* is set but rollout.agent has no tools, tool_config_path, interaction or "
+            "interaction_config_path"
+        )
     if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
         out.append("reward.agent_weight is set but rollout.agent is off")
     return out
@@ -1259,16 +1317,21 @@ def ignored_settings(cfg: Config) -> list[str]:
 def _ignored_policy_loss_settings(actor: ActorConfig) -> list[str]:
     loss = actor.policy_loss
     if loss.per_sequence and actor.loss_agg_mode != "seq-mean-token-mean":
-        return [f"actor.loss_agg_mode={actor.loss_agg_mode!r} does not apply to the {loss.name} policy loss, which "
-                f"aggregates seq-mean-token-mean as verl does (it still applies to the KL and entropy terms)"]
+        return [
+            f"actor.loss_agg_mode={actor.loss_agg_mode!r} does not apply to the {loss.name} policy loss, which "
+            f"aggregates seq-mean-token-mean as verl does (it still applies to the KL and entropy terms)"
+        ]
     return []
 
 
 def picked_fields(cls: type) -> frozenset[str]:
     """The fields of config dataclass ``cls`` that hold a component picked by name: those typed as a union of
     components (``actor.policy_loss``, ``actor.engine``, ``algorithm.adv_estimator``, ``algorithm.kl_ctrl``)."""
+
     def is_choice(hint) -> bool:
-        return typing.get_origin(hint) in (Union, types.UnionType) and any(map(dataclasses.is_dataclass, typing.get_args(hint)))
+        return typing.get_origin(hint) in (Union, types.UnionType) and any(
+            map(dataclasses.is_dataclass, typing.get_args(hint))
+        )
 
     hints = typing.get_type_hints(cls)
     return frozenset(f.name for f in dataclasses.fields(cls) if is_choice(hints[f.name]))

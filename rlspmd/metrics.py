@@ -128,10 +128,14 @@ CONSOLE_KEYS = ("reward/mean", "acc/mean", "actor/kl_loss", "actor/entropy", "re
 
 
 class MetricLogger:
-    def __init__(self, sinks: list[str], output_dir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True):
+    def __init__(
+        self, sinks: list[str], output_dir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True
+    ):
         unknown = set(sinks) - {"console", "jsonl", "tensorboard"}
         if unknown:
-            raise ValueError(f"trainer.loggers: unknown sink(s) {sorted(unknown)}; choose from console, jsonl, tensorboard")
+            raise ValueError(
+                f"trainer.loggers: unknown sink(s) {sorted(unknown)}; choose from console, jsonl, tensorboard"
+            )
         self.enabled = enabled
         self.bar = self.jsonl = self.tb = None
         if not enabled:
@@ -151,7 +155,9 @@ class MetricLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # TensorBoard then hides older events from this step on (the files stay on disk)
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=initial_step + 1 if initial_step else 0)
+            self.tb = SummaryWriter(
+                log_dir=str(out / "tensorboard"), purge_step=initial_step + 1 if initial_step else 0
+            )
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
         if not self.enabled:
@@ -164,7 +170,11 @@ class MetricLogger:
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
         if self.bar is not None:
-            shown = {k.split("/")[0] if k.endswith("/mean") else k.split("/")[-1]: f"{metrics[k]:.3g}" for k in CONSOLE_KEYS if k in metrics}
+            shown = {
+                k.split("/")[0] if k.endswith("/mean") else k.split("/")[-1]: f"{metrics[k]:.3g}"
+                for k in CONSOLE_KEYS
+                if k in metrics
+            }
             if advance:
                 self.bar.set_postfix(shown, refresh=False)
                 self.bar.update(1)

@@ -164,7 +164,13 @@ class Batch:
                     v = _pad(v, left=0, right=R - v.shape[1], value=value)
                 elif k.endswith("_BL"):
                     p = v.shape[1] - r
-                    v = torch.cat([_pad(v[:, :p], left=PL[k] - p, right=0, value=value), _pad(v[:, p:], left=0, right=R - r, value=value)], 1)
+                    v = torch.cat(
+                        [
+                            _pad(v[:, :p], left=PL[k] - p, right=0, value=value),
+                            _pad(v[:, p:], left=0, right=R - r, value=value),
+                        ],
+                        1,
+                    )
                 t[k] = v
             padded.append(Batch(t, b.objects))
         out = Batch.concat(padded)

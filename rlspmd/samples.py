@@ -24,21 +24,31 @@ def _file(run: Path, split: str) -> Path:
         return run
     path = run / "samples" / f"{split}.jsonl"
     if not path.is_file():
-        raise SystemExit(f"no sample log at {path} (trainer.samples.enable, trainer.samples.num_{split}; "
-                         "give a run's trainer.output_dir or a samples/*.jsonl file)")
+        raise SystemExit(
+            f"no sample log at {path} (trainer.samples.enable, trainer.samples.num_{split}; "
+            "give a run's trainer.output_dir or a samples/*.jsonl file)"
+        )
     return path
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rlspmd.samples", description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="the run's trainer.output_dir, or a samples/*.jsonl file")
-    ap.add_argument("--split", choices=("train", "val"), default="train", help="training samples or validation generations")
+    ap.add_argument(
+        "--split", choices=("train", "val"), default="train", help="training samples or validation generations"
+    )
     ap.add_argument("--step", type=int, default=None, help="the step (default: the last one logged)")
     ap.add_argument("--index", type=int, default=0, help="which of the step's logged samples, in log order (default 0)")
     ap.add_argument("--all", action="store_true", help="every logged sample of the step")
-    ap.add_argument("--list", action="store_true", help="one line per logged sample (step, index, reward, stop, length)")
-    ap.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                    help="dim the untrained text instead of bracketing it (auto: when stdout is a terminal)")
+    ap.add_argument(
+        "--list", action="store_true", help="one line per logged sample (step, index, reward, stop, length)"
+    )
+    ap.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="dim the untrained text instead of bracketing it (auto: when stdout is a terminal)",
+    )
     args = ap.parse_args(argv)
     path = _file(args.run, args.split)
     records = read_samples(path)
@@ -48,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         counts: dict[int, int] = {}
         for r in records:
             k = counts[r["step"]] = counts.get(r["step"], -1) + 1
-            print(f"step {r['step']:>5} --index {k:<3} reward {r['reward']:+8.4f}  stop {r['stop']:<17} "
-                  f"{r['response_tokens']:>5} tokens ({r['trained_tokens']} trained)  prompt index {r['index']}")
+            print(
+                f"step {r['step']:>5} --index {k:<3} reward {r['reward']:+8.4f}  stop {r['stop']:<17} "
+                f"{r['response_tokens']:>5} tokens ({r['trained_tokens']} trained)  prompt index {r['index']}"
+            )
         return
     steps = sorted({r["step"] for r in records})
     step = steps[-1] if args.step is None else args.step

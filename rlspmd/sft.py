@@ -42,7 +42,9 @@ from rlspmd.trainer.state import Checkpointing, Counters, write_model_files
 from rlspmd.validate import check_sft_config
 
 
-def conversation_ids(messages: list[dict], renderer: ChatRenderer, *, eos_id: int, where: str) -> tuple[list[int], list[int], list[int]]:
+def conversation_ids(
+    messages: list[dict], renderer: ChatRenderer, *, eos_id: int, where: str
+) -> tuple[list[int], list[int], list[int]]:
     """``(prompt ids, response ids, loss mask)`` of a whole conversation, built as the agent loop builds a rollout:
     the messages before the first assistant turn rendered as the prompt, then each assistant turn's content and EOS
     (loss 1), and the messages between assistant turns as the template's token delta (loss 0)."""
@@ -70,21 +72,43 @@ class SFTDataset:
     """(chat prompt, response) pairs tokenized as ``template(prompt) + response + eos``; or whole conversations
     (``messages_key``), the loss on the assistant turns only."""
 
-    def __init__(self, files: list[str], tokenizer, *, prompt_key: str, response_key: str, max_length: int,
-                 messages_key: str | None = None, tools: list[dict] | None = None):
+    def __init__(
+        self,
+        files: list[str],
+        tokenizer,
+        *,
+        prompt_key: str,
+        response_key: str,
+        max_length: int,
+        messages_key: str | None = None,
+        tools: list[dict] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.examples: list[tuple[list[int], list[int], list[int]]] = []  # prompt, response, loss mask
         self.n_dropped = 0
-        renderer = ChatRenderer(tokenizer, tools=tools, field_name="model.tokenizer_path") if messages_key or tools else None
+        renderer = (
+            ChatRenderer(tokenizer, tools=tools, field_name="model.tokenizer_path") if messages_key or tools else None
+        )
         for path, ds in read_rows(files, prompt_key=messages_key or prompt_key, field_name="data.train_files"):
             if messages_key is not None:
-                triples = [conversation_ids(r[messages_key], renderer, eos_id=tokenizer.eos_token_id,
-                                            where=f"data.train_files: {path} row {i}") for i, r in enumerate(ds)]
+                triples = [
+                    conversation_ids(
+                        r[messages_key],
+                        renderer,
+                        eos_id=tokenizer.eos_token_id,
+                        where=f"data.train_files: {path} row {i}",
+                    )
+                    for i, r in enumerate(ds)
+                ]
             else:
                 if response_key not in ds.column_names:
                     raise ValueError(f"data.train_files: {path} lacks the response column {response_key!r}")
-                prompts = [tokenizer.apply_chat_template(r[prompt_key], tools=tools, tokenize=False, add_generation_prompt=True)
-                           for r in ds]
+                prompts = [
+                    tokenizer.apply_chat_template(
+                        r[prompt_key], tools=tools, tokenize=False, add_generation_prompt=True
+                    )
+                    for r in ds
+                ]
                 responses = [r[response_key] + tokenizer.eos_token for r in ds]
                 p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
                 r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
@@ -122,14 +146,18 @@ class SFTDataset:
 
 def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
     R = mb["responses_BR"].shape[1]
-    logp, _ = module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, with_entropy=False)
+    logp, _ = module(
+        mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, with_entropy=False
+    )
     return -(logp * mb["loss_mask_BR"]).sum() / global_tokens
 
 
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
-    check_sft_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run)  # every rank, first
+    check_sft_config(
+        cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run
+    )  # every rank, first
     started = start(cfg, dist=cfg.dist, mesh=MeshConfig(), seed=cfg.seed, dry_run=dry_run)  # SFT: every rank trains
     if started is None:
         return
@@ -143,8 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     resume_from = checkpointer.prepare()
     stop_request = StopRequest().install()
     m = cfg.model
-    kernel = check_attn_kernel(m.attn_kernel, attn_implementation=m.attn_implementation, packing=m.packing, device=rt.device,
-                               dtype=compute_dtype(cfg.fsdp.param_dtype, rt.device), field_name="model.attn_kernel")
+    kernel = check_attn_kernel(
+        m.attn_kernel,
+        attn_implementation=m.attn_implementation,
+        packing=m.packing,
+        device=rt.device,
+        dtype=compute_dtype(cfg.fsdp.param_dtype, rt.device),
+        field_name="model.attn_kernel",
+    )
     if rt.is_main:
         print(f"packed attention kernel: {kernel}", flush=True)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, field_name="model.tokenizer_path")
@@ -154,24 +188,57 @@ def main(argv: list[str] | None = None) -> None:
     if rt.is_main:
         d = cfg.data
         tools = tool_schemas(load_tools(AgentConfig(tools=d.tools), field_name="data.tools"))
-        data = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key, max_length=d.max_length,
-                          messages_key=d.messages_key, tools=tools)
+        data = SFTDataset(
+            d.train_files,
+            tokenizer,
+            prompt_key=d.prompt_key,
+            response_key=d.response_key,
+            max_length=d.max_length,
+            messages_key=d.messages_key,
+            tools=tools,
+        )
         sampler = EpochSampler(len(data.examples), d.batch_size, seed=cfg.seed, shuffle=d.shuffle)
         print(f"SFT examples: {len(data.examples)} (dropped {data.n_dropped} over data.max_length)", flush=True)
-    module = build_policy_module(cfg.model.path, dtype=cfg.model.dtype, attn_implementation=cfg.model.attn_implementation, field_name="model.path",
-                                 packing=cfg.model.packing, attn_kernel=cfg.model.attn_kernel)
+    module = build_policy_module(
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        field_name="model.path",
+        packing=cfg.model.packing,
+        attn_kernel=cfg.model.attn_kernel,
+    )
     engine = FSDPEngine(
-        module, module.hf, mesh=mesh, device=rt.device, fsdp=cfg.fsdp, optim=cfg.optim,
-        total_optim_steps=cfg.total_steps, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        module,
+        module.hf,
+        mesh=mesh,
+        device=rt.device,
+        fsdp=cfg.fsdp,
+        optim=cfg.optim,
+        total_optim_steps=cfg.total_steps,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
     )
     checkpointing = Checkpointing(
-        checkpointer, engines={"actor": engine}, components={"sampler": sampler} if rt.is_main else {}, mesh=mesh,
-        rank=rt.rank, is_main=rt.is_main, meta={"total_steps": cfg.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
-        write_files=partial(write_model_files, model_path=m.path, tokenizer_path=m.tokenizer_path, save_hf=cfg.checkpoint.save_hf,
-                            tokenizer=tokenizer, engine=engine, mesh=mesh),
+        checkpointer,
+        engines={"actor": engine},
+        components={"sampler": sampler} if rt.is_main else {},
+        mesh=mesh,
+        rank=rt.rank,
+        is_main=rt.is_main,
+        meta={"total_steps": cfg.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
+        write_files=partial(
+            write_model_files,
+            model_path=m.path,
+            tokenizer_path=m.tokenizer_path,
+            save_hf=cfg.checkpoint.save_hf,
+            tokenizer=tokenizer,
+            engine=engine,
+            mesh=mesh,
+        ),
     )
     counters = checkpointing.restore(resume_from) if resume_from is not None else Counters()
-    logger = MetricLogger(cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=counters.step, enabled=rt.is_main)
+    logger = MetricLogger(
+        cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=counters.step, enabled=rt.is_main
+    )
     if resume_from is not None:
         logger.write(f"resumed from {resume_from} (step {counters.step} of {cfg.total_steps})")
     losses = []
@@ -188,7 +255,14 @@ def main(argv: list[str] | None = None) -> None:
         stats = engine.optimizer_step(batch.split(cfg.micro_batch_size), loss_fn)
         losses.append(float(all_reduce_sum(torch.stack(mb_losses).sum(), mesh=mesh)))
         if step % cfg.log_every == 0 or step == cfg.total_steps:
-            logger.log(step, {"sft/loss": sum(losses) / len(losses), "sft/grad_norm": float(stats["grad_norm"]), "sft/lr": engine.lr})
+            logger.log(
+                step,
+                {
+                    "sft/loss": sum(losses) / len(losses),
+                    "sft/grad_norm": float(stats["grad_norm"]),
+                    "sft/lr": engine.lr,
+                },
+            )
             losses = []
         elif rt.is_main and logger.bar is not None:
             logger.bar.update(1)

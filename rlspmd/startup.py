@@ -18,7 +18,14 @@ import tyro
 
 from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file, picked_fields
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
-from rlspmd.distributed.runtime import Runtime, init_distributed, quiet_libraries, seed_everything, set_deterministic, shutdown
+from rlspmd.distributed.runtime import (
+    Runtime,
+    init_distributed,
+    quiet_libraries,
+    seed_everything,
+    set_deterministic,
+    shutdown,
+)
 
 
 USAGE_ERROR_GRACE_S = 10.0
@@ -47,8 +54,14 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
         with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull if quiet else sys.stderr):
             # CascadeSubcommandArgs: a component picked by name (``actor.policy-loss:gspo``) may stand anywhere on the
             # line, and options of every level may follow it
-            cfg = tyro.cli(config_type, default=default, args=rest, description=description, prog=prog,
-                           config=(tyro.conf.CascadeSubcommandArgs,))
+            cfg = tyro.cli(
+                config_type,
+                default=default,
+                args=rest,
+                description=description,
+                prog=prog,
+                config=(tyro.conf.CascadeSubcommandArgs,),
+            )
     except SystemExit as e:
         if quiet and e.code:
             # A usage error, which rank 0 meets too: give it time to print its report before this rank's exit makes
@@ -73,8 +86,9 @@ def flatten(cfg, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def start(cfg, *, dist: DistConfig, mesh: MeshConfig, seed: int, deterministic: bool = False,
-          dry_run: bool = False) -> tuple[Runtime, RoleMeshes] | None:
+def start(
+    cfg, *, dist: DistConfig, mesh: MeshConfig, seed: int, deterministic: bool = False, dry_run: bool = False
+) -> tuple[Runtime, RoleMeshes] | None:
     """Process groups, seeds and meshes for ``cfg`` (the whole config, printed by ``--dry-run``). Returns None after a
     dry run (config and layout printed, process groups closed)."""
     rt = init_distributed(dist)

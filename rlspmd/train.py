@@ -31,8 +31,14 @@ def main(argv: list[str] | None = None) -> None:
         from third_party.vllm_adapter import prepare_environment
 
         prepare_environment()
-    started = start(cfg, dist=cfg.dist, mesh=cfg.mesh, seed=cfg.trainer.seed, deterministic=cfg.trainer.deterministic,
-                    dry_run=dry_run)
+    started = start(
+        cfg,
+        dist=cfg.dist,
+        mesh=cfg.mesh,
+        seed=cfg.trainer.seed,
+        deterministic=cfg.trainer.deterministic,
+        dry_run=dry_run,
+    )
     if started is None:
         return
     rt, meshes = started

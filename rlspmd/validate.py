@@ -23,9 +23,22 @@ import typing
 from pathlib import Path
 
 from rlspmd.config import (
-    GDPO, ActorConfig, AgentConfig, AlgorithmConfig, CheckpointConfig, Config, CriticConfig, DataConfig, DistConfig, LoraConfig, MeshConfig, OptimConfig,
-    RewardConfig, RolloutConfig,
-    SFTConfig, TrainedRoleConfig,
+    GDPO,
+    ActorConfig,
+    AgentConfig,
+    AlgorithmConfig,
+    CheckpointConfig,
+    Config,
+    CriticConfig,
+    DataConfig,
+    DistConfig,
+    LoraConfig,
+    MeshConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutConfig,
+    SFTConfig,
+    TrainedRoleConfig,
 )
 from rlspmd.distributed.runtime import UserError
 
@@ -76,7 +89,9 @@ def check_sft_config(cfg: SFTConfig, *, world_size: int, check_files: bool = Tru
 def _raise(lines: list[str]) -> None:
     if lines:
         n = len(lines)
-        raise ConfigError(f"invalid configuration ({n} problem{'s' if n > 1 else ''}; nothing was loaded):\n  " + "\n  ".join(lines))
+        raise ConfigError(
+            f"invalid configuration ({n} problem{'s' if n > 1 else ''}; nothing was loaded):\n  " + "\n  ".join(lines)
+        )
 
 
 def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -> list[str]:
@@ -96,8 +111,12 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     _actor(p, cfg.actor, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     p.at_least("ref.logprob_micro_batch_size", cfg.ref.logprob_micro_batch_size, 1)
     if cfg.actor.lora.enabled and cfg.ref.model_path not in (None, cfg.actor.model.path):
-        p.add("ref.model_path", cfg.ref.model_path, f"with actor.lora the reference is the actor's base model "
-              f"({cfg.actor.model.path}, adapters off); leave ref.model_path unset")
+        p.add(
+            "ref.model_path",
+            cfg.ref.model_path,
+            f"with actor.lora the reference is the actor's base model "
+            f"({cfg.actor.model.path}, adapters off); leave ref.model_path unset",
+        )
     p.optional_at_least("ref.logprob_max_tokens_per_micro_batch", cfg.ref.logprob_max_tokens_per_micro_batch, 1)
     if with_critic:
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
@@ -135,7 +154,11 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
     p.at_least("data.max_length", d.max_length, 1)
     p.at_least("data.batch_size", d.batch_size, 1)
     if d.batch_size >= 1 and d.batch_size % world_size:
-        p.add("data.batch_size", d.batch_size, f"does not split over {world_size} DP ranks (every rank is a DP rank in SFT)")
+        p.add(
+            "data.batch_size",
+            d.batch_size,
+            f"does not split over {world_size} DP ranks (every rank is a DP rank in SFT)",
+        )
     p.at_least("micro_batch_size", cfg.micro_batch_size, 1)
     p.at_least("total_steps", cfg.total_steps, 1)
     if not 0 <= cfg.stop_at_step <= cfg.total_steps:
@@ -176,7 +199,11 @@ def _rollout(p: Problems, r: RolloutConfig) -> None:
     p.at_least("rollout.max_response_length", r.max_response_length, 1)
     p.at_least("rollout.max_batch_size", r.max_batch_size, 1)
     if not r.temperature > 0:
-        p.add("rollout.temperature", r.temperature, "must be > 0 (training log-probs divide by it; greedy is val_temperature=0)")
+        p.add(
+            "rollout.temperature",
+            r.temperature,
+            "must be > 0 (training log-probs divide by it; greedy is val_temperature=0)",
+        )
     p.at_least("rollout.val_temperature", r.val_temperature, 0)
     if not 0 < r.top_p <= 1:
         p.add("rollout.top_p", r.top_p, "must be in (0, 1]")
@@ -199,8 +226,12 @@ def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool, check_files: bool)
     if not ag.tool_timeout_s > 0:
         p.add("rollout.agent.tool_timeout_s", ag.tool_timeout_s, "must be > 0")
     if ignore_eos:
-        p.add("rollout.ignore_eos", ignore_eos, "fixed-length benchmark rollouts do not apply to multi-turn rollouts "
-              "(rollout.agent): a turn ends at its stop token")
+        p.add(
+            "rollout.ignore_eos",
+            ignore_eos,
+            "fixed-length benchmark rollouts do not apply to multi-turn rollouts "
+            "(rollout.agent): a turn ends at its stop token",
+        )
     if not check_files:  # the YAML files are files: read only when files are checked
         ag = dataclasses.replace(ag, tool_config_path=None, interaction_config_path=None)
     for load in (load_tools, load_parser, load_interactions):
@@ -228,20 +259,33 @@ def _actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool)
     check): the FSDP engine, no LoRA, and heads that split (read from config.json when files are checked)."""
     tp = cfg.mesh.actor_tp
     if cfg.actor.engine.name != "fsdp":
-        p.add("mesh.actor_tp", tp, f"is the fsdp engine's tensor parallelism; actor.engine:{cfg.actor.engine.name} has its "
-              "own (actor.engine.tp)")
+        p.add(
+            "mesh.actor_tp",
+            tp,
+            f"is the fsdp engine's tensor parallelism; actor.engine:{cfg.actor.engine.name} has its "
+            "own (actor.engine.tp)",
+        )
     if with_critic and cfg.critic.engine.name != "fsdp":
-        p.add("mesh.actor_tp", tp, f"also applies to the critic, which needs the fsdp engine (critic.engine:"
-              f"{cfg.critic.engine.name})")
+        p.add(
+            "mesh.actor_tp",
+            tp,
+            f"also applies to the critic, which needs the fsdp engine (critic.engine:{cfg.critic.engine.name})",
+        )
     if cfg.actor.lora.enabled:
-        p.add("mesh.actor_tp", tp, "is not supported with actor.lora (adapters are not tensor-parallel); use actor_tp=1")
+        p.add(
+            "mesh.actor_tp", tp, "is not supported with actor.lora (adapters are not tensor-parallel); use actor_tp=1"
+        )
     config_json = Path(cfg.actor.model.path).expanduser() / "config.json"
     if check_files and config_json.is_file():
         c = json.loads(config_json.read_text())
         heads = c.get("num_attention_heads")
         kv = c.get("num_key_value_heads") or heads
         if isinstance(heads, int) and (heads % tp or kv % tp):
-            p.add("mesh.actor_tp", tp, f"must divide the model's {heads} attention heads and {kv} KV heads ({config_json})")
+            p.add(
+                "mesh.actor_tp",
+                tp,
+                f"must divide the model's {heads} attention heads and {kv} KV heads ({config_json})",
+            )
 
 
 def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
@@ -255,7 +299,11 @@ def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
     if not lora.target_modules:
         p.add("actor.lora.target_modules", lora.target_modules, "must name at least one layer (or all-linear)")
     if engine != "fsdp":
-        p.add("actor.engine", engine, f"actor.lora.rank={lora.rank} needs the fsdp engine (LoRA is not implemented for {engine})")
+        p.add(
+            "actor.engine",
+            engine,
+            f"actor.lora.rank={lora.rank} needs the fsdp engine (LoRA is not implemented for {engine})",
+        )
 
 
 def _critic(p: Problems, c: CriticConfig, *, train_batch_size: int, n: int, dp: int) -> None:
@@ -286,7 +334,11 @@ def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: i
             p.add("algorithm.filter_groups.gen_batch_size", gen, f"does not split over the actor's {dp} DP ranks")
         p.at_least("algorithm.filter_groups.max_rounds", fg.max_rounds, 1)
         if n < 2:
-            p.add("rollout.n", n, "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies")
+            p.add(
+                "rollout.n",
+                n,
+                "dynamic sampling (algorithm.filter_groups.enable) needs >= 2: a single sample never varies",
+            )
 
 
 def _component(p: Problems, field: str, component) -> None:
@@ -298,13 +350,21 @@ def _component(p: Problems, field: str, component) -> None:
 def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool) -> None:
     # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions)
     if rw.model.path is None and rw.rule_weight == 0 and not agent:
-        p.add("reward.rule_weight", rw.rule_weight, "0 without a reward model (reward.model.path) or rollout.agent leaves no reward at all")
+        p.add(
+            "reward.rule_weight",
+            rw.rule_weight,
+            "0 without a reward model (reward.model.path) or rollout.agent leaves no reward at all",
+        )
     if rw.model.path is not None:
         p.at_least("reward.model.micro_batch_size", rw.model.micro_batch_size, 1)
         p.optional_at_least("reward.model.max_tokens_per_micro_batch", rw.model.max_tokens_per_micro_batch, 1)
     if rw.overlong_buffer.enable:
         if not 0 < rw.overlong_buffer.len <= max_response_length:
-            p.add("reward.overlong_buffer.len", rw.overlong_buffer.len, f"must be in (0, rollout.max_response_length={max_response_length}]")
+            p.add(
+                "reward.overlong_buffer.len",
+                rw.overlong_buffer.len,
+                f"must be in (0, rollout.max_response_length={max_response_length}]",
+            )
         p.at_least("reward.overlong_buffer.penalty_factor", rw.overlong_buffer.penalty_factor, 0)
     if rw.timeout_s is not None and not rw.timeout_s > 0:
         p.add("reward.timeout_s", rw.timeout_s, "must be > 0, or None (no limit: functions run in this process)")
@@ -318,19 +378,29 @@ def _gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig, *, agent: bool) -
     columns = component_columns(rw, agent=agent)
     repeated = sorted({c for c in columns if columns.count(c) > 1})
     if repeated:
-        p.add("reward.components", rw.components, f"name the function(s) {repeated} twice (or as a built-in column: "
-              "task_score, rm_score); each component needs a name of its own")
+        p.add(
+            "reward.components",
+            rw.components,
+            f"name the function(s) {repeated} twice (or as a built-in column: "
+            "task_score, rm_score); each component needs a name of its own",
+        )
     weights = alg.adv_estimator.reward_weights if isinstance(alg.adv_estimator, GDPO) else None
     if weights is not None and len(weights) != len(columns):
-        p.add("algorithm.adv_estimator.reward_weights", weights, f"needs one weight per reward component: {len(columns)} "
-              f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with rollout.agent, then reward.components)")
+        p.add(
+            "algorithm.adv_estimator.reward_weights",
+            weights,
+            f"needs one weight per reward component: {len(columns)} "
+            f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with rollout.agent, then reward.components)",
+        )
 
 
 def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     """Model, tokenizer and data files, the reward function, the checkpoint to resume: every path the run reads."""
     a, rw = cfg.actor, cfg.reward
     _model_files(p, "actor.model", a.model.path, tokenizer=a.model.tokenizer_path or a.model.path)
-    if cfg.ref.model_path is not None:  # the reference and the critic read the actor's tokens: no tokenizer of their own
+    if (
+        cfg.ref.model_path is not None
+    ):  # the reference and the critic read the actor's tokens: no tokenizer of their own
         _model_files(p, "ref.model_path", cfg.ref.model_path, tokenizer=None)
     if with_critic and cfg.critic.model_path is not None:
         _model_files(p, "critic.model_path", cfg.critic.model_path, tokenizer=None)
@@ -378,23 +448,32 @@ def _context(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     ``data.max_prompt_length`` is dropped or reported with its file and row when the data loads."""
     d, r = cfg.data, cfg.rollout
     total = d.max_prompt_length + r.max_response_length
-    what = ("the whole conversation after the prompt: model turns, tool results, user turns" if r.agent.enabled
-            else "the generated tokens")
+    what = (
+        "the whole conversation after the prompt: model turns, tool results, user turns"
+        if r.agent.enabled
+        else "the generated tokens"
+    )
     models = [("actor.model.path", cfg.actor.model.path), ("ref.model_path", cfg.ref.model_path)]
     if with_critic:
         models.append(("critic.model_path", cfg.critic.model_path))
     for field, path in models:
         limit = None if path is None else model_context(path)
         if limit is not None and total > limit:
-            p.add("data.max_prompt_length", d.max_prompt_length,
-                  f"+ rollout.max_response_length={r.max_response_length} ({what}) = {total} tokens exceeds the context of "
-                  f"{field}={path!r} (max_position_embeddings={limit} in its config.json); lower one of them so their sum "
-                  f"is <= {limit}")
+            p.add(
+                "data.max_prompt_length",
+                d.max_prompt_length,
+                f"+ rollout.max_response_length={r.max_response_length} ({what}) = {total} tokens exceeds the context of "
+                f"{field}={path!r} (max_position_embeddings={limit} in its config.json); lower one of them so their sum "
+                f"is <= {limit}",
+            )
     if r.engine == "vllm" and r.vllm.max_model_len is not None:
         limit = model_context(cfg.actor.model.path)
         if limit is not None and r.vllm.max_model_len > limit:
-            p.add("rollout.vllm.max_model_len", r.vllm.max_model_len, f"exceeds the context of actor.model.path="
-                  f"{cfg.actor.model.path!r} (max_position_embeddings={limit})")
+            p.add(
+                "rollout.vllm.max_model_len",
+                r.vllm.max_model_len,
+                f"exceeds the context of actor.model.path={cfg.actor.model.path!r} (max_position_embeddings={limit})",
+            )
 
 
 def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> tuple[int, bool]:
@@ -409,18 +488,31 @@ def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -
         return 0, False
     actor = dims.role_ranks["actor"]
     if 0 not in actor:
-        p.add("mesh.actor_ranks", mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}")
+        p.add(
+            "mesh.actor_ranks", mesh.actor_ranks, f"must include rank 0 (it reads the data and logs); got ranks {actor}"
+        )
     rollout = dims.role_ranks["rollout"]
     split = dims.disjoint("actor", "rollout")
     if rollout != actor and not split:
-        p.add("mesh.rollout_ranks", mesh.rollout_ranks,
-              f"ranks {rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)")
+        p.add(
+            "mesh.rollout_ranks",
+            mesh.rollout_ranks,
+            f"ranks {rollout} must equal the actor's ranks {actor} (colocated) or share none with them (split)",
+        )
     idle = sorted(set(range(world_size)) - set(actor) - set(rollout))
     if idle:
-        p.add("mesh.actor_ranks", mesh.actor_ranks, f"ranks {idle} of the {world_size} host no role: extend mesh.actor_ranks or mesh.rollout_ranks")
+        p.add(
+            "mesh.actor_ranks",
+            mesh.actor_ranks,
+            f"ranks {idle} of the {world_size} host no role: extend mesh.actor_ranks or mesh.rollout_ranks",
+        )
     if split and engine == "vllm":
-        p.add("rollout.engine", "vllm", "runs colocated only (vLLM's external_launcher builds its process groups over the "
-              "whole torch world); use rollout.engine=native for split placement")
+        p.add(
+            "rollout.engine",
+            "vllm",
+            "runs colocated only (vLLM's external_launcher builds its process groups over the "
+            "whole torch world); use rollout.engine=native for split placement",
+        )
     return dims.dp_size("actor"), split
 
 
@@ -432,14 +524,26 @@ def _staleness(p: Problems, max_staleness: int, *, split: bool, alg: AlgorithmCo
     if max_staleness < 1:
         return
     if not split:
-        p.add("trainer.max_staleness", max_staleness, "asynchronous RL needs split placement (mesh.actor_ranks and "
-              "mesh.rollout_ranks on different ranks): colocated, generation and training share the devices")
+        p.add(
+            "trainer.max_staleness",
+            max_staleness,
+            "asynchronous RL needs split placement (mesh.actor_ranks and "
+            "mesh.rollout_ranks on different ranks): colocated, generation and training share the devices",
+        )
     if alg.filter_groups.enable:
-        p.add("trainer.max_staleness", max_staleness, "does not combine with dynamic sampling (algorithm.filter_groups."
-              "enable): its extra generation rounds depend on the batch being trained")
+        p.add(
+            "trainer.max_staleness",
+            max_staleness,
+            "does not combine with dynamic sampling (algorithm.filter_groups."
+            "enable): its extra generation rounds depend on the batch being trained",
+        )
     if alg.adv_estimator.uses_greedy_baseline:
-        p.add("trainer.max_staleness", max_staleness, f"does not combine with algorithm.adv_estimator="
-              f"{alg.adv_estimator.name!r}, whose greedy baseline generates the trained batch's own prompts")
+        p.add(
+            "trainer.max_staleness",
+            max_staleness,
+            f"does not combine with algorithm.adv_estimator="
+            f"{alg.adv_estimator.name!r}, whose greedy baseline generates the trained batch's own prompts",
+        )
 
 
 def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
@@ -458,13 +562,19 @@ def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
     resolved = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, device), split=split)
     a = cfg.actor
     try:
-        check_bypass(resolved, ppo_epochs=a.ppo_epochs, mini_batch_size=a.mini_batch_size,
-                     train_batch_size=cfg.data.train_batch_size)
+        check_bypass(
+            resolved,
+            ppo_epochs=a.ppo_epochs,
+            mini_batch_size=a.mini_batch_size,
+            train_batch_size=cfg.data.train_batch_size,
+        )
     except ValueError as e:  # its message names the fields
         p.lines.append(str(e))
 
 
-def _trained_role(p: Problems, role: str, section: TrainedRoleConfig, *, train_batch_size: int, n: int, dp: int) -> None:
+def _trained_role(
+    p: Problems, role: str, section: TrainedRoleConfig, *, train_batch_size: int, n: int, dp: int
+) -> None:
     """What the actor and the critic share: the engine, the loss aggregation, epochs, mini- and micro-batch sizes, and
     how the step's batch splits into them."""
     from rlspmd.algorithms import AGG_MODES
@@ -482,10 +592,17 @@ def _trained_role(p: Problems, role: str, section: TrainedRoleConfig, *, train_b
     if role == "actor" and train_batch_size % dp:
         p.add("data.train_batch_size", train_batch_size, f"does not split over the actor's {dp} DP ranks")
     if train_batch_size % mini:
-        p.add(f"{role}.mini_batch_size", mini, f"does not divide data.train_batch_size={train_batch_size} (prompts per step)")
+        p.add(
+            f"{role}.mini_batch_size",
+            mini,
+            f"does not divide data.train_batch_size={train_batch_size} (prompts per step)",
+        )
     elif (mini * n) % dp:
-        p.add(f"{role}.mini_batch_size", mini,
-              f"x rollout.n={n} = {mini * n} samples per mini-batch do not split over the actor's {dp} DP ranks")
+        p.add(
+            f"{role}.mini_batch_size",
+            mini,
+            f"x rollout.n={n} = {mini * n} samples per mini-batch do not split over the actor's {dp} DP ranks",
+        )
 
 
 def _optim(p: Problems, name: str, o: OptimConfig) -> None:
@@ -502,7 +619,11 @@ def _optim(p: Problems, name: str, o: OptimConfig) -> None:
 
 def _packing(p: Problems, name: str, attn: str, packing: bool) -> None:
     if packing and not (attn == "sdpa" or attn.startswith("flash_attention")):
-        p.add(f"{name}.attn_implementation", attn, f"cannot run packed sequences; use sdpa or flash_attention_2, or set {name}.packing=False")
+        p.add(
+            f"{name}.attn_implementation",
+            attn,
+            f"cannot run packed sequences; use sdpa or flash_attention_2, or set {name}.packing=False",
+        )
 
 
 def _dist(p: Problems, dist_cfg: DistConfig) -> None:
@@ -552,8 +673,9 @@ def _matches(value, hint) -> bool:
             return len(value) == len(args) and all(_matches(v, a) for v, a in zip(value, args))
         return not args or all(_matches(v, args[0]) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and (not args or all(_matches(k, args[0]) and _matches(v, args[1])
-                                                            for k, v in value.items()))
+        return isinstance(value, dict) and (
+            not args or all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+        )
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:

@@ -29,7 +29,14 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing rlspmd
 
 from rlspmd.config import LoraConfig  # noqa: E402
 from rlspmd.models.lora import is_adapter, write_peft_adapter  # noqa: E402
-from rlspmd.trainer.checkpoint import MODEL_FILES, TOKENIZER_FILES, dcp_load, read_dcp_metadata, read_meta, resolve_checkpoint  # noqa: E402
+from rlspmd.trainer.checkpoint import (
+    MODEL_FILES,
+    TOKENIZER_FILES,
+    dcp_load,
+    read_dcp_metadata,
+    read_meta,
+    resolve_checkpoint,
+)  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX = "actor.model.hf."  # DCP key of the HF model inside the actor engine's root module
@@ -42,10 +49,14 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None,
     meta = read_meta(ckpt)
     files = ckpt / "model"
     if not (files / "config.json").is_file():
-        raise FileNotFoundError(f"checkpoint {ckpt} has no model/config.json (written by save); cannot tell the architecture")
+        raise FileNotFoundError(
+            f"checkpoint {ckpt} has no model/config.json (written by save); cannot tell the architecture"
+        )
     saved = read_dcp_metadata(ckpt).state_dict_metadata
     actor_cfg = meta["config"]["actor"]
-    lora = LoraConfig(**actor_cfg["lora"]) if "lora" in actor_cfg else LoraConfig()  # older checkpoints: no LoRA section
+    lora = (
+        LoraConfig(**actor_cfg["lora"]) if "lora" in actor_cfg else LoraConfig()
+    )  # older checkpoints: no LoRA section
     if lora.enabled:
         return _export_lora(ckpt, out, meta=meta, saved=saved, lora=lora, dtype=dtype, base_model=base_model)
     config = AutoConfig.from_pretrained(str(files))
@@ -84,17 +95,25 @@ def _write(model, files: Path, out: str | Path, *, dtype: str | None, adapter: d
     return out
 
 
-def _export_lora(ckpt: Path, out: str | Path, *, meta: dict, saved: dict, lora: LoraConfig, dtype: str | None,
-                 base_model: str | None) -> Path:
+def _export_lora(
+    ckpt: Path, out: str | Path, *, meta: dict, saved: dict, lora: LoraConfig, dtype: str | None, base_model: str | None
+) -> Path:
     """The base model from its directory, the checkpoint's adapters merged into it, and the adapters in peft's format."""
     from rlspmd.models.loader import load_causal_lm
     from rlspmd.models.lora import ADAPTER, merged_weight
 
     base = base_model or meta["models"]["actor"]
-    model = load_causal_lm(base, dtype="float32", attn_implementation="sdpa",
-                           field_name="--base-model" if base_model else f"the run's actor.model.path (meta.json; --base-model overrides)")
-    adapters = {k[len(PREFIX):]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-                for k, md in saved.items() if k.startswith(PREFIX) and is_adapter(k)}
+    model = load_causal_lm(
+        base,
+        dtype="float32",
+        attn_implementation="sdpa",
+        field_name="--base-model" if base_model else f"the run's actor.model.path (meta.json; --base-model overrides)",
+    )
+    adapters = {
+        k[len(PREFIX) :]: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for k, md in saved.items()
+        if k.startswith(PREFIX) and is_adapter(k)
+    }
     if not adapters:
         raise ValueError(f"checkpoint {ckpt} was written by a LoRA run but holds no adapters under {PREFIX!r}")
     request = {PREFIX + k: v for k, v in adapters.items()}
@@ -110,7 +129,9 @@ def _export_lora(ckpt: Path, out: str | Path, *, meta: dict, saved: dict, lora: 
                     raise ValueError(f"checkpoint {ckpt}: adapter {name!r} has no base weight {layer}.weight in {base}")
                 w = params[f"{layer}.weight"]
                 w.copy_(merged_weight(w, adapters[name], adapters[f"{layer}.lora_B.{ADAPTER}.weight"], s))
-    return _write(model, ckpt / "model", out, dtype=dtype, adapter=dict(hf_state=adapters, cfg=lora, base_model=str(base)))
+    return _write(
+        model, ckpt / "model", out, dtype=dtype, adapter=dict(hf_state=adapters, cfg=lora, base_model=str(base))
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,8 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("checkpoint", help="a checkpoint (.../step_XXXXXXXX) or a checkpoint root (uses its newest)")
     p.add_argument("out", help="output Hugging Face model directory (replaced if it exists)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: as trained)")
-    p.add_argument("--base-model", default=None,
-                   help="LoRA checkpoints: the base model directory (default: the run's actor.model.path from meta.json)")
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="LoRA checkpoints: the base model directory (default: the run's actor.model.path from meta.json)",
+    )
     args = p.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, dtype=args.dtype, base_model=args.base_model)

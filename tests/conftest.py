@@ -50,12 +50,16 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_tools_model(tmp_path_factory) -> Path:
     """The tiny Qwen2 with the tool-calling chat template and tool-call tokens (``build_tiny.py --tools``)."""
-    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_tools") / "model", tools=True)
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("tiny_tools") / "model", tools=True
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama")
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -85,12 +89,36 @@ def tool_caller(tiny_tools_model, tmp_path_factory) -> tuple[Path, Path]:
 
     tmp = tmp_path_factory.mktemp("tool_caller")
     data, model_dir = tmp / "data", tmp / "model"
-    subprocess.run([sys.executable, str(ROOT / "scripts/data/agent_arithmetic.py"), "--out-dir", str(data), "--num-train", "64",
-                    "--num-test", "16", "--num-sft", "4", "--sft-tool-share", "1.0", "--max-value", "9"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/data/agent_arithmetic.py"),
+            "--out-dir",
+            str(data),
+            "--num-train",
+            "64",
+            "--num-test",
+            "16",
+            "--num-sft",
+            "4",
+            "--sft-tool-share",
+            "1.0",
+            "--max-value",
+            "9",
+        ],
+        check=True,
+        capture_output=True,
+    )
     tok = AutoTokenizer.from_pretrained(str(tiny_tools_model))
-    ds = SFTDataset([str(data / "sft.parquet")], tok, prompt_key="prompt", response_key="response", max_length=256,
-                    messages_key="messages", tools=tool_schemas(load_tools(AgentConfig(tools=["calculator"]))))
+    ds = SFTDataset(
+        [str(data / "sft.parquet")],
+        tok,
+        prompt_key="prompt",
+        response_key="response",
+        max_length=256,
+        messages_key="messages",
+        tools=tool_schemas(load_tools(AgentConfig(tools=["calculator"]))),
+    )
     prompt, response, mask = ds.examples[0]
     ids = torch.tensor([prompt + response])
     labels = torch.tensor([[-100] * len(prompt) + [t if m else -100 for t, m in zip(response, mask)]])
@@ -110,9 +138,20 @@ def tool_caller(tiny_tools_model, tmp_path_factory) -> tuple[Path, Path]:
 def arithmetic_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("arith")
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts/data/arithmetic.py"), "--out-dir", str(out),
-         "--num-train", "512", "--num-test", "64", "--num-sft", "512"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            str(ROOT / "scripts/data/arithmetic.py"),
+            "--out-dir",
+            str(out),
+            "--num-train",
+            "512",
+            "--num-test",
+            "64",
+            "--num-sft",
+            "512",
+        ],
+        check=True,
+        capture_output=True,
     )
     return out
 
@@ -122,9 +161,26 @@ def quickstart_data(tmp_path_factory) -> Path:
     """The quickstart's task (scripts/quickstart.sh), smaller: single-digit operands, 2-4 terms."""
     out = tmp_path_factory.mktemp("quickstart_data")
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts/data/arithmetic.py"), "--out-dir", str(out), "--max-value", "9",
-         "--max-terms", "4", "--sft-other-style", "0.7", "--num-train", "4000", "--num-test", "200", "--num-sft", "20000"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            str(ROOT / "scripts/data/arithmetic.py"),
+            "--out-dir",
+            str(out),
+            "--max-value",
+            "9",
+            "--max-terms",
+            "4",
+            "--sft-other-style",
+            "0.7",
+            "--num-train",
+            "4000",
+            "--num-test",
+            "200",
+            "--num-sft",
+            "20000",
+        ],
+        check=True,
+        capture_output=True,
     )
     return out
 
@@ -133,9 +189,26 @@ def quickstart_data(tmp_path_factory) -> Path:
 def warm_start(tiny_model, quickstart_data, tmp_path_factory) -> Path:
     """The quickstart's SFT warm start (configs/sft_quickstart.py, 300 steps), built once per test session."""
     out = tmp_path_factory.mktemp("warm_start")
-    torchrun(["-m", "rlspmd.sft", "--config", "configs/sft_quickstart.py", "--model.path", str(tiny_model),
-              "--data.train-files", str(quickstart_data / "sft.parquet"), "--total-steps", "300",
-              "--output-dir", str(out), "--loggers", "jsonl"], 2, timeout=900)
+    torchrun(
+        [
+            "-m",
+            "rlspmd.sft",
+            "--config",
+            "configs/sft_quickstart.py",
+            "--model.path",
+            str(tiny_model),
+            "--data.train-files",
+            str(quickstart_data / "sft.parquet"),
+            "--total-steps",
+            "300",
+            "--output-dir",
+            str(out),
+            "--loggers",
+            "jsonl",
+        ],
+        2,
+        timeout=900,
+    )
     return out / "hf"
 
 
@@ -160,12 +233,24 @@ def free_port() -> int:
 
 def torchrun(target: list[str], nproc: int, *, timeout: float = 300, env: dict | None = None, check: bool = True):
     """Run ``torchrun --nproc-per-node nproc <target...>``; returns the CompletedProcess (stdout+stderr text)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *target,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun {' '.join(target)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(
+            f"torchrun {' '.join(target)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
     return proc
 
 
@@ -204,4 +289,6 @@ def tiny_reward_model(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_reward_model_plain_template(tiny_model, tmp_path_factory) -> Path:
-    return build_reward_model(tmp_path_factory.mktemp("rm_plain") / "model", tiny_model, chat_template=PLAIN_TEMPLATE, seed=1)
+    return build_reward_model(
+        tmp_path_factory.mktemp("rm_plain") / "model", tiny_model, chat_template=PLAIN_TEMPLATE, seed=1
+    )

@@ -5,12 +5,20 @@ import torch
 from rlspmd.config import CISPO, GMPO, GPG, GSPO, SAPO, ClipCov, KLCov, PPOClip
 
 
-def components(*, clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, kl_cov_ratio: float,
-               kl_cov_coef: float = 0.1) -> dict:
+def components(
+    *, clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, kl_cov_ratio: float, kl_cov_coef: float = 0.1
+) -> dict:
     """Every policy loss by name, each clipped one with the range (0.2, 0.28)."""
-    return {"ppo_clip": PPOClip(0.2, 0.28, 3.0), "gspo": GSPO(0.2, 0.28), "cispo": CISPO(0.2, 0.28), "sapo": SAPO(1.0, 1.05),
-            "gpg": GPG(), "gmpo": GMPO(0.2, 0.28), "clip_cov": ClipCov(0.2, 0.28, clip_cov_ratio, clip_cov_lb, clip_cov_ub),
-            "kl_cov": KLCov(kl_cov_ratio, kl_cov_coef)}
+    return {
+        "ppo_clip": PPOClip(0.2, 0.28, 3.0),
+        "gspo": GSPO(0.2, 0.28),
+        "cispo": CISPO(0.2, 0.28),
+        "sapo": SAPO(1.0, 1.05),
+        "gpg": GPG(),
+        "gmpo": GMPO(0.2, 0.28),
+        "clip_cov": ClipCov(0.2, 0.28, clip_cov_ratio, clip_cov_lb, clip_cov_ub),
+        "kl_cov": KLCov(kl_cov_ratio, kl_cov_coef),
+    }
 
 
 def bound(component):

@@ -24,19 +24,44 @@ def write_reward(tmp_path: Path, body: str = LENGTH_REWARD, name: str = "reward_
     return f"{path}:reward"
 
 
-def rl_args(model: Path, data: Path, out: Path, *, steps: int = 4, reward: str | None = None, extra: list[str] = ()) -> list[str]:
+def rl_args(
+    model: Path, data: Path, out: Path, *, steps: int = 4, reward: str | None = None, extra: list[str] = ()
+) -> list[str]:
     """A 2-rank-friendly GRPO run on the tiny model: 4 prompts x 2 samples per step, 16-token responses."""
     return [
-        "-m", "rlspmd.train",
-        "--actor.model.path", str(model),
-        "--data.train-files", str(data / "train.parquet"),
-        "--data.val-files", str(data / "test.parquet"),
-        "--data.train-batch-size", "4", "--data.max-val-samples", "8",
-        "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--actor.optim.lr", "1e-3",
-        "--rollout.n", "2", "--rollout.max-response-length", "16",
-        "--trainer.total-steps", str(steps), "--trainer.val-every", "2",
-        "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl", "--trainer.deterministic",
-        "--checkpoint.save-every", "2",
+        "-m",
+        "rlspmd.train",
+        "--actor.model.path",
+        str(model),
+        "--data.train-files",
+        str(data / "train.parquet"),
+        "--data.val-files",
+        str(data / "test.parquet"),
+        "--data.train-batch-size",
+        "4",
+        "--data.max-val-samples",
+        "8",
+        "--actor.mini-batch-size",
+        "2",
+        "--actor.micro-batch-size",
+        "4",
+        "--actor.optim.lr",
+        "1e-3",
+        "--rollout.n",
+        "2",
+        "--rollout.max-response-length",
+        "16",
+        "--trainer.total-steps",
+        str(steps),
+        "--trainer.val-every",
+        "2",
+        "--trainer.output-dir",
+        str(out),
+        "--trainer.loggers",
+        "jsonl",
+        "--trainer.deterministic",
+        "--checkpoint.save-every",
+        "2",
         *(["--reward.function", reward] if reward else []),
         *extra,
     ]
@@ -63,8 +88,9 @@ def assert_close_to_recording(got: list[dict], want: list[dict], *, what: str) -
     for step, (g, w) in enumerate(zip(got, want), 1):
         assert set(w) <= set(g), f"{what} step {step}: recorded metrics {sorted(set(w) - set(g))} missing"
         for k in w:
-            assert g[k] == pytest.approx(w[k], rel=RECORDED_REL, abs=RECORDED_ABS), \
+            assert g[k] == pytest.approx(w[k], rel=RECORDED_REL, abs=RECORDED_ABS), (
                 f"{what} step {step} {k}: {g[k]} != recorded {w[k]}"
+            )
 
 
 def checkpoint_tensors(ckpt: Path) -> dict[str, object]:
@@ -97,20 +123,46 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert not differ, f"{len(differ)} checkpoint entries differ, e.g. {differ[:5]}"
 
 
-def run_torchrun(target: list[str], nproc: int, *, timeout: float = 120, preexec_fn=None) -> subprocess.CompletedProcess:
+def run_torchrun(
+    target: list[str], nproc: int, *, timeout: float = 120, preexec_fn=None
+) -> subprocess.CompletedProcess:
     """Like ``conftest.torchrun`` without the check, and with a ``preexec_fn`` (e.g. resource limits)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *target,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn
+    )
 
 
 def popen_torchrun(target: list[str], nproc: int, *, env: dict | None = None, log: Path) -> subprocess.Popen:
     """Start torchrun in its own session (so a test can kill the whole job), output to ``log``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *target]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *target,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:

@@ -32,11 +32,15 @@ def test_hermes_parser_reads_one_several_and_malformed_calls():
     assert p.parse("The answer is 4.") == []
     one = p.parse('Let me add. <tool_call>{"name": "calculator", "arguments": {"expression": "2 + 2"}}</tool_call>')
     assert one == [ToolCall("calculator", {"expression": "2 + 2"})]
-    several = p.parse('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call> and '
-                      '<tool_call>{"name": "b", "arguments": "{\\"y\\": [1, 2]}"}</tool_call>')
+    several = p.parse(
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call> and '
+        '<tool_call>{"name": "b", "arguments": "{\\"y\\": [1, 2]}"}</tool_call>'
+    )
     assert several == [ToolCall("a", {"x": 1}), ToolCall("b", {"y": [1, 2]})]  # string-encoded arguments decoded
-    bad = p.parse('<tool_call>{"name": "a", "arguments": {</tool_call><tool_call>[1, 2]</tool_call>'
-                  '<tool_call>{"name": "c", "arguments": "not json"}</tool_call><tool_call>{"name": "d"')
+    bad = p.parse(
+        '<tool_call>{"name": "a", "arguments": {</tool_call><tool_call>[1, 2]</tool_call>'
+        '<tool_call>{"name": "c", "arguments": "not json"}</tool_call><tool_call>{"name": "d"'
+    )
     assert [type(c) for c in bad] == [ParseError] * 4
     assert "not valid JSON" in bad[0].message and "JSON object" in bad[1].message
     assert "not JSON" in bad[2].message and "without its </tool_call>" in bad[3].message
@@ -58,24 +62,31 @@ def test_calculator_is_a_safe_evaluator():
     assert evaluate("4821 + 3907") == 8728 and evaluate("(2 + 3) * -4 / 2") == -10.0 and evaluate("2 ** 10 % 7") == 2
     assert Calculator().call(None, {"expression": "7 / 2"})[0] == "3.5"
     assert Calculator().call(None, {"expression": "6 / 2"})[0] == "3"
-    for bad, why in [("__import__('os').system('true')", "unsupported"), ("1 / 0", "division by zero"),
-                     ("2 ** 100000", "exponent"), ("[1, 2]", "unsupported"), ("1 +", "cannot parse"), ("x", "unsupported"),
-                     ("1" * 300, "longer than")]:
+    for bad, why in [
+        ("__import__('os').system('true')", "unsupported"),
+        ("1 / 0", "division by zero"),
+        ("2 ** 100000", "exponent"),
+        ("[1, 2]", "unsupported"),
+        ("1 +", "cannot parse"),
+        ("x", "unsupported"),
+        ("1" * 300, "longer than"),
+    ]:
         with pytest.raises(ValueError, match=why):
             evaluate(bad)
 
 
 def test_gsm8k_answer_tool_reads_verl_create_kwargs_and_scores_the_last_answer():
     tool = Gsm8kAnswer()
-    state = tool.create(ToolSample(ground_truth="7", data_source="openai/gsm8k", extra_info={},
-                                   create_kwargs={"ground_truth": "72"}))
+    state = tool.create(
+        ToolSample(ground_truth="7", data_source="openai/gsm8k", extra_info={}, create_kwargs={"ground_truth": "72"})
+    )
     assert tool.call(state, {"answer": "70"}) == ("incorrect", -0.05, {})  # no improvement costs 0.05 (verl)
     assert tool.call(state, {"answer": "#### 72"}) == ("correct", 0.0, {})
     assert tool.score(state) == 1.0
     assert tool.call(state, {"answer": "1,000"})[1] == -0.05 and tool.score(state) == 0.0  # the LAST answer counts
 
 
-BAD_TOOLS = '''
+BAD_TOOLS = """
 class NoCall:
     name = "nocall"
     schema = {"type": "function", "function": {"name": "nocall", "parameters": {"type": "object", "properties": {}}}}
@@ -95,7 +106,7 @@ class BadSchema:
 class Mismatch(BadSchema):
     name = "other"
     schema = {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "properties": {}}}}
-'''
+"""
 
 
 def test_start_up_checks_name_the_tool_and_the_field(tmp_path):
@@ -105,7 +116,10 @@ def test_start_up_checks_name_the_tool_and_the_field(tmp_path):
     broken.write_text("import not_a_module_anywhere\n")
     cases = [
         ([f"{broken}:X"], r"rollout.agent.tools\[0\]=.*broken.py:X.*broken.py failed to import: ModuleNotFoundError"),
-        ([f"{f}:Missing"], r"rollout.agent.tools\[0\]=.*my_tools.py has no class 'Missing' \(it defines \['BadSchema', 'Mismatch', 'NoCall'\]\)"),
+        (
+            [f"{f}:Missing"],
+            r"rollout.agent.tools\[0\]=.*my_tools.py has no class 'Missing' \(it defines \['BadSchema', 'Mismatch', 'NoCall'\]\)",
+        ),
         (["calculator", f"{f}:NoCall"], r"rollout.agent.tools\[1\].*lacks \['call'\]"),
         ([f"{f}:BadSchema"], r"rollout.agent.tools\[0\].*invalid tool schema: property 'x' needs a 'type'"),
         ([f"{f}:Mismatch"], r"name 'other' differs from its schema's function.name 'bad'"),
@@ -129,8 +143,11 @@ MODES = pytest.mark.parametrize("sandbox", ["bwrap", "audit-hook-unsafe"])
 
 @MODES
 def test_code_runner_runs_code_in_its_own_directory(sandbox):
-    r = run_python("import os; open('out.txt', 'w').write('x' * 3); print(sorted(os.listdir('.')), os.getpid())",
-                   **LIMITS, sandbox=sandbox)
+    r = run_python(
+        "import os; open('out.txt', 'w').write('x' * 3); print(sorted(os.listdir('.')), os.getpid())",
+        **LIMITS,
+        sandbox=sandbox,
+    )
     assert r.exit_code == 0 and not r.timed_out
     assert "'out.txt'" in r.output and str(os.getpid()) not in r.output.split("]")[1]  # another process
     with pytest.warns(UserWarning, match="can read every file") if sandbox != "bwrap" else contextlib.nullcontext():
@@ -189,8 +206,10 @@ def test_network_namespace_has_no_route_even_without_the_audit_hook():
         pytest.skip("unprivileged user namespaces are not available here; the audit hook alone refuses sockets")
     server, accepted = _listening_server()
     port = server.getsockname()[1]
-    code = f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\n" \
-           "except OSError as e:\n print('refused', e)"
+    code = (
+        f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')\n"
+        "except OSError as e:\n print('refused', e)"
+    )
     out = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
     assert out.startswith("refused") and not accepted
     direct = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
@@ -227,12 +246,14 @@ def test_what_the_audit_hook_mode_gives_up(tmp_path):
     canary.write_text("the answer is 4242")
     target = tmp_path / "escaped.txt"
     inner = f"open({str(target)!r}, 'w').write('x')"
-    code = (f"try:\n    print(open({str(canary)!r}).read())\nexcept OSError as e:\n    print(type(e).__name__)\n"
-            "import _posixsubprocess, os, sys\n"
-            f"inner = {inner!r}\n"
-            "pid = _posixsubprocess.fork_exec([sys.executable, '-c', inner], [os.fsencode(sys.executable)], True, (), "
-            "None, None, -1, -1, -1, -1, -1, -1, *os.pipe(), False, False, -1, None, None, None, -1, None, False)\n"
-            "os.waitpid(pid, 0)")
+    code = (
+        f"try:\n    print(open({str(canary)!r}).read())\nexcept OSError as e:\n    print(type(e).__name__)\n"
+        "import _posixsubprocess, os, sys\n"
+        f"inner = {inner!r}\n"
+        "pid = _posixsubprocess.fork_exec([sys.executable, '-c', inner], [os.fsencode(sys.executable)], True, (), "
+        "None, None, -1, -1, -1, -1, -1, -1, *os.pipe(), False, False, -1, None, None, None, -1, None, False)\n"
+        "os.waitpid(pid, 0)"
+    )
     r = run_python(code, **LIMITS, sandbox="bwrap")
     assert "4242" not in r.output and "FileNotFoundError" in r.output and not target.exists(), r.output
     r = run_python(code, **LIMITS, sandbox="audit-hook-unsafe")

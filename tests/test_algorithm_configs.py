@@ -21,10 +21,25 @@ ALGORITHM_CONFIGS = ("ppo", "grpo", "dapo", "rloo", "reinforce_pp", "remax", "gs
 def run_config(name: str, out: Path, warm_start: Path, data: Path, *overrides: str) -> list[dict]:
     """``configs/<name>.py:cpu`` on 2 ranks with the test's model and data; the metrics rows of metrics.jsonl."""
     torchrun(
-        ["-m", "rlspmd.train", "--config", f"configs/{name}.py:cpu", "--actor.model.path", str(warm_start),
-         "--data.train-files", str(data / "train.parquet"), "--data.val-files", str(data / "test.parquet"),
-         "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl", *overrides],
-        2, timeout=600,
+        [
+            "-m",
+            "rlspmd.train",
+            "--config",
+            f"configs/{name}.py:cpu",
+            "--actor.model.path",
+            str(warm_start),
+            "--data.train-files",
+            str(data / "train.parquet"),
+            "--data.val-files",
+            str(data / "test.parquet"),
+            "--trainer.output-dir",
+            str(out),
+            "--trainer.loggers",
+            "jsonl",
+            *overrides,
+        ],
+        2,
+        timeout=600,
     )
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -35,7 +50,10 @@ def test_every_algorithm_has_a_gpu_config_and_a_cpu_variant():
     for name in ALGORITHM_CONFIGS:
         gpu, cpu = load_config_file(ROOT / f"configs/{name}.py"), load_config_file(ROOT / f"configs/{name}.py:cpu")
         assert gpu.actor.model.path != cpu.actor.model.path, name
-        assert gpu.algorithm.adv_estimator.name == cpu.algorithm.adv_estimator.name and gpu.actor.policy_loss.name == cpu.actor.policy_loss.name, name
+        assert (
+            gpu.algorithm.adv_estimator.name == cpu.algorithm.adv_estimator.name
+            and gpu.actor.policy_loss.name == cpu.actor.policy_loss.name
+        ), name
         assert gpu.data.train_files == ["data/gsm8k/train.parquet"], name
     with pytest.raises(ValueError, match="has no `gpu`"):
         load_config_file(f"{ROOT}/configs/grpo.py:gpu")
@@ -46,8 +64,10 @@ def test_config_file_selector_picks_an_instance_or_a_function(tmp_path):
     from rlspmd.startup import parse_args
 
     f = tmp_path / "two.py"
-    f.write_text("from rlspmd.config import *\nconfig = Config()\nsmall = Config(rollout=RolloutConfig(n=2))\n"
-                 "def big():\n    return Config(rollout=RolloutConfig(n=16))\n")
+    f.write_text(
+        "from rlspmd.config import *\nconfig = Config()\nsmall = Config(rollout=RolloutConfig(n=2))\n"
+        "def big():\n    return Config(rollout=RolloutConfig(n=16))\n"
+    )
     assert load_config_file(f).rollout.n == RolloutConfig().n and load_config_file(f"{f}:small").rollout.n == 2
     cfg, _ = parse_args(["--config", f"{f}:big", "--rollout.n", "32"])
     assert cfg.rollout.n == 32 and parse_args(["--config", f"{f}:big"])[0].rollout.n == 16
@@ -61,14 +81,25 @@ def test_config_file_selector_picks_an_instance_or_a_function(tmp_path):
     [("grpo", 12), ("ppo", 12), ("dapo", 12), ("rloo", 12), ("reinforce_pp", 12)],
 )
 def test_algorithm_raises_the_reward(name, steps, warm_start, quickstart_data, tmp_path):
-    rows = run_config(name, tmp_path, warm_start, quickstart_data, "--trainer.total-steps", str(steps), "--trainer.val-every", str(steps))
+    rows = run_config(
+        name,
+        tmp_path,
+        warm_start,
+        quickstart_data,
+        "--trainer.total-steps",
+        str(steps),
+        "--trainer.val-every",
+        str(steps),
+    )
     val = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
     # DAPO trains on the groups it kept (biased toward mixed outcomes); its task reward is over every sample drawn.
     key = "sampling/drawn_acc" if name == "dapo" else "reward/mean"
     train = [r[key] for r in rows if key in r]
     k = 4
     early, late = sum(train[:k]) / k, sum(train[-k:]) / k
-    print(f"{name}: val/acc {val[0]:.3f} -> {val[steps]:.3f}; training reward, first {k} steps {early:.3f} -> last {k} {late:.3f}")
+    print(
+        f"{name}: val/acc {val[0]:.3f} -> {val[steps]:.3f}; training reward, first {k} steps {early:.3f} -> last {k} {late:.3f}"
+    )
     assert len(train) == steps
     assert val[steps] >= val[0] + 0.1, f"{name}: validation accuracy {val[0]:.3f} -> {val[steps]:.3f}"
     assert late >= early + 0.03, f"{name}: training reward {early:.3f} -> {late:.3f}"
@@ -77,9 +108,21 @@ def test_algorithm_raises_the_reward(name, steps, warm_start, quickstart_data, t
 def test_remax_runs_with_its_greedy_baseline_and_a_rerendering_reward_model(
     warm_start, quickstart_data, tiny_reward_model_plain_template, tmp_path
 ):
-    rows = run_config("remax", tmp_path, warm_start, quickstart_data, "--trainer.total-steps", "2", "--trainer.val-every", "0",
-                      "--trainer.no-val-before-train", "--reward.model.path", str(tiny_reward_model_plain_template),
-                      "--reward.model.weight", "0.5")
+    rows = run_config(
+        "remax",
+        tmp_path,
+        warm_start,
+        quickstart_data,
+        "--trainer.total-steps",
+        "2",
+        "--trainer.val-every",
+        "0",
+        "--trainer.no-val-before-train",
+        "--reward.model.path",
+        str(tiny_reward_model_plain_template),
+        "--reward.model.weight",
+        "0.5",
+    )
     for r in rows:
         assert r["timing/baseline"] > 0 and "reward/rm_score" in r
         assert r["reward/mean"] == pytest.approx(r["reward/task_score"] + 0.5 * r["reward/rm_score"], abs=1e-5)
@@ -87,15 +130,42 @@ def test_remax_runs_with_its_greedy_baseline_and_a_rerendering_reward_model(
 
 
 def test_gspo_runs_off_policy_mini_batches(warm_start, quickstart_data, tmp_path):
-    rows = run_config("gspo", tmp_path, warm_start, quickstart_data, "--trainer.total-steps", "2", "--trainer.val-every", "0",
-                      "--trainer.no-val-before-train")
+    rows = run_config(
+        "gspo",
+        tmp_path,
+        warm_start,
+        quickstart_data,
+        "--trainer.total-steps",
+        "2",
+        "--trainer.val-every",
+        "0",
+        "--trainer.no-val-before-train",
+    )
     assert len(rows) == 2 and all("actor/seq_ratio_mean" in r for r in rows)
 
 
-def test_ppo_critic_from_a_reward_model_with_the_actors_tokenizer(warm_start, quickstart_data, tiny_reward_model, tmp_path):
-    rows = run_config("ppo", tmp_path, warm_start, quickstart_data, "--trainer.total-steps", "3", "--trainer.val-every", "0",
-                      "--trainer.no-val-before-train", "--critic.model-path", str(tiny_reward_model),
-                      "--critic.warmup-steps", "2", "--reward.model.path", str(tiny_reward_model), "--reward.rule-weight", "0.0")
+def test_ppo_critic_from_a_reward_model_with_the_actors_tokenizer(
+    warm_start, quickstart_data, tiny_reward_model, tmp_path
+):
+    rows = run_config(
+        "ppo",
+        tmp_path,
+        warm_start,
+        quickstart_data,
+        "--trainer.total-steps",
+        "3",
+        "--trainer.val-every",
+        "0",
+        "--trainer.no-val-before-train",
+        "--critic.model-path",
+        str(tiny_reward_model),
+        "--critic.warmup-steps",
+        "2",
+        "--reward.model.path",
+        str(tiny_reward_model),
+        "--reward.rule-weight",
+        "0.0",
+    )
     assert [("actor/grad_norm" in r) for r in rows] == [False, False, True]  # critic warm-up: actor waits 2 steps
     assert all(r["critic/grad_norm"] > 0 and r["reward/task_score"] == 0.0 for r in rows)
     assert all(r["reward/mean"] == pytest.approx(r["reward/rm_score"], abs=1e-6) for r in rows)

@@ -11,11 +11,29 @@ from rl_run import assert_same_state, checkpoint_tensors, metrics, rl_args, writ
 pytestmark = pytest.mark.dist
 
 PPO_DAPO = [
-    "algorithm.adv-estimator:gae", "--algorithm.adv-estimator.lam", "0.95",
-    "--critic.mini-batch-size", "2", "--critic.micro-batch-size", "4", "--critic.optim.lr", "1e-3", "--critic.warmup-steps", "1",
-    "--actor.no-use-kl-loss", "--algorithm.use-kl-in-reward", "algorithm.kl-ctrl:adaptive",
-    "--algorithm.kl-ctrl.kl-coef", "0.05", "--algorithm.kl-ctrl.target-kl", "0.001", "--algorithm.kl-ctrl.horizon", "4",
-    "--algorithm.filter-groups.enable", "--algorithm.filter-groups.max-rounds", "2",
+    "algorithm.adv-estimator:gae",
+    "--algorithm.adv-estimator.lam",
+    "0.95",
+    "--critic.mini-batch-size",
+    "2",
+    "--critic.micro-batch-size",
+    "4",
+    "--critic.optim.lr",
+    "1e-3",
+    "--critic.warmup-steps",
+    "1",
+    "--actor.no-use-kl-loss",
+    "--algorithm.use-kl-in-reward",
+    "algorithm.kl-ctrl:adaptive",
+    "--algorithm.kl-ctrl.kl-coef",
+    "0.05",
+    "--algorithm.kl-ctrl.target-kl",
+    "0.001",
+    "--algorithm.kl-ctrl.horizon",
+    "4",
+    "--algorithm.filter-groups.enable",
+    "--algorithm.filter-groups.max-rounds",
+    "2",
 ]
 
 

@@ -374,5 +374,15 @@ def test_bad_group_ids_raise():
 
 
 def test_estimator_names():
-    assert set(ADVANTAGE_ESTIMATOR_TYPES) == {"gae", "grpo", "grpo_passk", "rloo", "reinforce_pp",
-                                              "reinforce_pp_baseline", "remax", "opo", "gpg", "gdpo"}
+    assert set(ADVANTAGE_ESTIMATOR_TYPES) == {
+        "gae",
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "remax",
+        "opo",
+        "gpg",
+        "gdpo",
+    }

@@ -39,13 +39,16 @@ def test_local_denominators():
     assert tokens.dtype == torch.int64
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", 29 / 6),  # masked sum = 1+2 + 5+6+7+8 = 29 over 6 tokens
-    ("token-sum", 29.0),
-    ("seq-mean-token-sum", 29 / 2),  # (3 + 26) / 2 sequences
-    ("seq-mean-token-mean", 4.0),  # (3/2 + 26/4) / 2 = (1.5 + 6.5) / 2
-    ("seq-mean-token-sum-norm", 3.625),  # 29 / (2 sequences * norm_length 4)
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 29 / 6),  # masked sum = 1+2 + 5+6+7+8 = 29 over 6 tokens
+        ("token-sum", 29.0),
+        ("seq-mean-token-sum", 29 / 2),  # (3 + 26) / 2 sequences
+        ("seq-mean-token-mean", 4.0),  # (3/2 + 26/4) / 2 = (1.5 + 6.5) / 2
+        ("seq-mean-token-sum-norm", 3.625),  # 29 / (2 sequences * norm_length 4)
+    ],
+)
 def test_agg_modes_hand_values(mode, expected):
     out = agg_loss(LOSS, MASK, mode=mode, global_tokens=6, global_seqs=2, norm_length=4)
     assert_close(out, t(expected))
@@ -63,8 +66,10 @@ def test_agg_errors():
 @pytest.mark.parametrize("mode", sorted(AGG_MODES))
 def test_agg_ignores_non_finite_values_at_masked_positions(mode):
     dirty = torch.where(MASK > 0, LOSS, math.inf)
-    assert_close(agg_loss(dirty, MASK, mode=mode, global_tokens=6, global_seqs=2, norm_length=4),
-                 agg_loss(LOSS, MASK, mode=mode, global_tokens=6, global_seqs=2, norm_length=4))
+    assert_close(
+        agg_loss(dirty, MASK, mode=mode, global_tokens=6, global_seqs=2, norm_length=4),
+        agg_loss(LOSS, MASK, mode=mode, global_tokens=6, global_seqs=2, norm_length=4),
+    )
 
 
 def test_agg_all_padding_is_zero_not_nan():

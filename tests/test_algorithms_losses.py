@@ -66,8 +66,9 @@ PPO_MASK = [[1, 1, 1, 1, 1, 0]]
 
 
 def test_ppo_clip_each_regime():
-    loss, grad, metrics = run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28,
-                              clip_ratio_c=3.0)
+    loss, grad, metrics = run(
+        ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0
+    )
     assert_close(loss, t(0.684))
     assert_close(grad, t([[-1.1 / 5, 0, 0, 0, 2.0 / 5, 0]]))
     assert metrics["clip_frac"].item() == pytest.approx(2 / 5)  # t1, t2
@@ -85,8 +86,9 @@ def test_ppo_clip_with_per_token_weights():
     # garbage and ignored. loss = (2 * -1.1 + 3 * -1.28 + 0.5 * 0.8 + 1 * 3 + 0.25 * 2) / 5 = -2.14 / 5;
     # the gradient of the unclipped tokens scales with their weight: t0 2 * -1.1 / 5, t4 0.25 * 2 / 5.
     weights = t([[2.0, 3.0, 0.5, 1.0, 0.25, math.nan]])
-    loss, grad, _ = run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28,
-                        clip_ratio_c=3.0, weights_BT=weights)
+    loss, grad, _ = run(
+        ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, weights_BT=weights
+    )
     assert_close(loss, t(-2.14 / 5))
     assert_close(grad, t([[2 * -1.1 / 5, 0, 0, 0, 0.25 * 2 / 5, 0]]))
     with pytest.raises(ValueError, match="weights_BT"):
@@ -95,12 +97,15 @@ def test_ppo_clip_with_per_token_weights():
 
 def test_ppo_clip_without_dual_clip():
     # t3 is no longer capped: loss 4, grad -A r = 4. loss = (-1.1 - 1.28 + 0.8 + 4 + 2) / 5 = 4.42 / 5
-    loss, grad, metrics = run(ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28,
-                              clip_ratio_c=None)
+    loss, grad, metrics = run(
+        ppo_clip, PPO_LOG_RATIOS, PPO_ADV, PPO_MASK, clip_low=0.2, clip_high=0.28, clip_ratio_c=None
+    )
     assert_close(loss, t(4.42 / 5))
     assert_close(grad, t([[-1.1 / 5, 0, 0, 4.0 / 5, 2.0 / 5, 0]]))
     assert metrics["dual_clip_frac"].item() == 0.0
-    assert PPOClip(clip_ratio_c=1.0).problems() == [("clip_ratio_c", 1.0, "the dual-clip bound must be > 1, or None (off)")]
+    assert PPOClip(clip_ratio_c=1.0).problems() == [
+        ("clip_ratio_c", 1.0, "the dual-clip bound must be > 1, or None (off)")
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,8 +123,7 @@ def test_gspo_values_and_gradient():
     log_ratios = [[0.2, 0.0, 0.0, 0.0], [0.3, 9.0, 0.3, 0.3], [0.0, 0.0, 0.0, -0.4]]
     adv = [[2.0] * 4, [1.0] * 4, [-1.0] * 4]
     mask = [[1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]]
-    loss, grad, metrics = run(gspo, log_ratios, adv, mask, mode="seq-mean-token-mean", clip_low=0.2,
-                              clip_high=0.2)
+    loss, grad, metrics = run(gspo, log_ratios, adv, mask, mode="seq-mean-token-mean", clip_low=0.2, clip_high=0.2)
     s0, s2 = math.exp(0.1), math.exp(-0.1)
     assert_close(loss, t((-2 * s0 - 1.2 + s2) / 3))
     g0, g2 = -2 * s0 / 6, s2 / 12
@@ -196,8 +200,9 @@ def test_sapo_aggregates_per_sequence_whatever_the_mode():
     # Row 0: 1 valid token with A = 3; row 1: 3 tokens with A = 1; r = 1 (gate 0.5), so loss_t = -2 A_t.
     # seq-mean-token-mean: (-6 + (-2 - 2 - 2) / 3) / 2 = -4 in every mode (token-mean would give -12 / 4 = -3).
     for mode in ("token-mean", "seq-mean-token-mean", "token-sum"):
-        loss, _, _ = run(sapo, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], [[3.0] * 3, [1.0] * 3], [[1, 0, 0], [1, 1, 1]],
-                         mode=mode)
+        loss, _, _ = run(
+            sapo, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], [[3.0] * 3, [1.0] * 3], [[1, 0, 0], [1, 1, 1]], mode=mode
+        )
         assert_close(loss, t(-4.0), msg=mode)
 
 
@@ -213,8 +218,15 @@ def test_sapo_aggregates_per_sequence_whatever_the_mode():
 
 def test_gmpo_values_and_gradient():
     log_ratios = [[0.1, 0.5, -0.6], [-0.5, 0.2, 3.0]]
-    loss, grad, metrics = run(gmpo, log_ratios, [[1.0] * 3, [-1.0] * 3], [[1, 1, 1], [1, 1, 0]],
-                              mode="seq-mean-token-mean", clip_low=0.4, clip_high=0.4)
+    loss, grad, metrics = run(
+        gmpo,
+        log_ratios,
+        [[1.0] * 3, [-1.0] * 3],
+        [[1, 1, 1], [1, 1, 0]],
+        mode="seq-mean-token-mean",
+        clip_low=0.4,
+        clip_high=0.4,
+    )
     gm0, gm1 = math.exp(-1 / 30), math.exp(-0.1)
     assert_close(loss, t((-gm0 + gm1) / 2))
     assert_close(grad, t([[-gm0 / 6, 0, -gm0 / 6], [0, gm1 / 4, 0]]))
@@ -225,8 +237,9 @@ def test_gmpo_values_and_gradient():
     assert metrics["clip_frac_lower"].item() == pytest.approx(1 / 5)
     # Whatever the mode, GMPO is the mean over sequences (verl's torch.mean over them).
     for mode in ("token-mean", "token-sum", "seq-mean-token-sum"):
-        other, other_grad, _ = run(gmpo, log_ratios, [[1.0] * 3, [-1.0] * 3], [[1, 1, 1], [1, 1, 0]], mode=mode,
-                                   clip_low=0.4, clip_high=0.4)
+        other, other_grad, _ = run(
+            gmpo, log_ratios, [[1.0] * 3, [-1.0] * 3], [[1, 1, 1], [1, 1, 0]], mode=mode, clip_low=0.4, clip_high=0.4
+        )
         assert torch.equal(other, loss) and torch.equal(other_grad, grad), mode
 
 
@@ -235,8 +248,16 @@ def test_gmpo_weights_act_through_their_geometric_mean():
     # mean 2 (its masked third weight is ignored): loss_1 and its gradient double.
     log_ratios = [[0.1, 0.5, -0.6], [-0.5, 0.2, 3.0]]
     weights = t([[2.0, 0.5, 1.0], [4.0, 1.0, 1e6]])
-    loss, grad, _ = run(gmpo, log_ratios, [[1.0] * 3, [-1.0] * 3], [[1, 1, 1], [1, 1, 0]],
-                        mode="seq-mean-token-mean", clip_low=0.4, clip_high=0.4, weights_BT=weights)
+    loss, grad, _ = run(
+        gmpo,
+        log_ratios,
+        [[1.0] * 3, [-1.0] * 3],
+        [[1, 1, 1], [1, 1, 0]],
+        mode="seq-mean-token-mean",
+        clip_low=0.4,
+        clip_high=0.4,
+        weights_BT=weights,
+    )
     gm0, gm1 = math.exp(-1 / 30), math.exp(-0.1)
     assert_close(loss, t((-gm0 + 2 * gm1) / 2))
     assert_close(grad, t([[-gm0 / 6, 0, -gm0 / 6], [0, 2 * gm1 / 4, 0]]))
@@ -367,8 +388,9 @@ def test_policy_losses_are_additive_over_micro_batches(name):
         tokens, seqs = local_denominators(mask)
         agg = AggArgs(mode=mode, global_tokens=tokens, global_seqs=seqs)
         split_logp = logp.clone().requires_grad_()
-        total = sum(fn(split_logp[mb], old[mb], adv[mb], mask[mb], agg=agg)[0]
-                    for mb in (slice(0, 2), slice(2, 3), slice(3, 6)))
+        total = sum(
+            fn(split_logp[mb], old[mb], adv[mb], mask[mb], agg=agg)[0] for mb in (slice(0, 2), slice(2, 3), slice(3, 6))
+        )
         total.backward()
         assert_close(total, full, rtol=1e-12, atol=1e-12)
         assert_close(split_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-12)
@@ -401,8 +423,7 @@ def test_policy_loss_on_policy_gradient_is_vanilla_pg():
     # At logp == old every ratio-based loss (unclipped there) has gradient -A / N per token, like REINFORCE.
     logp_values = [[-1.0, -2.0, -0.5]]
     for name in ("ppo_clip", "cispo", "sapo", "gpg"):
-        _, grad, _ = run(bound(COMPONENTS[name]), [[0.0, 0.0, 0.0]], [[1.0, -2.0, 0.5]], [[1, 1, 1]],
-                         old=logp_values)
+        _, grad, _ = run(bound(COMPONENTS[name]), [[0.0, 0.0, 0.0]], [[1.0, -2.0, 0.5]], [[1, 1, 1]], old=logp_values)
         assert_close(grad, t([[-1.0 / 3, 2.0 / 3, -0.5 / 3]]), msg=name)
 
 
@@ -417,22 +438,35 @@ def test_policy_loss_on_policy_gradient_is_vanilla_pg():
 def test_value_loss_clipping():
     values = t([[1.0, 2.0, 1.5]]).requires_grad_()
     mask = t([[1, 1, 1]])
-    loss, metrics = value_loss(values, t([[0.8, 1.0, 0.0]]), t([[1.5, 0.0, 2.0]]), mask, clip_range=0.5,
-                               agg=AggArgs.from_mask(mask, mode="token-mean"))
+    loss, metrics = value_loss(
+        values,
+        t([[0.8, 1.0, 0.0]]),
+        t([[1.5, 0.0, 2.0]]),
+        mask,
+        clip_range=0.5,
+        agg=AggArgs.from_mask(mask, mode="token-mean"),
+    )
     loss.backward()
     assert_close(loss.detach(), t(3.25 / 3))
     assert_close(values.grad, t([[-0.5 / 3, 2 / 3, 0.0]]))
     assert metrics["vf_clip_frac"].item() == pytest.approx(1 / 3)
 
     # Unclipped: 0.5 * (0.25 + 4 + 0.25) / 3
-    loss, metrics = value_loss(values.detach(), t([[0.8, 1.0, 0.0]]), t([[1.5, 0.0, 2.0]]), mask,
-                               clip_range=None, agg=AggArgs.from_mask(mask, mode="token-mean"))
+    loss, metrics = value_loss(
+        values.detach(),
+        t([[0.8, 1.0, 0.0]]),
+        t([[1.5, 0.0, 2.0]]),
+        mask,
+        clip_range=None,
+        agg=AggArgs.from_mask(mask, mode="token-mean"),
+    )
     assert_close(loss, t(0.75))
 
 
 def test_entropy_bonus_uses_agg():
     mask = t([[1, 1, 0], [1, 0, 0]])
     # seq-mean-token-mean: ((0.5 + 1.5) / 2 + 3) / 2 = 2
-    out = entropy_bonus(t([[0.5, 1.5, 9.0], [3.0, 9.0, 9.0]]), mask,
-                        agg=AggArgs.from_mask(mask, mode="seq-mean-token-mean"))
+    out = entropy_bonus(
+        t([[0.5, 1.5, 9.0], [3.0, 9.0, 9.0]]), mask, agg=AggArgs.from_mask(mask, mode="seq-mean-token-mean")
+    )
     assert_close(out, t(2.0))

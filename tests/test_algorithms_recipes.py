@@ -28,13 +28,33 @@ def test_recipe_has_a_gpu_config_and_a_cpu_variant(name):
 
 def run_recipe(name: str, out: Path, warm_start: Path, data: Path, steps: int, *, validate: bool = False) -> list[dict]:
     """``validate``: greedy validation before training and after the last step (100 held-out prompts)."""
-    val = (["--trainer.val-every", str(steps), "--data.max-val-samples", "100"] if validate
-           else ["--trainer.val-every", "0", "--trainer.no-val-before-train"])
+    val = (
+        ["--trainer.val-every", str(steps), "--data.max-val-samples", "100"]
+        if validate
+        else ["--trainer.val-every", "0", "--trainer.no-val-before-train"]
+    )
     torchrun(
-        ["-m", "rlspmd.train", "--config", f"configs/{name}.py:cpu", "--actor.model.path", str(warm_start),
-         "--data.train-files", str(data / "train.parquet"), "--data.val-files", str(data / "test.parquet"),
-         "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl", "--trainer.total-steps", str(steps), *val],
-        2, timeout=900,
+        [
+            "-m",
+            "rlspmd.train",
+            "--config",
+            f"configs/{name}.py:cpu",
+            "--actor.model.path",
+            str(warm_start),
+            "--data.train-files",
+            str(data / "train.parquet"),
+            "--data.val-files",
+            str(data / "test.parquet"),
+            "--trainer.output-dir",
+            str(out),
+            "--trainer.loggers",
+            "jsonl",
+            "--trainer.total-steps",
+            str(steps),
+            *val,
+        ],
+        2,
+        timeout=900,
     )
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

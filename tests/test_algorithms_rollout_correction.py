@@ -157,8 +157,9 @@ def test_sequence_rejection_is_dropping_the_rows_and_weights_scale_them(name, mo
     logp = old + 0.2 * torch.randn(B, T, generator=g, dtype=F64)
     adv = torch.randn(B, 1, generator=g, dtype=F64).expand(B, T).contiguous()
     rollout = old + 0.3 * torch.randn(B, T, generator=g, dtype=F64)
-    c = rollout_correction(old, rollout, mask, mode="both", level="sequence", tis_threshold=1.05, mis_lower=0.8,
-                           mis_upper=1.25)
+    c = rollout_correction(
+        old, rollout, mask, mode="both", level="sequence", tis_threshold=1.05, mis_lower=0.8, mis_upper=1.25
+    )
     kept = c.mask_BT.any(-1)
     assert 0 < int(kept.sum()) < B  # the test must reject something and keep something
 
@@ -209,16 +210,21 @@ def test_auto_is_off_only_for_the_native_engine_in_the_actors_dtype():
 
 def test_config_validation_names_the_field():
     def problems(rc: RolloutCorrectionConfig) -> list[str]:
-        return config_problems(Config(algorithm=AlgorithmConfig(rollout_correction=rc)), world_size=1, check_files=False)
+        return config_problems(
+            Config(algorithm=AlgorithmConfig(rollout_correction=rc)), world_size=1, check_files=False
+        )
 
     assert problems(RolloutCorrectionConfig(mis_lower=1.2, tis_threshold=0.0, metric_ratio_bound=1.0)) == [
         "algorithm.rollout_correction.tis_threshold=0.0: must be > 0",
         "algorithm.rollout_correction.mis_lower=1.2: and mis_upper=None must satisfy 0 < lower < upper (with the "
         "sequence level's defaults: 1.2, 1.001)",  # above the sequence default upper 1.001
-        "algorithm.rollout_correction.metric_ratio_bound=1.0: must be > 1"]
+        "algorithm.rollout_correction.metric_ratio_bound=1.0: must be > 1",
+    ]
     assert problems(RolloutCorrectionConfig(level="token", mis_lower=1.2)) == []  # the token level's upper is 2.0
-    cfg = Config(algorithm=AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(mode="mis", tis_threshold=3.0)),
-                 actor=ActorConfig(policy_loss=GSPO(), loss_agg_mode="token-mean"))
+    cfg = Config(
+        algorithm=AlgorithmConfig(rollout_correction=RolloutCorrectionConfig(mode="mis", tis_threshold=3.0)),
+        actor=ActorConfig(policy_loss=GSPO(), loss_agg_mode="token-mean"),
+    )
     warned = "\n".join(ignored_settings(cfg))
     assert "tis_threshold is set but mode='mis'" in warned and "does not apply to the gspo policy loss" in warned
     gdpo = Config(algorithm=AlgorithmConfig(adv_estimator=GDPO(), use_kl_in_reward=True))
@@ -233,16 +239,19 @@ def test_bypass_needs_one_update_per_step_and_the_correction_on():
     with pytest.raises(ValueError, match="actor.mini_batch_size=16"):
         check_bypass(on, ppo_epochs=1, mini_batch_size=16, train_batch_size=32)
     with pytest.raises(ValueError, match="mode resolved to 'off'"):
-        check_bypass(resolve(RolloutCorrectionConfig(bypass=True)), ppo_epochs=1, mini_batch_size=32,
-                     train_batch_size=32)
+        check_bypass(
+            resolve(RolloutCorrectionConfig(bypass=True)), ppo_epochs=1, mini_batch_size=32, train_batch_size=32
+        )
     check_bypass(resolve(), ppo_epochs=4, mini_batch_size=8, train_batch_size=32)  # bypass off: nothing to check
 
 
 def test_stage_adds_weights_applies_the_mask_and_reports_metrics():
-    resolved = resolve(RolloutCorrectionConfig(mode="both", level="token", tis_threshold=1.1, mis_lower=0.5,
-                                               mis_upper=2.0))
-    batch = Batch({"old_logprobs_BR": TRAIN.clone(), "rollout_logprobs_BR": ROLLOUT.clone(),
-                   "loss_mask_BR": MASK.clone()})
+    resolved = resolve(
+        RolloutCorrectionConfig(mode="both", level="token", tis_threshold=1.1, mis_lower=0.5, mis_upper=2.0)
+    )
+    batch = Batch(
+        {"old_logprobs_BR": TRAIN.clone(), "rollout_logprobs_BR": ROLLOUT.clone(), "loss_mask_BR": MASK.clone()}
+    )
     metrics = MetricBuffer()
     out = RolloutCorrectionStage(resolved)(batch, metrics)
     assert torch.equal(out["loss_mask_BR"], torch.tensor([[1, 0, 1, 0], [1, 1, 0, 0]]))

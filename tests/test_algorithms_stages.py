@@ -23,7 +23,15 @@ def stage(estimator, b):
 
 
 def batch(scores, **extra):
-    return Batch({"scores_B": torch.tensor(scores), "response_mask_BR": MASK.clone(), "loss_mask_BR": MASK.clone(), "uid_B": UID.clone(), **extra})
+    return Batch(
+        {
+            "scores_B": torch.tensor(scores),
+            "response_mask_BR": MASK.clone(),
+            "loss_mask_BR": MASK.clone(),
+            "uid_B": UID.clone(),
+            **extra,
+        }
+    )
 
 
 def test_gpg_alpha_counts_non_zero_scores():
@@ -48,8 +56,12 @@ def test_remax_is_the_reward_to_go_of_kl_penalised_token_rewards():
     ref = torch.zeros(5, 4)
     old[0, :3] = torch.tensor([0.2, -0.4, 0.1])
     cfg = AlgorithmConfig(adv_estimator=ReMax(), use_kl_in_reward=True, kl_penalty="kl", kl_ctrl=FixedKL(kl_coef=0.5))
-    b = batch([1.0, 0.5, 0.0, 0.0, 2.0], old_logprobs_BR=old, ref_logprobs_BR=ref,
-              baseline_scores_B=torch.tensor([0.3, 1.0, 0.0, 0.0, 0.0]))
+    b = batch(
+        [1.0, 0.5, 0.0, 0.0, 2.0],
+        old_logprobs_BR=old,
+        ref_logprobs_BR=ref,
+        baseline_scores_B=torch.tensor([0.3, 1.0, 0.0, 0.0, 0.0]),
+    )
     b = KLPenalizedTokenRewards(cfg, mesh=None)(b, MetricBuffer())
     out = AdvantageStage(cfg.adv_estimator, mesh=None)(b, MetricBuffer())
     assert_close(out["returns_BR"][:2], torch.tensor([[1.05, 1.15, 0.95, 0.0], [0.5, 0.0, 0.5, 0.5]]))

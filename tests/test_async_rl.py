@@ -39,16 +39,26 @@ def reward_fn(tmp_path_factory) -> str:
 
 def run(model: Path, data: Path, out: Path, reward: str, *extra: str, steps: int = 4, nproc: int = 2) -> list[dict]:
     """``extra`` after 1+1 split placement (a later ``--mesh.*`` wins)."""
-    torchrun(rl_args(model, data, out, steps=steps, reward=reward, extra=[*SPLIT, "--trainer.val-every", "0",
-                                                                           "--trainer.no-val-before-train", *extra]), nproc)
+    torchrun(
+        rl_args(
+            model,
+            data,
+            out,
+            steps=steps,
+            reward=reward,
+            extra=[*SPLIT, "--trainer.val-every", "0", "--trainer.no-val-before-train", *extra],
+        ),
+        nproc,
+    )
     return metrics(out)
 
 
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("placement, nproc", [(SPLIT, 2), (SPLIT_2X2, 4)], ids=["1+1", "2+2"])
-def test_with_frozen_weights_the_pipeline_trains_on_the_synchronous_batches(placement, nproc, tiny_model, arithmetic_data,
-                                                                           reward_fn, tmp_path):
+def test_with_frozen_weights_the_pipeline_trains_on_the_synchronous_batches(
+    placement, nproc, tiny_model, arithmetic_data, reward_fn, tmp_path
+):
     """With the learning rate at 0 every weight version is the same model, so a pipelined run must train on exactly
     the synchronous run's batches, step for step: the same prompts (rank 0's sampler), the same generator per step,
     the samples routed back to the right step (and, on 2+2 ranks, to the right actor rank). Only the weight versions
@@ -56,8 +66,16 @@ def test_with_frozen_weights_the_pipeline_trains_on_the_synchronous_batches(plac
     frozen = ["--actor.optim.lr", "0", "--checkpoint.save-every", "0", "--checkpoint.no-save-final", *placement]
     sync = run(tiny_model, arithmetic_data, tmp_path / "sync", reward_fn, *frozen, nproc=nproc)
     for lag in (1, 2):
-        rows = run(tiny_model, arithmetic_data, tmp_path / f"lag{lag}", reward_fn, *frozen, "--trainer.max-staleness",
-                   str(lag), nproc=nproc)
+        rows = run(
+            tiny_model,
+            arithmetic_data,
+            tmp_path / f"lag{lag}",
+            reward_fn,
+            *frozen,
+            "--trainer.max-staleness",
+            str(lag),
+            nproc=nproc,
+        )
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         for step, (a, b) in enumerate(zip(sync, rows), 1):
             assert {k: a[k] for k in PER_STEP} == {k: b[k] for k in PER_STEP}, (lag, step)
@@ -74,19 +92,29 @@ def _differ(want: dict, got: dict, *, skip: tuple[str, ...] = ()) -> dict:
 
 
 @pytest.mark.dist
-def test_two_plus_two_ranks_at_max_staleness_0_are_bit_identical_to_the_synchronous_loop(tiny_model, arithmetic_data,
-                                                                                         reward_fn, tmp_path):
+def test_two_plus_two_ranks_at_max_staleness_0_are_bit_identical_to_the_synchronous_loop(
+    tiny_model, arithmetic_data, reward_fn, tmp_path
+):
     """2 actor ranks + 2 rollout ranks, ``max_staleness=0``: the pipelined client and server (the exchange entered as
     two halves, weight versions, the staleness metric) give every metric of the synchronous loop bit for bit (losses,
     gradient norms, rewards, lengths, the rollout/train log-prob gap): of the colocated 2-rank loop run here (all but
     the weight-sync bytes, which only a split placement moves), and, within the tolerance for another machine's
     rounding, every metric of the split loop recorded before asynchronous RL existed."""
-    base = ["--trainer.val-every", "0", "--trainer.no-val-before-train", "--checkpoint.save-every", "0",
-            "--checkpoint.no-save-final"]
+    base = [
+        "--trainer.val-every",
+        "0",
+        "--trainer.no-val-before-train",
+        "--checkpoint.save-every",
+        "0",
+        "--checkpoint.no-save-final",
+    ]
     runs = {}
     for name, placement, nproc in (("colocated-2", [], 2), ("split-2x2", SPLIT_2X2, 4)):
-        torchrun(rl_args(tiny_model, arithmetic_data, tmp_path / name, steps=3, reward=reward_fn, extra=[*placement, *base]),
-                 nproc, timeout=600)
+        torchrun(
+            rl_args(tiny_model, arithmetic_data, tmp_path / name, steps=3, reward=reward_fn, extra=[*placement, *base]),
+            nproc,
+            timeout=600,
+        )
         runs[name] = metrics(tmp_path / name)
     if RECORD:  # in a checkout of the synchronous trainer; the file is then copied here
         PARITY.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n")
@@ -115,25 +143,43 @@ def test_resume_with_a_batch_in_flight_is_bit_identical(tiny_model, arithmetic_d
     assert all(r["actor/grad_norm"] > 0 for r in reference)  # it learns (the default correction: truncated weights)
     assert reference[1]["rollout/logprob_gap"] > 1e-4  # stale: the trainer's log-probs are not the rollout's
     out = tmp_path / "resumed"
-    full = rl_args(tiny_model, arithmetic_data, out, steps=4, reward=reward_fn,
-                   extra=[*SPLIT, "--trainer.val-every", "0", "--trainer.no-val-before-train", *args])
+    full = rl_args(
+        tiny_model,
+        arithmetic_data,
+        out,
+        steps=4,
+        reward=reward_fn,
+        extra=[*SPLIT, "--trainer.val-every", "0", "--trainer.no-val-before-train", *args],
+    )
     assert "stopped after step 2" in torchrun([*full, "--trainer.stop-at-step", "2"], 2).stdout
     ckpt = out / "checkpoints" / "step_00000002"
     saved = checkpoint_tensors(ckpt)
-    in_flight = decode_batch({k.split(".")[-1]: v for k, v in saved.items() if k.startswith("pipeline.rank_0.batch_0.")})
+    in_flight = decode_batch(
+        {k.split(".")[-1]: v for k, v in saved.items() if k.startswith("pipeline.rank_0.batch_0.")}
+    )
     assert sorted(k for k in saved if k.startswith("pipeline.")) and len(in_flight) == 4 * 2  # prompts x rollout.n
     assert in_flight["weight_version_B"].tolist() == [1] * 8  # generated during step 2, with step 1's weights
     assert "resumed from" in torchrun([*full, "--resume", "auto"], 2).stdout
     assert metrics(out) == reference
-    assert_same_state(checkpoint_tensors(tmp_path / "reference" / "checkpoints" / "step_00000004"),
-                      checkpoint_tensors(out / "checkpoints" / "step_00000004"))
+    assert_same_state(
+        checkpoint_tensors(tmp_path / "reference" / "checkpoints" / "step_00000004"),
+        checkpoint_tensors(out / "checkpoints" / "step_00000004"),
+    )
 
 
 def test_in_flight_batches_round_trip_and_name_a_layout_from_another_world(tmp_path):
-    batch = Batch({"responses_BR": torch.tensor([[5, 6, 0], [7, 0, 0]]), "rollout_logprobs_BR": torch.randn(2, 3),
-                   "weight_version_B": torch.tensor([3, 3])},
-                  {"ground_truth": ["11", "4"], "extra_info": [{"index": 7, "split": "train"}, {"index": 8}],
-                   "prompt_messages": [[{"role": "user", "content": "1 + 2 ="}]] * 2})
+    batch = Batch(
+        {
+            "responses_BR": torch.tensor([[5, 6, 0], [7, 0, 0]]),
+            "rollout_logprobs_BR": torch.randn(2, 3),
+            "weight_version_B": torch.tensor([3, 3]),
+        },
+        {
+            "ground_truth": ["11", "4"],
+            "extra_info": [{"index": 7, "split": "train"}, {"index": 8}],
+            "prompt_messages": [[{"role": "user", "content": "1 + 2 ="}]] * 2,
+        },
+    )
     back = decode_batch(encode_batch(batch))
     assert back.objects == batch.objects
     assert all(torch.equal(back[k], batch[k]) and back[k].dtype == batch[k].dtype for k in batch.tensors)
@@ -142,12 +188,19 @@ def test_in_flight_batches_round_trip_and_name_a_layout_from_another_world(tmp_p
     saving = InFlightBatches(queue, rank=1, device=torch.device("cpu"))
     state = saving.state_dict()
     assert set(state) == {"rank_1"} and set(state["rank_1"]) == {"batch_0"}
-    layout = {f"{r}.{b}.{k}": (v.shape, v.dtype) for r, bs in state.items() for b, fields in bs.items() for k, v in fields.items()}
+    layout = {
+        f"{r}.{b}.{k}": (v.shape, v.dtype)
+        for r, bs in state.items()
+        for b, fields in bs.items()
+        for k, v in fields.items()
+    }
     loading = InFlightBatches(deque(), rank=1, device=torch.device("cpu"))
     with pytest.raises(CheckpointError, match="in-flight batches of 1 actor ranks .* this run has 2"):
         loading.expect(layout, path=tmp_path, dp=2)  # written by DP rank 1 alone: not this run's layout
     loading.expect({**layout, **{k.replace("rank_1", "rank_0"): v for k, v in layout.items()}}, path=tmp_path, dp=2)
     empty = loading.state_dict()  # what DCP fills: this rank's tensors, shaped as saved
-    assert {k: v.shape for k, v in empty["rank_1"]["batch_0"].items()} == {k: v.shape for k, v in state["rank_1"]["batch_0"].items()}
+    assert {k: v.shape for k, v in empty["rank_1"]["batch_0"].items()} == {
+        k: v.shape for k, v in state["rank_1"]["batch_0"].items()
+    }
     loading.load_state_dict(state)
     assert len(loading.queue) == 1 and loading.queue[0].objects == batch.objects and not loading.layout

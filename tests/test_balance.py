@@ -66,9 +66,17 @@ def test_concat_padded_keeps_the_rollout_layout():
         P, R = len(prompt), len(response)
         pm, rm = torch.tensor([prompt]).ne(0).long(), torch.tensor([response]).ne(0).long()
         ids = torch.tensor([prompt + response])
-        return Batch({"prompts_BP": torch.tensor([prompt]), "responses_BR": torch.tensor([response]), "input_ids_BL": ids,
-                      "attention_mask_BL": torch.cat([pm, rm], 1), "response_mask_BR": rm, "scores_B": torch.tensor([1.0 * P])},
-                     {"text": [f"{P}+{R}"]})
+        return Batch(
+            {
+                "prompts_BP": torch.tensor([prompt]),
+                "responses_BR": torch.tensor([response]),
+                "input_ids_BL": ids,
+                "attention_mask_BL": torch.cat([pm, rm], 1),
+                "response_mask_BR": rm,
+                "scores_B": torch.tensor([1.0 * P]),
+            },
+            {"text": [f"{P}+{R}"]},
+        )
 
     out = Batch.concat_padded([one([0, 1, 2], [5, 0]), one([3, 4], [6, 7, 8])])
     assert out["input_ids_BL"].tolist() == [[0, 1, 2, 5, 0, 0], [0, 3, 4, 6, 7, 8]]

@@ -32,9 +32,26 @@ def test_grpo_bench_config_runs_the_fixed_workload_and_prints_json(tiny_model, t
         ids = tok.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True)
         assert len(ids["input_ids"] if hasattr(ids, "keys") else ids) == 27
     out = tmp_path / "run"
-    stdout = run(["-m", "rlspmd.train", "--config", "configs/bench/grpo_tiny.py", "--actor.model.path", str(tiny_model),
-                  "--data.train-files", str(prompts), "--data.val-files", str(prompts),
-                  "--trainer.total-steps", "2", "--trainer.output-dir", str(out), "--rollout.max-response-length", "16"])
+    stdout = run(
+        [
+            "-m",
+            "rlspmd.train",
+            "--config",
+            "configs/bench/grpo_tiny.py",
+            "--actor.model.path",
+            str(tiny_model),
+            "--data.train-files",
+            str(prompts),
+            "--data.val-files",
+            str(prompts),
+            "--trainer.total-steps",
+            "2",
+            "--trainer.output-dir",
+            str(out),
+            "--rollout.max-response-length",
+            "16",
+        ]
+    )
     summary = json.loads(stdout.strip().splitlines()[-1])["summary"]
     assert summary["steps"] == 2 and summary["sec_per_step"] > 0 and summary["gen_tokens_per_sec"] > 0
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +78,9 @@ def test_grpo_floor_counts_the_workload_matmuls():
     ref = 2 * full_tokens * mats + 2 * resp * head
     assert r["full"]["gflop"]["ref"] == pytest.approx(ref / 1e9, abs=1e-3)
     assert r["full"]["gflop"]["update"] == pytest.approx(3 * ref / 1e9, abs=1e-3)
-    assert r["full"]["gflop"]["gen"] == pytest.approx((2 * (4 * 27 + 16 * 2) * mats + 2 * 16 * 2 * head) / 1e9, abs=1e-3)
+    assert r["full"]["gflop"]["gen"] == pytest.approx(
+        (2 * (4 * 27 + 16 * 2) * mats + 2 * 16 * 2 * head) / 1e9, abs=1e-3
+    )
     for name in ("full", "shared_prefix"):
         f = r[name]["floor_s"]
         assert f["total"] == pytest.approx(f["gen"] + f["ref"] + f["update"], abs=1e-5)

@@ -53,9 +53,14 @@ def test_stop_and_resume_is_bit_identical(reference_run, tiny_model, arithmetic_
 
 
 @pytest.mark.slow
-def test_sigkill_mid_save_resumes_from_previous_complete_checkpoint(reference_run, tiny_model, arithmetic_data, reward_fn, tmp_path):
+def test_sigkill_mid_save_resumes_from_previous_complete_checkpoint(
+    reference_run, tiny_model, arithmetic_data, reward_fn, tmp_path
+):
     args = rl_args(tiny_model, arithmetic_data, tmp_path, reward=reward_fn)
-    env = {"PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ["PYTHONPATH"]]), "RLSPMD_TEST_SLOW_SAVE": "step_00000004.tmp:60"}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(HOOKS), os.environ["PYTHONPATH"]]),
+        "RLSPMD_TEST_SLOW_SAVE": "step_00000004.tmp:60",
+    }
     proc = popen_torchrun(args, 2, env=env, log=tmp_path / "killed.log")
     ckpts = tmp_path / "checkpoints"
     tmp_dir = ckpts / "step_00000004.tmp"
@@ -76,7 +81,9 @@ def test_sigkill_mid_save_resumes_from_previous_complete_checkpoint(reference_ru
     got = metrics(tmp_path)
     assert [m["step"] for m in got] == [0, 1, 2, 3, 4]
     assert got == metrics(reference_run)
-    assert_same_state(checkpoint_tensors(reference_run / "checkpoints" / "step_00000004"), checkpoint_tensors(ckpts / "step_00000004"))
+    assert_same_state(
+        checkpoint_tensors(reference_run / "checkpoints" / "step_00000004"), checkpoint_tensors(ckpts / "step_00000004")
+    )
 
 
 @pytest.mark.slow
@@ -84,10 +91,14 @@ def test_stop_signals_save_and_exit(tiny_model, arithmetic_data, reward_fn, tmp_
     """SIGUSR1 on one rank stops every rank after a checkpoint; SIGTERM to torchrun (SLURM preemption) too."""
     for sig, target in [(signal.SIGUSR1, "rank1"), (signal.SIGTERM, "agent")]:
         out = tmp_path / sig.name
-        proc = popen_torchrun(rl_args(tiny_model, arithmetic_data, out, steps=50, reward=reward_fn), 2, log=tmp_path / f"{sig.name}.log")
+        proc = popen_torchrun(
+            rl_args(tiny_model, arithmetic_data, out, steps=50, reward=reward_fn), 2, log=tmp_path / f"{sig.name}.log"
+        )
         deadline = time.monotonic() + 240
         while not (out / "metrics.jsonl").exists() or '"step": 1' not in (out / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{sig.name}.log").read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{sig.name}.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.1)
         os.kill(worker_pids(proc.pid)[1] if target == "rank1" else proc.pid, sig)
         rc = proc.wait(timeout=120)
@@ -114,7 +125,9 @@ def test_resume_on_a_different_number_of_ranks(reference_run, tiny_model, arithm
         for k, v in state.items():
             assert torch.equal(v, full[f"actor.optim.state.{name}.{k}"]), (name, k)
 
-    out = torchrun(rl_args(tiny_model, arithmetic_data, tmp_path / "run", reward=reward_fn, extra=["--resume", str(ckpt)]), 1).stdout
+    out = torchrun(
+        rl_args(tiny_model, arithmetic_data, tmp_path / "run", reward=reward_fn, extra=["--resume", str(ckpt)]), 1
+    ).stdout
     assert "written by 2 ranks; resharded onto 1" in out
     assert [m["step"] for m in metrics(tmp_path / "run")] == [3, 4]
     assert (tmp_path / "run" / "checkpoints" / "step_00000004" / "meta.json").is_file()
@@ -130,8 +143,12 @@ def test_export_hf_reproduces_the_trained_log_probs(reference_run, tiny_model, t
     trained = torch.load(trained, weights_only=False)
 
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, "scripts/export_hf.py", str(reference_run / "checkpoints"), str(out)], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(reference_run / "checkpoints"), str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     exported = load_file(out / "model.safetensors")
     at_save = load_file(ckpt / "hf" / "model.safetensors")  # checkpoint.save_hf
     initial = load_file(tiny_model / "model.safetensors")
@@ -143,8 +160,12 @@ def test_export_hf_reproduces_the_trained_log_probs(reference_run, tiny_model, t
     b = trained["batch"]
     R = b["responses_BR"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=b["input_ids_BL"], attention_mask=b["attention_mask_BL"], position_ids=b["position_ids_BL"]).logits
-    logprobs = torch.log_softmax(logits[:, -R - 1 : -1].float(), -1).gather(-1, b["responses_BR"][..., None]).squeeze(-1)
+        logits = model(
+            input_ids=b["input_ids_BL"], attention_mask=b["attention_mask_BL"], position_ids=b["position_ids_BL"]
+        ).logits
+    logprobs = (
+        torch.log_softmax(logits[:, -R - 1 : -1].float(), -1).gather(-1, b["responses_BR"][..., None]).squeeze(-1)
+    )
     mask = b["response_mask_BR"].bool()
     torch.testing.assert_close(logprobs[mask], trained["logprobs"][mask], rtol=1e-4, atol=1e-4)
     for name in ("tokenizer.json", "chat_template.jinja", "generation_config.json"):
@@ -155,16 +176,28 @@ def test_export_hf_names_a_bad_checkpoint(tmp_path):
     """(The other bad paths are covered by ``resolve_checkpoint``'s unit tests.)"""
     target = tmp_path / "step_00000003.tmp"
     target.mkdir()
-    proc = subprocess.run([sys.executable, "scripts/export_hf.py", str(target), str(tmp_path / "out")], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode != 0 and f"export_hf: checkpoint: {target} is an interrupted save" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(target), str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and f"export_hf: checkpoint: {target} is an interrupted save" in proc.stderr, (
+        proc.stderr
+    )
 
 
 def test_meta_records_what_export_needs(reference_run):
     ckpt = reference_run / "checkpoints" / "step_00000004"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["step"] == 4 and meta["world_size"] == 2 and meta["roles"] == ["actor"]
-    assert meta["trainer_components"] == ["sampler"] and meta["trainer_state"]["components"]["sampler"]["position"] == 16
+    assert (
+        meta["trainer_components"] == ["sampler"] and meta["trainer_state"]["components"]["sampler"]["position"] == 16
+    )
     assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in (ckpt / "model").iterdir()}
     # keep_last=3 by default: both checkpoints of this 2-checkpoint run remain
-    assert sorted(p.name for p in (reference_run / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (reference_run / "checkpoints").iterdir()) == [
+        "latest",
+        "step_00000002",
+        "step_00000004",
+    ]

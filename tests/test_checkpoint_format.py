@@ -20,7 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from rlspmd.config import CheckpointConfig
 from rlspmd.distributed.runtime import rng_state
 from rlspmd.trainer.checkpoint import (
-    FORMAT_VERSION, CheckpointError, Checkpointer, RNGState, TrainerState, dcp_load, read_checkpoint, read_dcp_metadata,
+    FORMAT_VERSION,
+    CheckpointError,
+    Checkpointer,
+    RNGState,
+    TrainerState,
+    dcp_load,
+    read_checkpoint,
+    read_dcp_metadata,
     to_json_text,
 )
 
@@ -41,7 +48,11 @@ def test_trainer_and_rng_state_round_trip_exactly(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     random.gauss(0, 1), np.random.standard_normal()  # both generators now hold a cached Gaussian
     saved_rng = rng_state()
-    snapshot = {"step": 7, "skipped_updates_total": 1.5, "components": {"sampler": {"epoch": 2, "position": 16}, "kl": {"value": 0.1 + 0.2}}}
+    snapshot = {
+        "step": 7,
+        "skipped_updates_total": 1.5,
+        "components": {"sampler": {"epoch": 2, "position": 16}, "kl": {"value": 0.1 + 0.2}},
+    }
     dcp.save({"trainer": TrainerState(snapshot), "rng": RNGState(0)}, checkpoint_id=str(tmp_path), no_dist=True)
     assert json.loads(read_checkpoint(tmp_path)["trainer.json"]) == snapshot
 
@@ -57,16 +68,21 @@ def test_trainer_and_rng_state_round_trip_exactly(tmp_path):
     assert random.random() == (random.setstate(saved_rng["python"]) or random.random())  # the same future draws
 
 
-@pytest.mark.parametrize("value, where", [
-    ({"a": (1, 2)}, "a is a builtins.tuple"),
-    ({"a": {"b": np.int64(3)}}, "a.b is a numpy.int64"),
-    ({"a": {1: 2}}, "key 1 of a is a int"),
-    ({"a": [1, torch.ones(1)]}, "a[1] is a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "value, where",
+    [
+        ({"a": (1, 2)}, "a is a builtins.tuple"),
+        ({"a": {"b": np.int64(3)}}, "a.b is a numpy.int64"),
+        ({"a": {1: 2}}, "key 1 of a is a int"),
+        ({"a": [1, torch.ones(1)]}, "a[1] is a torch.Tensor"),
+    ],
+)
 def test_trainer_state_takes_json_types_only(value, where):
     with pytest.raises(TypeError, match=re.escape(f"trainer state: {where}")):
         TrainerState(value).state_dict()
-    assert to_json_text({"ok": [1, 2.5, None, "x", {"y": True}]}, what="x") == '{"ok": [1, 2.5, null, "x", {"y": true}]}'
+    assert (
+        to_json_text({"ok": [1, 2.5, None, "x", {"y": True}]}, what="x") == '{"ok": [1, 2.5, null, "x", {"y": true}]}'
+    )
 
 
 def test_hostile_metadata_is_refused_without_running(tmp_path):
@@ -102,8 +118,11 @@ def write_format_1(path, marker):
     pickle), meta.json with format 1."""
     weights = {"w": torch.arange(4.0)}
     trainer = {"pickle": pickle.dumps(RunsCode(marker))}
-    dcp.save({"actor": {"model": weights}, "trainer": trainer, "rng": {"rank_0": pickle.dumps(RunsCode(marker))}},
-             checkpoint_id=str(path), no_dist=True)
+    dcp.save(
+        {"actor": {"model": weights}, "trainer": trainer, "rng": {"rank_0": pickle.dumps(RunsCode(marker))}},
+        checkpoint_id=str(path),
+        no_dist=True,
+    )
     (path / "meta.json").write_text(json.dumps({"format": 1, "step": 2, "world_size": 1, "trainer_components": []}))
     return weights
 
@@ -115,7 +134,9 @@ def test_format_1_is_refused_with_what_to_do(world_of_one, tmp_path):
     loader = Checkpointer(CheckpointConfig(), output_dir=str(tmp_path), rank=0, world_size=1)
     restored = {}
     with pytest.raises(CheckpointError) as err:
-        loader.load(ckpt, {"trainer": TrainerState(restore=restored.update), "rng": RNGState(0)}, engines={}, components=[])
+        loader.load(
+            ckpt, {"trainer": TrainerState(restore=restored.update), "rng": RNGState(0)}, engines={}, components=[]
+        )
     message = str(err.value)
     assert f"checkpoint {ckpt} is format 1" in message and "Python pickles" in message
     assert f"python scripts/export_hf.py {ckpt} OUT" in message and f"this version (format {FORMAT_VERSION})" in message

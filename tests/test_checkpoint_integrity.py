@@ -17,8 +17,16 @@ from conftest import torchrun
 from rl_run import metrics, rl_args, write_reward
 from rlspmd.config import CheckpointConfig
 from rlspmd.trainer.checkpoint import (
-    DIGEST, CheckpointDamagedError, CheckpointError, Checkpointer, DigestingFileSystemWriter, FileDigests, dcp_load,
-    read_dcp_metadata, share_files, verify_checkpoint,
+    DIGEST,
+    CheckpointDamagedError,
+    CheckpointError,
+    Checkpointer,
+    DigestingFileSystemWriter,
+    FileDigests,
+    dcp_load,
+    read_dcp_metadata,
+    share_files,
+    verify_checkpoint,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -46,7 +54,9 @@ def test_digests_are_those_of_the_bytes_on_disk(tmp_path):
     dcp.save(state(0), storage_writer=DigestingFileSystemWriter(tmp_path / "c", digests), no_dist=True)
     on_disk = {p.name: p.read_bytes() for p in (tmp_path / "c").iterdir()}
     assert set(on_disk) == {".metadata", "__0_0.distcp"}  # .metadata.tmp was renamed, and the record followed it
-    assert digests.files == {name: {"size": len(b), "digest": hashlib.sha256(b).hexdigest()} for name, b in on_disk.items()}
+    assert digests.files == {
+        name: {"size": len(b), "digest": hashlib.sha256(b).hexdigest()} for name, b in on_disk.items()
+    }
     assert DIGEST == "sha256"
 
 
@@ -126,12 +136,18 @@ def test_resume_auto_falls_back_to_the_newest_intact_checkpoint(world_of_one, tm
     assert loader.prepare() == tmp_path / "step_00000002"
     out = capsys.readouterr().out
     for step in (4, 6):
-        assert re.search(rf"rank 0: checkpoint.resume=auto: checkpoint {tmp_path}/step_0000000{step} is damaged: "
-                         rf"{tmp_path}/step_0000000{step}/__0_0.distcp does not match its recorded sha256: expected \w+, "
-                         rf"found \w+; resuming from the newest intact checkpoint step_00000002 instead \(moved "
-                         rf"step_0000000{step} aside to step_0000000{step}.damaged-", out), out
+        assert re.search(
+            rf"rank 0: checkpoint.resume=auto: checkpoint {tmp_path}/step_0000000{step} is damaged: "
+            rf"{tmp_path}/step_0000000{step}/__0_0.distcp does not match its recorded sha256: expected \w+, "
+            rf"found \w+; resuming from the newest intact checkpoint step_00000002 instead \(moved "
+            rf"step_0000000{step} aside to step_0000000{step}.damaged-",
+            out,
+        ), out
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names[:2] == ["latest", "step_00000002"] and [n.split(".")[0] for n in names[2:]] == ["step_00000004", "step_00000006"]
+    assert names[:2] == ["latest", "step_00000002"] and [n.split(".")[0] for n in names[2:]] == [
+        "step_00000004",
+        "step_00000006",
+    ]
     assert all(".damaged-" in n for n in names[2:])
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
     target = {"actor": {"w": torch.zeros(256, 64), "b": torch.zeros(64), "lr": None, "n": None}}
@@ -156,7 +172,9 @@ def test_when_every_checkpoint_is_damaged_auto_stops(world_of_one, tmp_path):
     (tmp_path / "step_00000004" / "meta.json").write_text("{not json")  # a damaged record counts as damage too
     with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged") as err:
         saver(tmp_path).prepare()
-    assert "step_00000004: cannot read meta.json" in str(err.value) and "step_00000002/__0_0.distcp does not match" in str(err.value)
+    assert "step_00000004: cannot read meta.json" in str(
+        err.value
+    ) and "step_00000002/__0_0.distcp does not match" in str(err.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000004"]
 
 
@@ -177,7 +195,9 @@ def test_a_checkpoint_without_digests_still_loads(world_of_one, tmp_path, capsys
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_resume_auto_names_the_damaged_file_and_continues_from_the_previous_checkpoint(tiny_model, arithmetic_data, tmp_path):
+def test_resume_auto_names_the_damaged_file_and_continues_from_the_previous_checkpoint(
+    tiny_model, arithmetic_data, tmp_path
+):
     """2 ranks: a 4-step run saves steps 2 and 4; one byte of rank 1's shard of step 4 is flipped. ``--resume auto``
     names the file on both ranks, resumes from step 2 and trains steps 3 and 4 again, to the same metrics (the run is
     deterministic) and a new, intact step 4."""
@@ -185,13 +205,18 @@ def test_resume_auto_names_the_damaged_file_and_continues_from_the_previous_chec
     torchrun(args, 2)
     first = metrics(tmp_path)
     ckpts = tmp_path / "checkpoints"
-    shard, _ = flip_byte_in_tensor(ckpts / "step_00000004", key="actor.model.hf.model.embed_tokens.weight", file="__1_0.distcp")
+    shard, _ = flip_byte_in_tensor(
+        ckpts / "step_00000004", key="actor.model.hf.model.embed_tokens.weight", file="__1_0.distcp"
+    )
 
     out = torchrun([*args, "--resume", "auto"], 2).stdout
     for rank in (0, 1):
-        assert re.search(rf"\[rlspmd\] rank {rank}: checkpoint.resume=auto: checkpoint {ckpts}/step_00000004 is damaged: "
-                         rf"{shard} does not match its recorded sha256: expected \w+, found \w+; resuming from the newest "
-                         r"intact checkpoint step_00000002 instead", out), out[-4000:]
+        assert re.search(
+            rf"\[rlspmd\] rank {rank}: checkpoint.resume=auto: checkpoint {ckpts}/step_00000004 is damaged: "
+            rf"{shard} does not match its recorded sha256: expected \w+, found \w+; resuming from the newest "
+            r"intact checkpoint step_00000002 instead",
+            out,
+        ), out[-4000:]
     assert "step_00000002 at step 2" in out
     assert metrics(tmp_path) == first  # steps 3 and 4 trained again from step 2, identically
     assert len(list(ckpts.glob("step_00000004.damaged-*"))) == 1

@@ -43,12 +43,15 @@ def test_resume_none_refuses_existing_checkpoints(tmp_path):
         checkpointer(tmp_path, resume="none")._prepare()
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda root: root / "missing", "does not exist"),
-    (lambda root: fake_checkpoint(root, 4, complete=False), "interrupted save"),
-    (lambda root: (root / "step_00000007").mkdir() or root / "step_00000007", "is incomplete"),
-    (lambda root: (root / "elsewhere").mkdir() or root / "elsewhere", "holds no complete checkpoint"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda root: root / "missing", "does not exist"),
+        (lambda root: fake_checkpoint(root, 4, complete=False), "interrupted save"),
+        (lambda root: (root / "step_00000007").mkdir() or root / "step_00000007", "is incomplete"),
+        (lambda root: (root / "elsewhere").mkdir() or root / "elsewhere", "holds no complete checkpoint"),
+    ],
+)
 def test_resume_path_errors_name_the_path(tmp_path, make, message):
     target = make(tmp_path)
     with pytest.raises((FileNotFoundError, ValueError), match=message) as err:
@@ -76,7 +79,9 @@ def test_prune_keeps_the_newest_and_removes_interrupted_saves(tmp_path):
 
 def test_a_file_where_the_directory_should_be(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(PermissionError, match=f"checkpoint.dir={tmp_path / 'file' / 'ckpt'} is not a writable directory"):
+    with pytest.raises(
+        PermissionError, match=f"checkpoint.dir={tmp_path / 'file' / 'ckpt'} is not a writable directory"
+    ):
         checkpointer(tmp_path / "file" / "ckpt")._prepare()
 
 

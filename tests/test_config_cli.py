@@ -18,20 +18,39 @@ def write(tmp_path, body: str):
 
 
 def test_file_then_overrides(tmp_path):
-    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(optim=OptimConfig(lr=3e-4)), rollout=RolloutConfig(n=8))\n")
-    cfg, dry = parse_args(["--config", str(p), "--actor.optim.lr", "1e-6", "--data.train-files", "a.parquet", "b.jsonl"])
+    p = write(
+        tmp_path,
+        "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(optim=OptimConfig(lr=3e-4)), rollout=RolloutConfig(n=8))\n",
+    )
+    cfg, dry = parse_args(
+        ["--config", str(p), "--actor.optim.lr", "1e-6", "--data.train-files", "a.parquet", "b.jsonl"]
+    )
     assert cfg.actor.optim.lr == 1e-6 and cfg.rollout.n == 8 and not dry
     assert cfg.data.train_files == ["a.parquet", "b.jsonl"]
 
 
 def test_a_policy_loss_is_picked_by_name_with_its_own_options_anywhere_on_the_line(tmp_path):
-    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(policy_loss=GSPO(clip_ratio_low=1e-3)))\n")
+    p = write(
+        tmp_path,
+        "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(policy_loss=GSPO(clip_ratio_low=1e-3)))\n",
+    )
     cfg, _ = parse_args(["--config", str(p), "--trainer.total-steps", "3"])
     assert cfg.actor.policy_loss == GSPO(clip_ratio_low=1e-3, clip_ratio_high=4e-4)  # the file's loss, kept
     cfg, _ = parse_args(["--config", str(p), "--actor.policy-loss.clip-ratio-high", "5e-4"])  # the file's loss's option
     assert cfg.actor.policy_loss == GSPO(clip_ratio_low=1e-3, clip_ratio_high=5e-4)
-    cfg, _ = parse_args(["--config", str(p), "actor.policy-loss:sapo", "--actor.policy-loss.tau-neg", "1.2",
-                         "--trainer.total-steps", "3", "--actor.optim.lr", "1e-6"])
+    cfg, _ = parse_args(
+        [
+            "--config",
+            str(p),
+            "actor.policy-loss:sapo",
+            "--actor.policy-loss.tau-neg",
+            "1.2",
+            "--trainer.total-steps",
+            "3",
+            "--actor.optim.lr",
+            "1e-6",
+        ]
+    )
     assert cfg.actor.policy_loss == SAPO(tau_pos=1.0, tau_neg=1.2)
     assert cfg.trainer.total_steps == 3 and cfg.actor.optim.lr == 1e-6
     cfg, _ = parse_args(["--config", str(p), "actor.policy-loss:kl_cov"])  # the Python name works too
@@ -40,18 +59,38 @@ def test_a_policy_loss_is_picked_by_name_with_its_own_options_anywhere_on_the_li
 
 def test_an_option_of_another_policy_loss_is_an_error_naming_it(tmp_path):
     p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(policy_loss=GSPO()))\n")
-    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--config", str(p), "--actor.policy-loss.clip-ratio-c", "2"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlspmd.train", "--config", str(p), "--actor.policy-loss.clip-ratio-c", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
     assert "--actor.policy-loss.clip-ratio-c" in proc.stderr and "actor.policy-loss:ppo-clip" in proc.stderr
 
 
 def test_an_estimator_and_a_kl_controller_are_picked_by_name_with_their_own_options(tmp_path):
-    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(algorithm=AlgorithmConfig(adv_estimator=GAE(lam=0.95)))\n")
-    cfg, _ = parse_args(["--config", str(p), "--algorithm.adv-estimator.gamma", "0.99"])  # the file's estimator's option
+    p = write(
+        tmp_path,
+        "from rlspmd.config import *\nconfig = Config(algorithm=AlgorithmConfig(adv_estimator=GAE(lam=0.95)))\n",
+    )
+    cfg, _ = parse_args(
+        ["--config", str(p), "--algorithm.adv-estimator.gamma", "0.99"]
+    )  # the file's estimator's option
     assert cfg.algorithm.adv_estimator == GAE(gamma=0.99, lam=0.95) and cfg.algorithm.kl_ctrl == FixedKL()
-    cfg, _ = parse_args(["--config", str(p), "algorithm.adv-estimator:grpo", "--algorithm.adv-estimator.norm-adv-by-std", "False",
-                         "algorithm.kl-ctrl:adaptive", "--algorithm.kl-ctrl.target-kl", "0.02", "--algorithm.use-kl-in-reward"])
+    cfg, _ = parse_args(
+        [
+            "--config",
+            str(p),
+            "algorithm.adv-estimator:grpo",
+            "--algorithm.adv-estimator.norm-adv-by-std",
+            "False",
+            "algorithm.kl-ctrl:adaptive",
+            "--algorithm.kl-ctrl.target-kl",
+            "0.02",
+            "--algorithm.use-kl-in-reward",
+        ]
+    )
     assert cfg.algorithm.adv_estimator == GRPO(norm_adv_by_std=False) and cfg.algorithm.use_kl_in_reward
     assert cfg.algorithm.kl_ctrl == AdaptiveKL(target_kl=0.02)
     cfg, _ = parse_args(["algorithm.adv-estimator:reinforce_pp_baseline"])  # the Python name works too
@@ -61,9 +100,15 @@ def test_an_estimator_and_a_kl_controller_are_picked_by_name_with_their_own_opti
 
 
 def test_an_option_of_another_estimator_is_an_error_naming_it(tmp_path):
-    p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(algorithm=AlgorithmConfig(adv_estimator=RLOO()))\n")
-    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--config", str(p), "--algorithm.adv-estimator.lam", "0.9"],
-                          cwd=ROOT, capture_output=True, text=True)
+    p = write(
+        tmp_path, "from rlspmd.config import *\nconfig = Config(algorithm=AlgorithmConfig(adv_estimator=RLOO()))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlspmd.train", "--config", str(p), "--algorithm.adv-estimator.lam", "0.9"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0
     assert "--algorithm.adv-estimator.lam" in proc.stderr and "algorithm.adv-estimator:gae" in proc.stderr
 
@@ -72,13 +117,18 @@ def test_dry_run_listing_names_each_component_with_its_options():
     from rlspmd.startup import flatten
 
     flat = flatten(load_config_file(ROOT / "configs/ppo.py:cpu"))
-    assert flat["algorithm.adv_estimator"] == GAE(lam=0.95) and flat["algorithm.kl_ctrl"] == AdaptiveKL(0.001, 0.02, 1000)
+    assert flat["algorithm.adv_estimator"] == GAE(lam=0.95) and flat["algorithm.kl_ctrl"] == AdaptiveKL(
+        0.001, 0.02, 1000
+    )
     assert "algorithm.adv_estimator = GAE(gamma=1.0, lam=0.95)" in "\n".join(f"{k} = {v!r}" for k, v in flat.items())
     assert flat["actor.policy_loss"].name == "ppo_clip" and flat["algorithm.rollout_correction.mode"] == "auto"
 
 
 def test_config_may_be_a_function(tmp_path):
-    p = write(tmp_path, "from rlspmd.config import *\ndef config():\n    return Config(trainer=TrainerConfig(total_steps=7))\n")
+    p = write(
+        tmp_path,
+        "from rlspmd.config import *\ndef config():\n    return Config(trainer=TrainerConfig(total_steps=7))\n",
+    )
     assert load_config_file(p).trainer.total_steps == 7
 
 
@@ -94,7 +144,9 @@ def test_missing_config_file_and_missing_object(tmp_path):
 
 
 def test_unknown_field_is_rejected_with_its_name():
-    proc = subprocess.run([sys.executable, "-m", "rlspmd.train", "--actor.optim.lrr", "1"], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlspmd.train", "--actor.optim.lrr", "1"], cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode != 0
     assert "--actor.optim.lrr" in proc.stderr
 
@@ -117,8 +169,20 @@ def test_dry_run_prints_layout_4_ranks():
 
 
 def test_dry_run_split_placement_and_bad_degrees():
-    proc = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.actor-ranks", "0-1", "--mesh.rollout-ranks", "2-3",
-                     "--mesh.rollout-tp", "2"], 4)
+    proc = torchrun(
+        [
+            "-m",
+            "rlspmd.train",
+            "--dry-run",
+            "--mesh.actor-ranks",
+            "0-1",
+            "--mesh.rollout-ranks",
+            "2-3",
+            "--mesh.rollout-tp",
+            "2",
+        ],
+        4,
+    )
     assert "placement split" in proc.stdout and "rollout  ranks 2-3" in proc.stdout and "tp=2" in proc.stdout
     bad = torchrun(["-m", "rlspmd.train", "--dry-run", "--mesh.rollout-tp", "3"], 2, check=False)
     assert bad.returncode != 0

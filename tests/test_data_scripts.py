@@ -126,11 +126,15 @@ def test_agent_arithmetic_rows_are_verl_multiturn_and_demonstrations_are_right(t
     splits = agent_arithmetic.generate(num_train=50, num_test=20, num_sft=400, sft_tool_share=0.3, seed=3)
     row = splits["train"][0]
     assert row["prompt"][0]["role"] == "user" and row["extra_info"]["need_tools_kwargs"] is True
-    assert row["extra_info"]["tools_kwargs"] == {"calculator": {"create_kwargs": {"expression": row["extra_info"]["expression"]}}}
+    assert row["extra_info"]["tools_kwargs"] == {
+        "calculator": {"create_kwargs": {"expression": row["extra_info"]["expression"]}}
+    }
     calls = 0
     for r in splits["sft"]:
         m, truth = r["messages"], r["reward_model"]["ground_truth"]
-        assert m[-1] == {"role": "assistant", "content": m[-1]["content"]} and m[-1]["content"].endswith(f"#### {truth}")
+        assert m[-1] == {"role": "assistant", "content": m[-1]["content"]} and m[-1]["content"].endswith(
+            f"#### {truth}"
+        )
         assert str(evaluate(r["extra_info"]["expression"])) == truth
         if len(m) == 4:
             calls += 1
@@ -140,7 +144,9 @@ def test_agent_arithmetic_rows_are_verl_multiturn_and_demonstrations_are_right(t
     assert 0.25 < calls / len(splits["sft"]) < 0.35
     seen = {r["extra_info"]["expression"] for r in splits["train"] + splits["sft"]}
     assert not seen & {r["extra_info"]["expression"] for r in splits["test"]}
-    agent_arithmetic.main(["--out-dir", str(tmp_path), "--num-train", "50", "--num-test", "20", "--num-sft", "400", "--seed", "3"])
+    agent_arithmetic.main(
+        ["--out-dir", str(tmp_path), "--num-train", "50", "--num-test", "20", "--num-sft", "400", "--seed", "3"]
+    )
     assert read_rows(tmp_path / "sft.parquet") == splits["sft"]
     with pytest.raises(ValueError, match="--sft-tool-share"):
         agent_arithmetic.generate(sft_tool_share=1.5)
@@ -150,12 +156,15 @@ def test_agent_arithmetic_rows_are_verl_multiturn_and_demonstrations_are_right(t
 
 FAKE_GSM8K = {
     "train": [
-        {"question": "Ada has 3 pears and buys 4 more. How many pears does she have?",
-         "answer": "She has 3 + 4 = <<3+4=7>>7 pears.\n#### 7"},
-        {"question": "A shop sells 12 boxes of 100 nails. How many nails is that?",
-         "answer": "12 * 100 = <<12*100=1200>>1200 nails.\n#### 1,200"},
-        {"question": "Bo had 10 cards and gave away 12. What is his balance?",
-         "answer": "10 - 12 = -2\n#### -2"},
+        {
+            "question": "Ada has 3 pears and buys 4 more. How many pears does she have?",
+            "answer": "She has 3 + 4 = <<3+4=7>>7 pears.\n#### 7",
+        },
+        {
+            "question": "A shop sells 12 boxes of 100 nails. How many nails is that?",
+            "answer": "12 * 100 = <<12*100=1200>>1200 nails.\n#### 1,200",
+        },
+        {"question": "Bo had 10 cards and gave away 12. What is his balance?", "answer": "10 - 12 = -2\n#### -2"},
     ],
     "test": [
         {"question": "Half of 9 is what?", "answer": "9 / 2 = 4.5\n#### 4.5"},
@@ -181,7 +190,7 @@ def test_gsm8k_official_jsonl_dir(tmp_path):
     for i, (row, record) in enumerate(zip(train, FAKE_GSM8K["train"])):
         check_schema(row, data_source="openai/gsm8k", split="train")
         assert row["prompt"][0]["content"] == (
-            record["question"] + " Let's think step by step and output the final answer after \"####\"."
+            record["question"] + ' Let\'s think step by step and output the final answer after "####".'
         )
         assert row["extra_info"] == {"split": "train", "index": i, **record}
 
@@ -224,14 +233,19 @@ def test_gsm8k_multiturn_keeps_the_single_turn_rows_and_adds_verl_tool_fields(tm
     single, multi = gsm8k.load_splits(tmp_path)["train"], gsm8k_multiturn.from_gsm8k(tmp_path)["train"]
     for s, m in zip(single, multi):
         assert {k: v for k, v in m.items() if k not in ("prompt", "extra_info")} == {
-            k: v for k, v in s.items() if k not in ("prompt", "extra_info")}
+            k: v for k, v in s.items() if k not in ("prompt", "extra_info")
+        }
         assert m["prompt"] == [{"role": "system", "content": gsm8k_multiturn.SYSTEM_PROMPT}, s["prompt"][0]]
         truth = s["reward_model"]["ground_truth"]
-        assert m["extra_info"] == {**s["extra_info"], "need_tools_kwargs": True,
-                                   "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
-                                   "interaction_kwargs": {"name": "gsm8k", "query": s["extra_info"]["question"],
-                                                          "ground_truth": truth}}
-    gsm8k_multiturn.main(["--input", str(tmp_path / "train.jsonl"), "--split", "train", "--out-dir", str(tmp_path / "out")])
+        assert m["extra_info"] == {
+            **s["extra_info"],
+            "need_tools_kwargs": True,
+            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": truth}}},
+            "interaction_kwargs": {"name": "gsm8k", "query": s["extra_info"]["question"], "ground_truth": truth},
+        }
+    gsm8k_multiturn.main(
+        ["--input", str(tmp_path / "train.jsonl"), "--split", "train", "--out-dir", str(tmp_path / "out")]
+    )
     assert read_rows(tmp_path / "out" / "train.parquet") == multi
     write_jsonl(tmp_path / "bad.jsonl", [{"question": "q?", "answer": "no marker"}])
     with pytest.raises(ValueError, match=r"bad\.jsonl: row 0: .*####"):

@@ -45,7 +45,9 @@ def assert_same_gradients(runs: dict, loss_key: str) -> None:
                 # float32 summation order differs with the layout; the absolute tolerance scales with the gradient
                 # (token-sum gradients are ~tokens x larger than token-mean ones)
                 atol = max(1e-6, 1e-5 * float(g.abs().max()))
-                torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=atol, msg=lambda m: f"{mode} {key} {name}: {m}")
+                torch.testing.assert_close(
+                    got["grads"][name], g, rtol=1e-4, atol=atol, msg=lambda m: f"{mode} {key} {name}: {m}"
+                )
 
 
 def test_fsdp2_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
@@ -60,21 +62,34 @@ def test_every_policy_loss_two_rank_gradient_equals_one_rank(tiny_model, tmp_pat
     runs = {}
     for nproc, micro in [(1, 8), (2, 1)]:
         out = tmp_path / f"losses_{nproc}.pt"
-        torchrun([dist_script("policy_grad_check.py"), str(tiny_model), str(out), str(micro), "seq-mean-token-mean",
-                  ",".join(losses)], nproc)
+        torchrun(
+            [
+                dist_script("policy_grad_check.py"),
+                str(tiny_model),
+                str(out),
+                str(micro),
+                "seq-mean-token-mean",
+                ",".join(losses),
+            ],
+            nproc,
+        )
         runs[nproc] = torch.load(out)
     assert len(runs[1]) == len(losses)
     for key, ref in runs[1].items():
         assert runs[2][key]["pg_loss"] == pytest.approx(ref["pg_loss"], rel=1e-5, abs=1e-7), key
         for name, g in ref["grads"].items():
-            torch.testing.assert_close(runs[2][key]["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key} {name}: {m}")
+            torch.testing.assert_close(
+                runs[2][key]["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key} {name}: {m}"
+            )
     pg = {key.split("/")[1]: run["pg_loss"] for key, run in runs[1].items()}
     assert len(set(pg.values())) == len(pg), pg  # each loss computes something different
 
 
 def test_critic_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
     """The clipped value loss's gradient for every aggregation mode."""
-    runs = grads_by_layout("critic_grad_check.py", tiny_model, tmp_path, layouts=((1, 8), (2, 1)))  # ranks and micro-batches
+    runs = grads_by_layout(
+        "critic_grad_check.py", tiny_model, tmp_path, layouts=((1, 8), (2, 1))
+    )  # ranks and micro-batches
     assert_same_gradients(runs, "vf_loss")
     assert 0 < runs[(1, 8)]["token-mean"]["vf_clip_frac"] < 1  # value clipping is exercised
 
@@ -121,10 +136,22 @@ def test_dead_peer_without_agent_times_out(tmp_path):
 
     from conftest import ROOT, free_port
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": "2",
+        "OMP_NUM_THREADS": "1",
+    }
     procs = [
-        subprocess.Popen([sys.executable, dist_script("failure_check.py"), "5"], cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, dist_script("failure_check.py"), "5"],
+            cwd=ROOT,
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(2)
     ]
     t0 = time.monotonic()

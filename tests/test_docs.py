@@ -9,8 +9,13 @@ from conftest import ROOT
 
 
 def test_the_docs_site_builds_strictly(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "agents" / "index.html").is_file()
 

@@ -78,7 +78,15 @@ def test_compute_dtype():
 
 def test_grid_coords_run_tp_fastest():
     assert [grid_coords(i, tp=2, dp=2) for i in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
 
 
 def test_model_parallel_groups_of_one_rank(mesh_of_one):

@@ -48,7 +48,9 @@ def test_missing_config_file(args, tmp_path):
 
 def test_typo_in_config_file_names_file_and_field(args, tmp_path):
     cfg = tmp_path / "bad_cfg.py"
-    cfg.write_text("from rlspmd.config import Config, TrainerConfig\nconfig = Config(trainer=TrainerConfig(totl_steps=3))\n")
+    cfg.write_text(
+        "from rlspmd.config import Config, TrainerConfig\nconfig = Config(trainer=TrainerConfig(totl_steps=3))\n"
+    )
     fails([*args(), "--config", str(cfg)], f"config file {cfg} failed to load", "totl_steps")
 
 
@@ -57,34 +59,77 @@ def test_typo_in_command_line_field(args):
     assert out.count("╭─ Unrecognized options") == 1, "only rank 0 reports a usage error"
 
 
-@pytest.mark.parametrize("extra, problems", [
-    # The issue's list, all at once: each of these used to crash 12-17 s in, after the model had loaded.
-    (["--data.train-batch-size", "0", "--rollout.n", "-1", "--actor.micro-batch-size", "0",
-      "--reward.function", "/nonexistent/reward.py:score"],
-     ["data.train_batch_size=0: must be >= 1", "rollout.n=-1: must be >= 1", "actor.micro_batch_size=0: must be >= 1",
-      "reward.function: file /nonexistent/reward.py does not exist"]),
-    (["--actor.mini-batch-size", "3", "--data.val-batch-size", "0"],
-     ["actor.mini_batch_size=3: does not divide data.train_batch_size=4", "data.val_batch_size=0: must be >= 1"]),
-])
+@pytest.mark.parametrize(
+    "extra, problems",
+    [
+        # The issue's list, all at once: each of these used to crash 12-17 s in, after the model had loaded.
+        (
+            [
+                "--data.train-batch-size",
+                "0",
+                "--rollout.n",
+                "-1",
+                "--actor.micro-batch-size",
+                "0",
+                "--reward.function",
+                "/nonexistent/reward.py:score",
+            ],
+            [
+                "data.train_batch_size=0: must be >= 1",
+                "rollout.n=-1: must be >= 1",
+                "actor.micro_batch_size=0: must be >= 1",
+                "reward.function: file /nonexistent/reward.py does not exist",
+            ],
+        ),
+        (
+            ["--actor.mini-batch-size", "3", "--data.val-batch-size", "0"],
+            ["actor.mini_batch_size=3: does not divide data.train_batch_size=4", "data.val_batch_size=0: must be >= 1"],
+        ),
+    ],
+)
 def test_bad_sizes_and_files_fail_before_anything_loads(args, extra, problems):
     """Every problem knowable from the config is reported at once, naming field and value, on every rank, before a
     model or dataset is read."""
-    out = fails([*args(), *extra], f"invalid configuration ({len(problems)} problem", "nothing was loaded", *problems, within=45)
-    assert out.count(" failed:\n") == 1, "one rank prints the report; the other exits on torchrun's SIGTERM or says it also failed"
+    out = fails(
+        [*args(), *extra], f"invalid configuration ({len(problems)} problem", "nothing was loaded", *problems, within=45
+    )
+    assert out.count(" failed:\n") == 1, (
+        "one rank prints the report; the other exits on torchrun's SIGTERM or says it also failed"
+    )
     assert "Traceback" not in out.split("[rlspmd]")[1], "a configuration error is reported without a traceback"
     assert "train prompts:" not in out and "backend gloo" not in out, "nothing may load before the check"
 
 
 def test_reward_function_that_the_file_does_not_define(args, tmp_path):
-    fn = write_reward(tmp_path, "import os\nos.system('touch ' + os.path.dirname(__file__) + '/imported')\n\ndef other(r, g):\n    return 0.0\n")
-    fails([*args(), "--reward.function", fn], f"reward.function='{fn}': {fn[:-len(':reward')]} has no function 'reward'", within=45)
+    fn = write_reward(
+        tmp_path,
+        "import os\nos.system('touch ' + os.path.dirname(__file__) + '/imported')\n\ndef other(r, g):\n    return 0.0\n",
+    )
+    fails(
+        [*args(), "--reward.function", fn],
+        f"reward.function='{fn}': {fn[: -len(':reward')]} has no function 'reward'",
+        within=45,
+    )
     assert not (tmp_path / "imported").exists(), "the check must not run the user's module"
 
 
 def test_sft_batch_that_does_not_split_over_the_ranks(tiny_model, arithmetic_data, tmp_path):
-    fails(["-m", "rlspmd.sft", "--model.path", str(tiny_model), "--data.train-files", str(arithmetic_data / "sft.parquet"),
-           "--data.batch-size", "3", "--output-dir", str(tmp_path)],
-          "data.batch_size=3: does not split over 2 DP ranks", within=45)
+    fails(
+        [
+            "-m",
+            "rlspmd.sft",
+            "--model.path",
+            str(tiny_model),
+            "--data.train-files",
+            str(arithmetic_data / "sft.parquet"),
+            "--data.batch-size",
+            "3",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        "data.batch_size=3: does not split over 2 DP ranks",
+        within=45,
+    )
 
 
 def test_mesh_degree_that_does_not_divide_the_world(args):
@@ -99,7 +144,10 @@ def test_resume_none_refuses_a_directory_with_checkpoints(args, tmp_path):
 
 
 def test_resume_from_a_missing_checkpoint(args, tmp_path):
-    fails([*args(), "--resume", str(tmp_path / "nope")], f"checkpoint.resume: checkpoint {tmp_path / 'nope'} does not exist")
+    fails(
+        [*args(), "--resume", str(tmp_path / "nope")],
+        f"checkpoint.resume: checkpoint {tmp_path / 'nope'} does not exist",
+    )
 
 
 # -- model ------------------------------------------------------------------------------------------------
@@ -109,10 +157,13 @@ def test_model_path_that_does_not_exist(args, tmp_path):
     fails(args(model=tmp_path / "no_model"), "actor.model.path", f"{tmp_path / 'no_model'} does not exist")
 
 
-@pytest.mark.parametrize("remove, message", [
-    (("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"), "has no tokenizer files"),
-    (("chat_template.jinja",), "has no chat template"),
-])
+@pytest.mark.parametrize(
+    "remove, message",
+    [
+        (("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"), "has no tokenizer files"),
+        (("chat_template.jinja",), "has no chat template"),
+    ],
+)
 def test_model_without_tokenizer_or_chat_template(args, tiny_model, tmp_path, remove, message):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
@@ -158,15 +209,26 @@ def test_empty_prompt_names_the_file_and_row(args, tmp_path):
     rows = {k: v * 6 for k, v in ROW.items()}
     rows["prompt"] = [[{"role": "user", "content": "  " if i == 3 else f"Calculate {i} + 2."}] for i in range(6)]
     path = _write_parquet(tmp_path / "empty.parquet", rows)
-    fails([*args(), "--data.train-files", str(path)], f"data.train_files: {path} row 3: the prompt has no user message with text",
-          "data.empty_prompts=drop")
+    fails(
+        [*args(), "--data.train-files", str(path)],
+        f"data.train_files: {path} row 3: the prompt has no user message with text",
+        "data.empty_prompts=drop",
+    )
 
 
 def test_jsonl_line_cut_in_half_names_the_line(args, tmp_path):
     import json as _json
 
-    lines = [_json.dumps({"data_source": "arithmetic", "prompt": [{"role": "user", "content": f"Calculate {i} + 1."}],
-                          "reward_model": {"style": "rule", "ground_truth": str(i + 1)}}) for i in range(6)]
+    lines = [
+        _json.dumps(
+            {
+                "data_source": "arithmetic",
+                "prompt": [{"role": "user", "content": f"Calculate {i} + 1."}],
+                "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            }
+        )
+        for i in range(6)
+    ]
     lines[4] = lines[4][: len(lines[4]) // 2]
     path = tmp_path / "cut.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -183,8 +245,11 @@ def test_truncated_weights_name_the_file(args, tiny_model, tmp_path):
 
 
 def test_overlong_prompt_names_the_row(args, arithmetic_data):
-    fails([*args(), "--data.overlong-prompts", "error", "--data.max-prompt-length", "8"],
-          f"data.train_files: {arithmetic_data / 'train.parquet'} row 0: prompt has", "> data.max_prompt_length=8")
+    fails(
+        [*args(), "--data.overlong-prompts", "error", "--data.max-prompt-length", "8"],
+        f"data.train_files: {arithmetic_data / 'train.parquet'} row 0: prompt has",
+        "> data.max_prompt_length=8",
+    )
 
 
 def test_peer_failure_is_not_mistaken_for_a_stop_request():
@@ -195,7 +260,6 @@ def test_peer_failure_is_not_mistaken_for_a_stop_request():
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "boom on rank 1" in out and "UNREACHABLE" not in out, out[-3000:]
     assert time.monotonic() - t0 < 20, "the surviving rank waited instead of exiting"
-
 
 
 def test_peer_failure_sigterm_delivered_to_the_watcher_thread_ends_the_process(tmp_path):
@@ -224,7 +288,9 @@ def test_peer_failure_sigterm_delivered_to_the_watcher_thread_ends_the_process(t
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": port}
     env.pop("TORCHELASTIC_RUN_ID", None)
     marker = Path(tempfile.gettempdir()) / f"rlspmd-failed-{port}-{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         t0 = time.monotonic()
@@ -253,8 +319,11 @@ def test_ranks_leave_when_torchrun_is_killed(tiny_model, arithmetic_data, tmp_pa
     so nothing but rlspmd ends them. Every rank must be gone within seconds, having written no metric line and no
     checkpoint after the kill. (Reward workers die with their rank: ``test_rewards.py``.)"""
     out = tmp_path / "run"
-    proc = popen_torchrun(rl_args(tiny_model, arithmetic_data, out, steps=200, extra=["--checkpoint.save-every", "1"]),
-                          2, log=tmp_path / "log")
+    proc = popen_torchrun(
+        rl_args(tiny_model, arithmetic_data, out, steps=200, extra=["--checkpoint.save-every", "1"]),
+        2,
+        log=tmp_path / "log",
+    )
     log = lambda: (tmp_path / "log").read_text()[-3000:]  # noqa: E731
     deadline = time.monotonic() + 180
     while not (out / "checkpoints" / "step_00000001").exists():
@@ -267,7 +336,9 @@ def test_ranks_leave_when_torchrun_is_killed(tiny_model, arithmetic_data, tmp_pa
     proc.wait()
     deadline = time.monotonic() + 20
     while any(_alive(p) for p in ranks.values()):
-        assert time.monotonic() < deadline, f"ranks still running 20 s after the kill: {[p for p in ranks.values() if _alive(p)]}"
+        assert time.monotonic() < deadline, (
+            f"ranks still running 20 s after the kill: {[p for p in ranks.values() if _alive(p)]}"
+        )
         time.sleep(0.1)
     after = (out / "metrics.jsonl").read_text(), sorted(p.name for p in (out / "checkpoints").iterdir())
     assert after == at_kill, "a metric line or a checkpoint was written after torchrun was killed"
@@ -279,12 +350,29 @@ def test_ranks_leave_when_torchrun_is_killed(tiny_model, arithmetic_data, tmp_pa
 def test_a_rank_that_hangs_is_named_and_the_job_ends(args, tmp_path):
     """A reward function sleeps forever on rank 1 (in-process: no reward time limit). Rank 0 warns naming rank 1 and
     the reward stage, and past dist.hang_timeout_s every rank exits non-zero with that message."""
-    fn = write_reward(tmp_path, "import os, time\n\ndef reward(response, ground_truth):\n"
-                                "    if os.environ['RANK'] == '1':\n        time.sleep(10**6)\n    return 0.0\n")
-    out = fails([*args(), "--reward.function", fn, "--reward.timeout-s", "None", "--dist.hang-warn-s", "4", "--dist.hang-timeout-s", "20"],
-                "[rlspmd] hang monitor: rank 1 has been in stage 'reward'",
-                "[rlspmd] hang: rank 1 has been in stage 'reward' of step 0 for 2", "longer than dist.hang_timeout_s=20; ending the job on every rank",
-                "[rlspmd] rank 1: the hang monitor on rank 0 ended the job", within=90)
+    fn = write_reward(
+        tmp_path,
+        "import os, time\n\ndef reward(response, ground_truth):\n"
+        "    if os.environ['RANK'] == '1':\n        time.sleep(10**6)\n    return 0.0\n",
+    )
+    out = fails(
+        [
+            *args(),
+            "--reward.function",
+            fn,
+            "--reward.timeout-s",
+            "None",
+            "--dist.hang-warn-s",
+            "4",
+            "--dist.hang-timeout-s",
+            "20",
+        ],
+        "[rlspmd] hang monitor: rank 1 has been in stage 'reward'",
+        "[rlspmd] hang: rank 1 has been in stage 'reward' of step 0 for 2",
+        "longer than dist.hang_timeout_s=20; ending the job on every rank",
+        "[rlspmd] rank 1: the hang monitor on rank 0 ended the job",
+        within=90,
+    )
     assert out.count("[rlspmd] hang monitor: rank 1 has been in stage 'reward'") >= 2, "the warning repeats"
 
 
@@ -292,16 +380,26 @@ def test_a_rank_that_hangs_is_named_and_the_job_ends(args, tmp_path):
 
 
 def test_reward_function_raising_on_one_rank_ends_every_rank(args, tmp_path):
-    fn = write_reward(tmp_path, "import os\n\ndef reward(response, ground_truth):\n"
-                                "    if os.environ['RANK'] == '1':\n        raise KeyError('no answer field')\n    return 0.0\n")
-    out = fails([*args(), "--reward.function", fn], "reward function reward raised on sample index=",
-                "data_source='arithmetic'", "KeyError: 'no answer field'")
+    fn = write_reward(
+        tmp_path,
+        "import os\n\ndef reward(response, ground_truth):\n"
+        "    if os.environ['RANK'] == '1':\n        raise KeyError('no answer field')\n    return 0.0\n",
+    )
+    out = fails(
+        [*args(), "--reward.function", fn],
+        "reward function reward raised on sample index=",
+        "data_source='arithmetic'",
+        "KeyError: 'no answer field'",
+    )
     assert out.count("[rlspmd] rank 1 failed:") == 1 and "[rlspmd] rank 0 failed:" not in out, out[-4000:]
 
 
 def test_reward_function_returning_a_non_number(args, tmp_path):
     fn = write_reward(tmp_path, "def reward(response, ground_truth):\n    return 'yes'\n")
-    fails([*args(), "--reward.function", fn], "reward function reward returned 'yes' (not a finite number) on sample index=")
+    fails(
+        [*args(), "--reward.function", fn],
+        "reward function reward returned 'yes' (not a finite number) on sample index=",
+    )
 
 
 # -- NaN / Inf --------------------------------------------------------------------------------------------
@@ -314,8 +412,19 @@ HUGE_REWARD = "def reward(response, ground_truth):\n    return 3e38 if len(respo
 @pytest.mark.slow
 def test_non_finite_gradient_stop_names_the_step(args, tmp_path):
     fn = write_reward(tmp_path, HUGE_REWARD)
-    fails([*args(), "--reward.function", fn, "--algorithm.adv-estimator.norm-adv-by-std", "False", "--trainer.nan-policy", "stop"],
-          "FloatingPointError: step 1: non-finite loss or gradient norm", "trainer.nan_policy=stop")
+    fails(
+        [
+            *args(),
+            "--reward.function",
+            fn,
+            "--algorithm.adv-estimator.norm-adv-by-std",
+            "False",
+            "--trainer.nan-policy",
+            "stop",
+        ],
+        "FloatingPointError: step 1: non-finite loss or gradient norm",
+        "trainer.nan_policy=stop",
+    )
 
 
 @pytest.mark.slow
@@ -323,7 +432,17 @@ def test_non_finite_gradient_skip_counts_and_keeps_weights(args, tmp_path, tiny_
     from safetensors.torch import load_file
 
     fn = write_reward(tmp_path, HUGE_REWARD)
-    out = torchrun([*args(), "--reward.function", fn, "--algorithm.adv-estimator.norm-adv-by-std", "False", "--checkpoint.save-hf"], 2).stdout
+    out = torchrun(
+        [
+            *args(),
+            "--reward.function",
+            fn,
+            "--algorithm.adv-estimator.norm-adv-by-std",
+            "False",
+            "--checkpoint.save-hf",
+        ],
+        2,
+    ).stdout
     assert "skipped" in out and "trainer.nan_policy=skip" in out
     rows = [m for m in metrics(tmp_path / "run") if m["step"] > 0]
     assert [m["actor/skipped_updates"] for m in rows] == [2.0, 2.0]  # both mini-batch updates of each step
@@ -339,7 +458,10 @@ def test_non_finite_gradient_skip_counts_and_keeps_weights(args, tmp_path, tiny_
 def test_checkpoint_dir_that_is_not_writable(args, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    fails([*args(), "--checkpoint.dir", str(blocker / "ckpt")], f"checkpoint.dir={blocker / 'ckpt'} is not a writable directory")
+    fails(
+        [*args(), "--checkpoint.dir", str(blocker / "ckpt")],
+        f"checkpoint.dir={blocker / 'ckpt'} is not a writable directory",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -360,9 +482,17 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(args, two_steps, tm
     def limit_file_size():  # checkpoint shards are MBs; metrics and logs stay far below
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 
-    out = fails(args(steps=4), "saving step 4 failed", "the previous checkpoint step_00000002 is intact", preexec_fn=limit_file_size)
+    out = fails(
+        args(steps=4),
+        "saving step 4 failed",
+        "the previous checkpoint step_00000002 is intact",
+        preexec_fn=limit_file_size,
+    )
     # The cause, in the words the failing write left: torch.save's zip writer may report a short write without errno.
-    assert "File too large" in out or "a write came up short: is the disk or quota full, or a file-size limit reached?" in out
+    assert (
+        "File too large" in out
+        or "a write came up short: is the disk or quota full, or a file-size limit reached?" in out
+    )
     assert f"checkpoint.dir (default <trainer.output_dir>/checkpoints)={ckpts}" in out
     assert (ckpts / "latest").read_text().strip() == "step_00000002"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002"]  # the failed .tmp is gone
@@ -373,6 +503,8 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(args, two_steps, tm
 def test_resume_with_an_incompatible_model(two_steps, arithmetic_data, tmp_path):
     ckpts = two_steps / "checkpoints"
     other = load_script("scripts/models/build_tiny.py").build(tmp_path / "wider", intermediate_size=256)
-    fails(rl_args(other, arithmetic_data, tmp_path / "run2", steps=4, extra=["--resume", str(ckpts)]),
-          f"checkpoint {ckpts / 'step_00000002'} was written for a different model",
-          "parameter 'hf.model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the checkpoint but [256, 128]")
+    fails(
+        rl_args(other, arithmetic_data, tmp_path / "run2", steps=4, extra=["--resume", str(ckpts)]),
+        f"checkpoint {ckpts / 'step_00000002'} was written for a different model",
+        "parameter 'hf.model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the checkpoint but [256, 128]",
+    )

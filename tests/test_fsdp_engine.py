@@ -26,10 +26,19 @@ def mesh():
 
 def engine(path, mesh, *, fused: bool) -> FSDPEngine:
     attn = training_attn_implementation("sdpa", packing=True, field_name="attn")
-    module = CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation=attn, field_name="m"), packing=True)
-    return FSDPEngine(module, module.hf, mesh=mesh, device=torch.device("cpu"), fsdp=FSDPConfig(),
-                      optim=OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0), total_optim_steps=10,
-                      fused_optimizer=fused)
+    module = CausalLMPolicy(
+        load_causal_lm(path, dtype="float32", attn_implementation=attn, field_name="m"), packing=True
+    )
+    return FSDPEngine(
+        module,
+        module.hf,
+        mesh=mesh,
+        device=torch.device("cpu"),
+        fsdp=FSDPConfig(),
+        optim=OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0),
+        total_optim_steps=10,
+        fused_optimizer=fused,
+    )
 
 
 def batch(vocab):
@@ -45,6 +54,7 @@ def loss_fn(scale):
         ids, am, pos = mb
         lp, _ = module(ids, am, pos, response_len=6)
         return scale * (lp * am[:, -6:]).sum() / 20
+
     return fn
 
 

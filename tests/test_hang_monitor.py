@@ -48,10 +48,18 @@ def test_stage_probe_publishes_its_stages():
 
 
 def test_blame_and_where():
-    views = [RankView(0, 3, "ref", 50.0, 1.0), RankView(1, 3, "reward", 62.0, 1.0), RankView(2, 3, "ref", 48.0, 1.0),
-             RankView(3, 3, "ref", 49.0, 1.0), RankView(4, None, None, 500.0, 1.0)]
+    views = [
+        RankView(0, 3, "ref", 50.0, 1.0),
+        RankView(1, 3, "reward", 62.0, 1.0),
+        RankView(2, 3, "ref", 48.0, 1.0),
+        RankView(3, 3, "ref", 49.0, 1.0),
+        RankView(4, None, None, 500.0, 1.0),
+    ]
     assert blame(views).rank == 1  # the idle rank 4 has waited longest, but is never blamed
-    assert where(views, interval=5) == "rank 1 in 'reward' of step 3 for 62 s; ranks 0,2-3 in 'ref' of step 3 for up to 50 s; rank 4 idle"
+    assert (
+        where(views, interval=5)
+        == "rank 1 in 'reward' of step 3 for 62 s; ranks 0,2-3 in 'ref' of step 3 for up to 50 s; rank 4 idle"
+    )
     assert blame([RankView(0, None, None, 9.0, 0.0)]) is None
 
 
@@ -59,8 +67,19 @@ def monitors(clock: Clock, *, warn_s=60.0, timeout_s=600.0):
     store = dist.HashStore()
     ended: dict[int, list[str]] = {0: [], 1: []}
     states = {r: Progress(clock) for r in (0, 1)}
-    ms = {r: HangMonitor(store, rank=r, world_size=2, warn_s=warn_s, timeout_s=timeout_s, prefix="test", end_job=ended[r].append,
-                         state=states[r]) for r in (0, 1)}
+    ms = {
+        r: HangMonitor(
+            store,
+            rank=r,
+            world_size=2,
+            warn_s=warn_s,
+            timeout_s=timeout_s,
+            prefix="test",
+            end_job=ended[r].append,
+            state=states[r],
+        )
+        for r in (0, 1)
+    }
     return ms, states, ended
 
 
@@ -79,20 +98,26 @@ def test_warns_naming_rank_stage_step_and_seconds_repeats_then_ends_the_job(caps
 
     assert tick(1059) == ""  # 59 s < dist.hang_warn_s
     first = tick(1060)
-    assert first == ("[rlspmd] hang monitor: rank 1 has been in stage 'reward' of step 3 for 60 s (dist.hang_warn_s=60; the job "
-                     "ends after dist.hang_timeout_s=600). Where the ranks are: rank 1 in 'reward' of step 3 for 60 s; "
-                     "rank 0 in 'ref' of step 3 for 50 s\n")
+    assert first == (
+        "[rlspmd] hang monitor: rank 1 has been in stage 'reward' of step 3 for 60 s (dist.hang_warn_s=60; the job "
+        "ends after dist.hang_timeout_s=600). Where the ranks are: rank 1 in 'reward' of step 3 for 60 s; "
+        "rank 0 in 'ref' of step 3 for 50 s\n"
+    )
     assert tick(1100) == ""  # not again before another dist.hang_warn_s
     assert "rank 1 has been in stage 'reward' of step 3 for 120 s" in tick(1120)
     assert not ended[0] and not ended[1]
     tick(1600)
-    assert ended[0] == ["[rlspmd] hang: rank 1 has been in stage 'reward' of step 3 for 600 s, longer than dist.hang_timeout_s=600; "
-                        "ending the job on every rank. Where the ranks are: rank 1 in 'reward' of step 3 for 600 s; rank 0 in 'ref' "
-                        "of step 3 for 590 s"]
+    assert ended[0] == [
+        "[rlspmd] hang: rank 1 has been in stage 'reward' of step 3 for 600 s, longer than dist.hang_timeout_s=600; "
+        "ending the job on every rank. Where the ranks are: rank 1 in 'reward' of step 3 for 600 s; rank 0 in 'ref' "
+        "of step 3 for 590 s"
+    ]
     ms[1].tick()  # every other rank finds the verdict in the store at its next tick
-    assert ended[1] == ["[rlspmd] rank 1: the hang monitor on rank 0 ended the job: hang: rank 1 has been in stage 'reward' of "
-                        "step 3 for 600 s, longer than dist.hang_timeout_s=600; ending the job on every rank. Where the ranks are: "
-                        "rank 1 in 'reward' of step 3 for 600 s; rank 0 in 'ref' of step 3 for 590 s"]
+    assert ended[1] == [
+        "[rlspmd] rank 1: the hang monitor on rank 0 ended the job: hang: rank 1 has been in stage 'reward' of "
+        "step 3 for 600 s, longer than dist.hang_timeout_s=600; ending the job on every rank. Where the ranks are: "
+        "rank 1 in 'reward' of step 3 for 600 s; rank 0 in 'ref' of step 3 for 590 s"
+    ]
 
 
 def test_a_rank_that_stops_reporting_is_counted_and_named(capsys):
@@ -109,7 +134,9 @@ def test_a_rank_that_stops_reporting_is_counted_and_named(capsys):
     clock.t = 1100
     ms[0].tick(now=1100)
     err = capsys.readouterr().err
-    assert "rank 1 has been in stage 'reward' of step 2 for 100 s" in err and "rank 0 in 'ref' of step 2 for 95 s" in err
+    assert (
+        "rank 1 has been in stage 'reward' of step 2 for 100 s" in err and "rank 0 in 'ref' of step 2 for 95 s" in err
+    )
     assert "rank 1 in 'reward' of step 2 for 100 s (no report from 1 for 70 s)" in err
 
 

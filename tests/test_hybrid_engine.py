@@ -22,12 +22,38 @@ def test_weight_stream_4_ranks_untied_and_split_bridge(tmp_path):
 
 def _two_steps(tmp_path, name, nproc, model, data, *extra):
     out = tmp_path / f"{name}.pt"
-    torchrun([dist_script("split_rollout_check.py"), str(out),
-              "--actor.model.path", str(model), "--data.train-files", str(data / "train.parquet"),
-              "--data.val-files", str(data / "test.parquet"), "--data.train-batch-size", "4",
-              "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--rollout.n", "2",
-              "--rollout.max-response-length", "8", "--actor.optim.lr", "1e-3", "--actor.optim.warmup-steps", "0",
-              "--trainer.loggers", "jsonl", "--trainer.output-dir", str(tmp_path / name), *extra], nproc)
+    torchrun(
+        [
+            dist_script("split_rollout_check.py"),
+            str(out),
+            "--actor.model.path",
+            str(model),
+            "--data.train-files",
+            str(data / "train.parquet"),
+            "--data.val-files",
+            str(data / "test.parquet"),
+            "--data.train-batch-size",
+            "4",
+            "--actor.mini-batch-size",
+            "2",
+            "--actor.micro-batch-size",
+            "4",
+            "--rollout.n",
+            "2",
+            "--rollout.max-response-length",
+            "8",
+            "--actor.optim.lr",
+            "1e-3",
+            "--actor.optim.warmup-steps",
+            "0",
+            "--trainer.loggers",
+            "jsonl",
+            "--trainer.output-dir",
+            str(tmp_path / name),
+            *extra,
+        ],
+        nproc,
+    )
     return torch.load(out)
 
 
@@ -38,8 +64,12 @@ RUNS = {
     "rollout_tp1": [],
     "rollout_tp2": ["--mesh.rollout-tp", "2"],
     # greedy baseline calls and a data-dependent number of generation rounds per step: the rollout ranks follow
-    "remax_dynamic_sampling": ["algorithm.adv-estimator:remax", "--algorithm.filter-groups.enable",
-                               "--algorithm.filter-groups.max-rounds", "3"],
+    "remax_dynamic_sampling": [
+        "algorithm.adv-estimator:remax",
+        "--algorithm.filter-groups.enable",
+        "--algorithm.filter-groups.max-rounds",
+        "3",
+    ],
 }
 
 
@@ -48,9 +78,11 @@ def two_step_runs(request, tiny_model, arithmetic_data, tmp_path_factory):
     """The same two RL steps colocated on 2 ranks and split over 2+2 ranks (same seed and rollout DP layout)."""
     tmp = tmp_path_factory.mktemp(request.param)
     extra = RUNS[request.param]
-    return {"name": request.param,
-            "colocated": _two_steps(tmp, "colocated", 2, tiny_model, arithmetic_data, *extra),
-            "split": _two_steps(tmp, "split", 4, tiny_model, arithmetic_data, *extra, *SPLIT)}
+    return {
+        "name": request.param,
+        "colocated": _two_steps(tmp, "colocated", 2, tiny_model, arithmetic_data, *extra),
+        "split": _two_steps(tmp, "split", 4, tiny_model, arithmetic_data, *extra, *SPLIT),
+    }
 
 
 @pytest.mark.dist
@@ -69,7 +101,13 @@ def test_split_placement_matches_colocated(two_step_runs):
         assert a["weight_sync/loaded_bytes"] == 0 and a["weight_sync/broadcast_bytes"] == 0  # colocated: in place
         assert b["weight_sync/broadcast_bytes"] >= b["weight_sync/loaded_bytes"] > 0  # split: the model crossed
         assert b["weight_sync/gathered_bytes"] > 0 and b["throughput/rollout/gen_tokens_per_s"] > 0
-        for key in ("timing/rollout/weight_sync", "timing/rollout/wake", "timing/rollout/sleep", "timing/rollout/gen", "throughput/rollout/gen_tokens_per_s"):
+        for key in (
+            "timing/rollout/weight_sync",
+            "timing/rollout/wake",
+            "timing/rollout/sleep",
+            "timing/rollout/gen",
+            "throughput/rollout/gen_tokens_per_s",
+        ):
             assert key in a and key in b, key
 
 
@@ -83,13 +121,44 @@ def test_split_placement_stops_checkpoints_and_resumes(two_step_runs, tiny_model
     if two_step_runs["name"] != "rollout_tp1":
         pytest.skip("one resume check is enough (against the rollout_tp1 runs)")
     out = tmp_path / "resume"
-    args = ["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
-            "--reward.function", f"{dist_script('split_rollout_check.py')}:digit_reward",
-            "--data.train-files", str(arithmetic_data / "train.parquet"), "--data.val-files", str(arithmetic_data / "test.parquet"),
-            "--data.train-batch-size", "4", "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--rollout.n", "2",
-            "--rollout.max-response-length", "8", "--actor.optim.lr", "1e-3", "--actor.optim.warmup-steps", "0",
-            "--trainer.total-steps", "2", "--trainer.no-val-before-train", "--trainer.val-every", "0",
-            "--trainer.loggers", "jsonl", "--trainer.output-dir", str(out), *SPLIT]
+    args = [
+        "-m",
+        "rlspmd.train",
+        "--config",
+        "configs/quickstart.py",
+        "--actor.model.path",
+        str(tiny_model),
+        "--reward.function",
+        f"{dist_script('split_rollout_check.py')}:digit_reward",
+        "--data.train-files",
+        str(arithmetic_data / "train.parquet"),
+        "--data.val-files",
+        str(arithmetic_data / "test.parquet"),
+        "--data.train-batch-size",
+        "4",
+        "--actor.mini-batch-size",
+        "2",
+        "--actor.micro-batch-size",
+        "4",
+        "--rollout.n",
+        "2",
+        "--rollout.max-response-length",
+        "8",
+        "--actor.optim.lr",
+        "1e-3",
+        "--actor.optim.warmup-steps",
+        "0",
+        "--trainer.total-steps",
+        "2",
+        "--trainer.no-val-before-train",
+        "--trainer.val-every",
+        "0",
+        "--trainer.loggers",
+        "jsonl",
+        "--trainer.output-dir",
+        str(out),
+        *SPLIT,
+    ]
     first = torchrun([*args, "--trainer.stop-at-step", "1"], 4)
     assert "stopped after step 1" in first.stdout
     torchrun([*args, "--resume", "auto"], 4)
@@ -104,14 +173,20 @@ def _placement_problems(world, *, engine="native", **ranks) -> list[str]:
     """``rlspmd.validate``'s findings about the placement alone (the only check of it, run before anything loads)."""
     cfg = Config(mesh=MeshConfig(**{f"{k}_ranks": v for k, v in ranks.items()}), rollout=RolloutConfig(engine=engine))
     cfg.data.train_batch_size, cfg.actor.mini_batch_size = 60, 60  # divisible by every DP size below
-    return [line for line in config_problems(cfg, world_size=world, check_files=False) if line.startswith(("mesh.", "rollout.engine"))]
+    return [
+        line
+        for line in config_problems(cfg, world_size=world, check_files=False)
+        if line.startswith(("mesh.", "rollout.engine"))
+    ]
 
 
 def test_placement_rules():
     assert _placement_problems(4, engine="vllm") == []  # colocated
     assert _placement_problems(4, actor="0-1", rollout="2-3") == []
     dims = ParallelDims.from_config(MeshConfig(actor_ranks="0-1", rollout_ranks="2-3"), 4)
-    assert dims.role_ranks["ref"] == dims.role_ranks["critic"] == dims.role_ranks["reward"] == [0, 1]  # they follow the actor
+    assert (
+        dims.role_ranks["ref"] == dims.role_ranks["critic"] == dims.role_ranks["reward"] == [0, 1]
+    )  # they follow the actor
     assert _placement_problems(8, actor="0-5", rollout="6-7") == []
     bad = [
         (dict(actor="2-3", rollout="0-1"), "must include rank 0"),
@@ -133,15 +208,49 @@ def test_colocated_native_with_its_own_bf16_copy_is_fed_by_the_stream(tiny_model
     import json
 
     out = tmp_path / "bf16"
-    torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
-              "--data.train-files", str(arithmetic_data / "train.parquet"), "--data.val-files", str(arithmetic_data / "test.parquet"),
-              "--data.train-batch-size", "4", "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--rollout.n", "2",
-              "--rollout.max-response-length", "8", "--rollout.dtype", "bfloat16", "--trainer.total-steps", "2",
-              "--trainer.no-val-before-train", "--trainer.val-every", "0", "--trainer.loggers", "jsonl",
-              "--trainer.output-dir", str(out)], 2)
+    torchrun(
+        [
+            "-m",
+            "rlspmd.train",
+            "--config",
+            "configs/quickstart.py",
+            "--actor.model.path",
+            str(tiny_model),
+            "--data.train-files",
+            str(arithmetic_data / "train.parquet"),
+            "--data.val-files",
+            str(arithmetic_data / "test.parquet"),
+            "--data.train-batch-size",
+            "4",
+            "--actor.mini-batch-size",
+            "2",
+            "--actor.micro-batch-size",
+            "4",
+            "--rollout.n",
+            "2",
+            "--rollout.max-response-length",
+            "8",
+            "--rollout.dtype",
+            "bfloat16",
+            "--trainer.total-steps",
+            "2",
+            "--trainer.no-val-before-train",
+            "--trainer.val-every",
+            "0",
+            "--trainer.loggers",
+            "jsonl",
+            "--trainer.output-dir",
+            str(out),
+        ],
+        2,
+    )
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    n_params = sum(
+        p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model).parameters()
+    )
     for row in rows:
         assert row["weight_sync/loaded_bytes"] == 2 * n_params  # bf16, tied embedding once
-        assert 0 < row["weight_sync/gathered_bytes"] <= row["weight_sync/loaded_bytes"]  # 2 ranks: half comes from the peer
+        assert (
+            0 < row["weight_sync/gathered_bytes"] <= row["weight_sync/loaded_bytes"]
+        )  # 2 ranks: half comes from the peer
         assert 0 < row["rollout/logprob_gap"] < 0.1  # bf16 rollout vs fp32 trainer: small but not zero

@@ -10,7 +10,7 @@ from rlspmd.config import AgentConfig
 from rlspmd.rewards.functions import load_function
 from rlspmd.utils.imports import load_object, module_name_for, split_spec
 
-USER = '''
+USER = """
 import dataclasses
 
 @dataclasses.dataclass
@@ -26,7 +26,7 @@ def score(response, ground_truth):
     return float(response == ground_truth)
 
 NOT_CALLABLE = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -56,17 +56,50 @@ def test_same_stem_in_two_directories_are_two_modules(tmp_path):
     assert [load_function(f"{tmp_path / d / 'tools.py'}:f")() for d in "ab"] == [1, 2]
 
 
-@pytest.mark.parametrize("spec, kind, exc, match", [
-    ("no_colon", "callable", ValueError, r"reward.function='no_colon': expected 'path/to/file.py:function' or 'package.module:function'"),
-    ("file.py:", "callable", ValueError, r"expected 'path/to/file.py:function'"),
-    ("{d}/missing.py:score", "callable", FileNotFoundError, r"reward.function='.*missing.py:score': file .*missing.py does not exist"),
-    ("{f}:nope", "callable", ValueError, r"reward.function='.*user_code.py:nope': .*user_code.py has no function 'nope' \(it defines \['Counter', 'State', 'score'\]\)"),
-    ("{f}:NOT_CALLABLE", "callable", ValueError, r"user_code.py: NOT_CALLABLE is an object of type int \(3\), expected a function or other callable"),
-    ("{f}:score", "class", ValueError, r"user_code.py: score is an object of type function .*expected a class"),
-    ("{d}/raises.py:f", "callable", ValueError, r"reward.function='.*raises.py:f': .*raises.py failed to import: ZeroDivisionError"),
-    ("not_a_module_anywhere.sub:f", "callable", ValueError, r"module 'not_a_module_anywhere.sub' failed to import: ModuleNotFoundError"),
-    ("rlspmd.rewards.rules:nope", "callable", ValueError, r"rlspmd.rewards.rules has no function 'nope'"),
-])
+@pytest.mark.parametrize(
+    "spec, kind, exc, match",
+    [
+        (
+            "no_colon",
+            "callable",
+            ValueError,
+            r"reward.function='no_colon': expected 'path/to/file.py:function' or 'package.module:function'",
+        ),
+        ("file.py:", "callable", ValueError, r"expected 'path/to/file.py:function'"),
+        (
+            "{d}/missing.py:score",
+            "callable",
+            FileNotFoundError,
+            r"reward.function='.*missing.py:score': file .*missing.py does not exist",
+        ),
+        (
+            "{f}:nope",
+            "callable",
+            ValueError,
+            r"reward.function='.*user_code.py:nope': .*user_code.py has no function 'nope' \(it defines \['Counter', 'State', 'score'\]\)",
+        ),
+        (
+            "{f}:NOT_CALLABLE",
+            "callable",
+            ValueError,
+            r"user_code.py: NOT_CALLABLE is an object of type int \(3\), expected a function or other callable",
+        ),
+        ("{f}:score", "class", ValueError, r"user_code.py: score is an object of type function .*expected a class"),
+        (
+            "{d}/raises.py:f",
+            "callable",
+            ValueError,
+            r"reward.function='.*raises.py:f': .*raises.py failed to import: ZeroDivisionError",
+        ),
+        (
+            "not_a_module_anywhere.sub:f",
+            "callable",
+            ValueError,
+            r"module 'not_a_module_anywhere.sub' failed to import: ModuleNotFoundError",
+        ),
+        ("rlspmd.rewards.rules:nope", "callable", ValueError, r"rlspmd.rewards.rules has no function 'nope'"),
+    ],
+)
 def test_errors_name_the_field_the_spec_and_the_file(tmp_path, user_file, spec, kind, exc, match):
     (tmp_path / "raises.py").write_text("x = 1 / 0\n")
     with pytest.raises(exc, match=match):
@@ -89,15 +122,25 @@ def test_split_spec_keeps_colons_in_the_path():
 
 
 def test_every_agent_field_uses_it(user_file):
-    with pytest.raises(ValueError, match=r"rollout.agent.tools\[0\]='x': neither a registered name \(calc_gsm8k_reward, "
-                                          r"calculator, gsm8k_answer, python\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.agent.tools\[0\]='x': neither a registered name \(calc_gsm8k_reward, "
+        r"calculator, gsm8k_answer, python\)",
+    ):
         load_tools(AgentConfig(tools=["x"]))
-    with pytest.raises(ValueError, match=r"rollout.agent.tools\[0\]=.*user_code.py: score is an object of type function"):
+    with pytest.raises(
+        ValueError, match=r"rollout.agent.tools\[0\]=.*user_code.py: score is an object of type function"
+    ):
         load_tools(AgentConfig(tools=[f"{user_file}:score"]))
-    with pytest.raises(FileNotFoundError, match=r"rollout.agent.parser=.*missing.py:P': file .*missing.py does not exist"):
+    with pytest.raises(
+        FileNotFoundError, match=r"rollout.agent.parser=.*missing.py:P': file .*missing.py does not exist"
+    ):
         load_parser(AgentConfig(parser=f"{user_file.parent}/missing.py:P"))
     with pytest.raises(ValueError, match=r"rollout.agent.interaction='gsm9k': neither a registered name \(gsm8k\)"):
         load_interaction(AgentConfig(interaction="gsm9k"))
-    with pytest.raises(ValueError, match=r"rollout.agent.interaction=.*user_code.py has no class 'Nope' \(it defines "
-                                          r"\['Counter', 'State'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.agent.interaction=.*user_code.py has no class 'Nope' \(it defines "
+        r"\['Counter', 'State'\]\)",
+    ):
         load_interaction(AgentConfig(interaction=f"{user_file}:Nope"))

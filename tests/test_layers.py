@@ -82,7 +82,7 @@ def test_the_import_graph_has_no_circle():
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]) if nxt in path else f"{node} -> {nxt}")
+                circles.append(" -> ".join(path[path.index(nxt) :] + [nxt]) if nxt in path else f"{node} -> {nxt}")
             elif nxt not in state:
                 visit(nxt, [*path, nxt])
         state[node] = 2

@@ -50,15 +50,27 @@ def test_lora_policy_reference_and_rollout_on_two_ranks(tiny_model, tmp_path):
 
 def test_merge_lora_renames_and_merges_a_unit():
     g = torch.Generator().manual_seed(0)
-    w, a, b, bias = (torch.randn(6, 4, generator=g), torch.randn(2, 4, generator=g), torch.randn(6, 2, generator=g),
-                     torch.randn(6, generator=g))
-    unit = [("l.q.base_layer.weight", w), ("l.q.base_layer.bias", bias), ("l.q.lora_A.default.weight", a),
-            ("l.q.lora_B.default.weight", b), ("l.norm.weight", torch.ones(4))]
+    w, a, b, bias = (
+        torch.randn(6, 4, generator=g),
+        torch.randn(2, 4, generator=g),
+        torch.randn(6, 2, generator=g),
+        torch.randn(6, generator=g),
+    )
+    unit = [
+        ("l.q.base_layer.weight", w),
+        ("l.q.base_layer.bias", bias),
+        ("l.q.lora_A.default.weight", a),
+        ("l.q.lora_B.default.weight", b),
+        ("l.norm.weight", torch.ones(4)),
+    ]
     out = dict(merge_lora(unit, 0.5))
     assert list(out) == ["l.q.weight", "l.q.bias", "l.norm.weight"]
     torch.testing.assert_close(out["l.q.weight"], w + 0.5 * b @ a)
     assert torch.equal(out["l.q.bias"], bias)
-    assert list(peft_adapter_state(dict(unit))) == ["base_model.model.l.q.lora_A.weight", "base_model.model.l.q.lora_B.weight"]
+    assert list(peft_adapter_state(dict(unit))) == [
+        "base_model.model.l.q.lora_A.weight",
+        "base_model.model.l.q.lora_B.weight",
+    ]
 
 
 def test_unknown_target_modules_name_the_field():
@@ -67,15 +79,33 @@ def test_unknown_target_modules_name_the_field():
     from rlspmd.models.lora import apply_lora
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     with pytest.raises(ValueError, match=r"actor\.lora\.target_modules=\['qkv'\]"):
         apply_lora(model, LoraConfig(rank=2, target_modules=["qkv"]))
 
 
 # one optimiser step per RL step (mini-batch = the step's 4 prompts): step 1's KL is measured before any update
-LORA = ["--actor.lora.rank", "4", "--actor.lora.alpha", "8", "--actor.optim.lr", "1e-2", "--actor.kl-loss-coef", "0.1",
-        "--actor.mini-batch-size", "4"]
+LORA = [
+    "--actor.lora.rank",
+    "4",
+    "--actor.lora.alpha",
+    "8",
+    "--actor.optim.lr",
+    "1e-2",
+    "--actor.kl-loss-coef",
+    "0.1",
+    "--actor.mini-batch-size",
+    "4",
+]
 
 
 @pytest.mark.dist
@@ -98,13 +128,20 @@ def test_lora_run_resumes_exactly_and_exports_merged_model_and_peft_adapter(tiny
     assert not any("embed_tokens" in k or "layernorm" in k for k in state if k.startswith("actor.optim."))
 
     exported = tmp_path / "export"
-    subprocess.run([sys.executable, "scripts/export_hf.py", str(final), str(exported)], cwd=ROOT, check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(final), str(exported)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(str(exported)).eval()
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_model)), str(exported / "adapter")).eval()
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(tiny_model)), str(exported / "adapter")
+    ).eval()
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model)).eval()
     ids = torch.randint(3, 800, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -112,7 +149,10 @@ def test_lora_run_resumes_exactly_and_exports_merged_model_and_peft_adapter(tiny
     torch.testing.assert_close(lp_merged, lp_peft, rtol=0, atol=1e-4)
     assert (lp_merged - lp_base).abs().max() > 1e-3
     # checkpoint.save_hf wrote the same merged weights during the run
-    saved_hf, exported_sd = load_file(str(final / "hf" / "model.safetensors")), load_file(str(exported / "model.safetensors"))
+    saved_hf, exported_sd = (
+        load_file(str(final / "hf" / "model.safetensors")),
+        load_file(str(exported / "model.safetensors")),
+    )
     # the run's save also writes the tied head's alias (its state dict is torch's, which names both); the same tensor
     assert saved_hf.keys() - {"lm_head.weight"} == exported_sd.keys()
     if "lm_head.weight" in saved_hf:

@@ -32,8 +32,16 @@ pytestmark = pytest.mark.dist
 
 RECORD = os.environ.get("RLSPMD_RECORD_LOSS_PARITY") == "1"
 FILE = ROOT / "tests" / "data" / "loss_parity.json"
-KEYS = ("reward/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
-        "critic/grad_norm", "critic/value_mse")
+KEYS = (
+    "reward/mean",
+    "actor/pg_loss",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "critic/value_mse",
+)
 RUNS = {
     "grpo": [],
     "ppo": ["algorithm.adv-estimator:gae", "--critic.mini-batch-size", "2", "--critic.micro-batch-size", "4"],
@@ -51,9 +59,22 @@ def runs(tiny_model, arithmetic_data, tmp_path_factory):
         key = f"{algo}-{nproc}"
         if key not in done:
             out = tmp_path_factory.mktemp(key) / "run"
-            args = rl_args(tiny_model, arithmetic_data, out, steps=3, reward=reward,
-                           extra=["--trainer.val-every", "0", "--trainer.no-val-before-train",
-                                  "--checkpoint.no-save-final", "--checkpoint.save-every", "0", *RUNS[algo]])
+            args = rl_args(
+                tiny_model,
+                arithmetic_data,
+                out,
+                steps=3,
+                reward=reward,
+                extra=[
+                    "--trainer.val-every",
+                    "0",
+                    "--trainer.no-val-before-train",
+                    "--checkpoint.no-save-final",
+                    "--checkpoint.save-every",
+                    "0",
+                    *RUNS[algo],
+                ],
+            )
             proc = run_torchrun(args, nproc, timeout=300)
             assert proc.returncode == 0, proc.stderr[-4000:]
             done[key] = [{k: r[k] for k in KEYS if k in r} for r in metrics(out)]

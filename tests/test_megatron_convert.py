@@ -65,8 +65,9 @@ def test_round_trip_is_exact(fixture, request):
 
 
 def test_round_trip_untied_llama(tmp_path):
-    model_dir = load_script("scripts/models/build_tiny.py").build(tmp_path / "m", arch="llama", tie_embeddings=False,
-                                                                  num_layers=2)
+    model_dir = load_script("scripts/models/build_tiny.py").build(
+        tmp_path / "m", arch="llama", tie_embeddings=False, num_layers=2
+    )
     arch = arch_of(model_dir)
     hf = hf_state(model_dir)
     m = mc.hf_to_megatron(hf, arch)
@@ -86,18 +87,27 @@ def test_tp_shards_are_megatrons_layout(tiny_model, tp):
     def shards(name):
         return [mc.tp_shard(name, [hf[h] for h in mc.hf_names_of(name)], arch, tp=tp, tp_rank=r) for r in range(tp)]
 
-    for name in ("decoder.layers.1.self_attention.linear_qkv.weight", "decoder.layers.1.self_attention.linear_qkv.bias",
-                 "embedding.word_embeddings.weight"):
+    for name in (
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "decoder.layers.1.self_attention.linear_qkv.bias",
+        "embedding.word_embeddings.weight",
+    ):
         assert torch.equal(torch.cat(shards(name)), m[name]), name
     for name in ("decoder.layers.1.self_attention.linear_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight"):
         assert torch.equal(torch.cat(shards(name), dim=1), m[name]), name
     gate, up = hf["model.layers.1.mlp.gate_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]
     for r, s in enumerate(shards("decoder.layers.1.mlp.linear_fc1.weight")):
         assert torch.equal(s, torch.cat([gate.chunk(tp)[r], up.chunk(tp)[r]]))
-    assert all(torch.equal(s, hf["model.layers.1.input_layernorm.weight"]) for s in shards("decoder.layers.1.input_layernorm.weight"))
+    assert all(
+        torch.equal(s, hf["model.layers.1.input_layernorm.weight"])
+        for s in shards("decoder.layers.1.input_layernorm.weight")
+    )
     # A rank's QKV shard holds whole query groups: splitting it with the local KV-head count gives the HF chunks.
-    q, k, v = mc.split_qkv(shards("decoder.layers.1.self_attention.linear_qkv.weight")[1],
-                           num_kv_heads=arch.num_kv_heads // tp, head_dim=arch.head_dim)
+    q, k, v = mc.split_qkv(
+        shards("decoder.layers.1.self_attention.linear_qkv.weight")[1],
+        num_kv_heads=arch.num_kv_heads // tp,
+        head_dim=arch.head_dim,
+    )
     assert torch.equal(q, hf["model.layers.1.self_attn.q_proj.weight"].chunk(tp)[1])
     assert torch.equal(k, hf["model.layers.1.self_attn.k_proj.weight"].chunk(tp)[1])
 
@@ -105,8 +115,17 @@ def test_tp_shards_are_megatrons_layout(tiny_model, tp):
 def test_arch_from_config(tiny_model, tiny_llama):
     a = arch_of(tiny_model)
     assert (a.model_type, a.num_layers, a.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.ffn_hidden_size) == (
-        "qwen2", 4, 128, 4, 2, 32, 352)
-    assert a.qkv_bias and a.tie_embeddings and a.rope_theta == 10000.0 and a.rms_norm_eps == 1e-6 and a.vocab_size == 896
+        "qwen2",
+        4,
+        128,
+        4,
+        2,
+        32,
+        352,
+    )
+    assert (
+        a.qkv_bias and a.tie_embeddings and a.rope_theta == 10000.0 and a.rms_norm_eps == 1e-6 and a.vocab_size == 896
+    )
     b = arch_of(tiny_llama)
     assert b.model_type == "llama" and not b.qkv_bias and b.heads_per_group == 2
     # transformers 4.x layout: rope_theta at the top level
@@ -115,13 +134,16 @@ def test_arch_from_config(tiny_model, tiny_llama):
     assert mc.megatron_arch(old, field_name="m").rope_theta == 5e5
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"model_type": "gemma"}, "model_type='gemma'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
-    ({"use_sliding_window": True}, "use_sliding_window"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": "gemma"}, "model_type='gemma'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
+    ],
+)
 def test_unsupported_configs_name_the_key(tiny_model, change, match):
     cfg = {**json.loads((tiny_model / "config.json").read_text()), **change}
     with pytest.raises(ValueError, match=match) as e:
@@ -159,18 +181,25 @@ def test_hf_shapes_are_the_checkpoints(fixture, request):
     hf = hf_state(model_dir)
     shapes = mc.hf_shapes(arch_of(model_dir))
     assert shapes == {k: tuple(v.shape) for k, v in hf.items()}
-    assert list(shapes)[0] == "model.embed_tokens.weight" and list(shapes)[-1] in ("model.norm.weight", "lm_head.weight")
+    assert list(shapes)[0] == "model.embed_tokens.weight" and list(shapes)[-1] in (
+        "model.norm.weight",
+        "lm_head.weight",
+    )
 
 
 def test_stage_names_split_the_model():
     """Two stages of an untied 4-layer model: the embedding on the first, norm and head on the last, together every
     name once; one stage (first and last) holds the whole model."""
     arch = mc.MegatronArch("llama", 4, 8, 16, 2, 1, 4, 32, 64, 1e-6, 1e4, qkv_bias=False, tie_embeddings=False)
-    stages = [mc.stage_names(arch, mc.stage_layers(4, pp=2, pp_rank=r), first=r == 0, last=r == 1, with_head=True)
-              for r in (0, 1)]
+    stages = [
+        mc.stage_names(arch, mc.stage_layers(4, pp=2, pp_rank=r), first=r == 0, last=r == 1, with_head=True)
+        for r in (0, 1)
+    ]
     assert stages[0][0] == "embedding.word_embeddings.weight" and stages[0][-1].startswith("decoder.layers.1.")
-    assert stages[1][0].startswith("decoder.layers.2.") and stages[1][-2:] == ["decoder.final_layernorm.weight",
-                                                                             "output_layer.weight"]
+    assert stages[1][0].startswith("decoder.layers.2.") and stages[1][-2:] == [
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    ]
     assert stages[0] + stages[1] == mc.megatron_names(arch)
     assert mc.stage_names(arch, range(4), first=True, last=True, with_head=True) == mc.megatron_names(arch)
 
@@ -184,10 +213,8 @@ def test_grid_coords_tp_fastest():
 def test_front_pack_moves_valid_tokens_first():
     """Left-padded prompt + right-padded response -> each row's valid tokens from index 0; response columns map to
     their index there (the position id), which is what RoPE and the head read."""
-    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0],
-                        [0, 4, 5, 6, 7, 0, 0]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0],
-                         [0, 1, 1, 1, 1, 0, 0]])
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 0], [0, 4, 5, 6, 7, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0]])
     fp = front_pack(ids, mask, response_len=3)
     assert fp.ids_BW.tolist() == [[5, 6, 7, 8], [4, 5, 6, 7]]
     assert fp.lengths_B.tolist() == [4, 4]
@@ -201,8 +228,9 @@ def test_an_engine_is_picked_by_name_with_its_own_options(capsys):
     from rlspmd.config import FSDPConfig, MegatronConfig, ignored_settings
     from rlspmd.train import parse_args
 
-    cfg, _ = parse_args(["actor.engine:megatron", "--actor.engine.tp", "2", "critic.engine:megatron",
-                         "algorithm.adv-estimator:gae"])
+    cfg, _ = parse_args(
+        ["actor.engine:megatron", "--actor.engine.tp", "2", "critic.engine:megatron", "algorithm.adv-estimator:gae"]
+    )
     assert cfg.actor.engine == MegatronConfig(tp=2) and cfg.critic.engine == MegatronConfig()
     assert ignored_settings(cfg) == []
     cfg, _ = parse_args(["--actor.engine.cpu-offload"])  # the default engine's options need no subcommand

@@ -21,7 +21,9 @@ import torch
 
 from conftest import ROOT, dist_script, load_script, torchrun
 
-HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAS_MEGATRON = (
+    importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+)
 needs_megatron = pytest.mark.skipif(not HAS_MEGATRON, reason="needs megatron-core (pip install -e '.[megatron]')")
 
 STATE_KEYS = ("model", "exp_avg", "exp_avg_sq", "step")
@@ -29,15 +31,17 @@ STATE_KEYS = ("model", "exp_avg", "exp_avg_sq", "step")
 
 def test_without_megatron_rlspmd_imports_and_the_engine_says_how_to_install(tiny_model):
     """rlspmd never imports megatron-core at import time; building a megatron module without it is a clear ImportError."""
-    code = ("import sys; sys.modules['megatron'] = None; sys.modules['megatron.core'] = None\n"
-            "import rlspmd.config, rlspmd.engines.megatron, rlspmd.models.megatron_convert\n"
-            "assert 'third_party.megatron_adapter' not in sys.modules\n"
-            "from rlspmd.config import MegatronConfig\n"
-            "from rlspmd.engines.megatron import build_megatron_module\n"
-            "try:\n"
-            f"    build_megatron_module('policy', {str(tiny_model)!r}, mesh=None, device=None, cfg=MegatronConfig())\n"
-            "except ImportError as e:\n"
-            "    print('IMPORT ERROR:', e)\n")
+    code = (
+        "import sys; sys.modules['megatron'] = None; sys.modules['megatron.core'] = None\n"
+        "import rlspmd.config, rlspmd.engines.megatron, rlspmd.models.megatron_convert\n"
+        "assert 'third_party.megatron_adapter' not in sys.modules\n"
+        "from rlspmd.config import MegatronConfig\n"
+        "from rlspmd.engines.megatron import build_megatron_module\n"
+        "try:\n"
+        f"    build_megatron_module('policy', {str(tiny_model)!r}, mesh=None, device=None, cfg=MegatronConfig())\n"
+        "except ImportError as e:\n"
+        "    print('IMPORT ERROR:', e)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "IMPORT ERROR: the megatron engine needs megatron-core" in proc.stdout
@@ -46,17 +50,26 @@ def test_without_megatron_rlspmd_imports_and_the_engine_says_how_to_install(tiny
 
 def assert_engines_agree(ref: dict, got: dict, *, what: str) -> None:
     """Same outputs, gradient and update (float32, different kernels: tolerances at float32 rounding)."""
-    torch.testing.assert_close(got["logprobs"], ref["logprobs"], rtol=0, atol=1e-5, msg=lambda m: f"{what} logprobs: {m}")
+    torch.testing.assert_close(
+        got["logprobs"], ref["logprobs"], rtol=0, atol=1e-5, msg=lambda m: f"{what} logprobs: {m}"
+    )
     torch.testing.assert_close(got["entropy"], ref["entropy"], rtol=0, atol=2e-5, msg=lambda m: f"{what} entropy: {m}")
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), what
     assert got["lr"] == ref["lr"]
     assert sorted(got["model"]) == sorted(ref["model"]), what  # the FSDP root module's names, tied head included
     assert sorted(got["exp_avg"]) == sorted(ref["exp_avg"]), what
     for name, m in ref["exp_avg"].items():  # 0.1 x the clipped gradient
-        torch.testing.assert_close(got["exp_avg"][name], m, rtol=1e-4, atol=1e-5 * float(m.abs().max()) + 1e-12,
-                                   msg=lambda msg: f"{what} gradient of {name}: {msg}")
+        torch.testing.assert_close(
+            got["exp_avg"][name],
+            m,
+            rtol=1e-4,
+            atol=1e-5 * float(m.abs().max()) + 1e-12,
+            msg=lambda msg: f"{what} gradient of {name}: {msg}",
+        )
     for name, w in ref["model"].items():
-        torch.testing.assert_close(got["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{what} {name} after the update: {m}")
+        torch.testing.assert_close(
+            got["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{what} {name} after the update: {m}"
+        )
 
 
 def assert_same_state(a: dict, b: dict, *, what: str) -> None:
@@ -68,7 +81,9 @@ def assert_same_state(a: dict, b: dict, *, what: str) -> None:
 
 
 def untied_llama(tmp_path: Path) -> Path:
-    return load_script("scripts/models/build_tiny.py").build(tmp_path / "llama_untied", arch="llama", tie_embeddings=False)
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path / "llama_untied", arch="llama", tie_embeddings=False
+    )
 
 
 def run_single(out: Path, models: list[Path]) -> dict:
@@ -155,22 +170,33 @@ def assert_pipeline_matches(ref: dict, ranks: list[dict], models: list[str], *, 
             assert g["lr"] == want["lr"]
         merged = merged_stages(got)
         assert sorted(merged["model"]) == sorted(want["model"]), (what, model)
-        for name, m in want["exp_avg"].items():  # 0.1 x the clipped gradient, summed over micro-batches in another order
-            torch.testing.assert_close(merged["exp_avg"][name], m, rtol=0, atol=1e-5 * float(m.abs().max()) + 1e-12,
-                                       msg=lambda msg: f"{what} {model} gradient of {name}: {msg}")
+        for name, m in want[
+            "exp_avg"
+        ].items():  # 0.1 x the clipped gradient, summed over micro-batches in another order
+            torch.testing.assert_close(
+                merged["exp_avg"][name],
+                m,
+                rtol=0,
+                atol=1e-5 * float(m.abs().max()) + 1e-12,
+                msg=lambda msg: f"{what} {model} gradient of {name}: {msg}",
+            )
         # Adam's first step moves every weight by ~lr: elements whose gradient is ~eps amplify float32 rounding.
         for name, w in want["model"].items():
-            torch.testing.assert_close(merged["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{what} {model} {name}: {m}")
+            torch.testing.assert_close(
+                merged["model"][name], w, rtol=0, atol=5e-5, msg=lambda m: f"{what} {model} {name}: {m}"
+            )
     for r, res in enumerate(ranks):
         torch.testing.assert_close(res["values"], ref["values"][rows[r]], rtol=0, atol=1e-6)
     full = ref["full_state_dict"]
     assert all(res["full_state_dict"] == {} for res in ranks[1:])  # on the mesh's first rank only
     assert sorted(ranks[0]["full_state_dict"]) == sorted(full)
     for name, t in ranks[0]["full_state_dict"].items():
-        torch.testing.assert_close(t, full[name], rtol=0, atol=5e-5, msg=lambda m: f"{what} full_state_dict {name}: {m}")
+        torch.testing.assert_close(
+            t, full[name], rtol=0, atol=5e-5, msg=lambda m: f"{what} full_state_dict {name}: {m}"
+        )
     streams = [res["stream"] for res in ranks]
     for stream in streams:
-        assert [n for n, _ in stream] == [k[len("hf."):] for k in full if k != "hf.lm_head.weight"]  # tied head once
+        assert [n for n, _ in stream] == [k[len("hf.") :] for k in full if k != "hf.lm_head.weight"]  # tied head once
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(stream, streams[0]))  # every rank streams the same
     assert all(torch.equal(t, ranks[0]["full_state_dict"]["hf." + n]) for n, t in streams[0])
     assert all(res["param_shapes"] == ref["param_shapes"] for res in ranks)
@@ -199,7 +225,9 @@ def test_pipeline_parallel_matches_one_rank(tiny_model, tmp_path):
         got = [res[model]["megatron"]["model"] for res in ranks]
         assert set(got[0]).isdisjoint(got[1]) == (model == str(llama))
     assert_pipeline_matches(ref, ranks, models, what="pp=2")
-    torchrun([dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2_tp1"], 1, timeout=900)
+    torchrun(
+        [dist_script("megatron_check.py"), "reshard", str(tmp_path), str(tiny_model), "ckpt_pp2_tp1"], 1, timeout=900
+    )
     resharded = torch.load(tmp_path / "reshard_rank0.pt", weights_only=False)["state"]
     assert_same_state(merged_stages([res["saved"] for res in ranks]), resharded, what="pp=2 checkpoint loaded at pp=1")
     torchrun([dist_script("megatron_check.py"), "pipeline_tp", str(tmp_path), *models], 4, timeout=900)
@@ -214,17 +242,53 @@ def test_trainer_with_pipeline_stages_logs_what_one_stage_logs(tiny_model, arith
     """PPO (GAE) through the trainer with the actor and the critic on ``engine=megatron``, at pp=2 and at pp=1 (2 ranks,
     2 steps): the loss functions' metrics, recorded on the last stage for both ranks' rows, reduce to the same values
     as with every rank recording its own, and the second step sees the same updated policy and critic."""
+
     def run(pp: int) -> list[dict]:
         out = tmp_path / f"pp{pp}"
-        torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--actor.model.path", str(tiny_model),
-                  "--data.train-files", str(arithmetic_data / "train.parquet"),
-                  "--data.val-files", str(arithmetic_data / "test.parquet"),
-                  "--data.train-batch-size", "4", "--actor.mini-batch-size", "4", "--actor.micro-batch-size", "2",
-                  "--critic.mini-batch-size", "4", "--critic.micro-batch-size", "2", "algorithm.adv-estimator:gae",
-                  "--rollout.n", "2", "--rollout.max-response-length", "8", "--data.max-val-samples", "8",
-                  "--trainer.total-steps", "2", "--trainer.val-every", "0", "--trainer.output-dir", str(out),
-                  "actor.engine:megatron", "--actor.engine.pp", str(pp),
-                  "critic.engine:megatron", "--critic.engine.pp", str(pp)], 2)
+        torchrun(
+            [
+                "-m",
+                "rlspmd.train",
+                "--config",
+                "configs/quickstart.py",
+                "--actor.model.path",
+                str(tiny_model),
+                "--data.train-files",
+                str(arithmetic_data / "train.parquet"),
+                "--data.val-files",
+                str(arithmetic_data / "test.parquet"),
+                "--data.train-batch-size",
+                "4",
+                "--actor.mini-batch-size",
+                "4",
+                "--actor.micro-batch-size",
+                "2",
+                "--critic.mini-batch-size",
+                "4",
+                "--critic.micro-batch-size",
+                "2",
+                "algorithm.adv-estimator:gae",
+                "--rollout.n",
+                "2",
+                "--rollout.max-response-length",
+                "8",
+                "--data.max-val-samples",
+                "8",
+                "--trainer.total-steps",
+                "2",
+                "--trainer.val-every",
+                "0",
+                "--trainer.output-dir",
+                str(out),
+                "actor.engine:megatron",
+                "--actor.engine.pp",
+                str(pp),
+                "critic.engine:megatron",
+                "--critic.engine.pp",
+                str(pp),
+            ],
+            2,
+        )
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     one, two = run(1), run(2)
@@ -258,7 +322,9 @@ def test_gpu_one_rank_matches_fsdp(tiny_model, tmp_path):
 @pytest.mark.gpu
 @needs_megatron
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(not (Q05 / "config.json").is_file(), reason=f"needs Qwen2.5-0.5B-Instruct at {Q05} (RLSPMD_Q05_MODEL)")
+@pytest.mark.skipif(
+    not (Q05 / "config.json").is_file(), reason=f"needs Qwen2.5-0.5B-Instruct at {Q05} (RLSPMD_Q05_MODEL)"
+)
 def test_gpu_q05_matches_fsdp(tmp_path):
     r = run_single(tmp_path, [Q05])
     assert_engines_agree(r[str(Q05)]["fsdp"], r[str(Q05)]["megatron"], what="q05")

@@ -113,8 +113,17 @@ def test_tiny_variants(tmp_path, tiny):
     from safetensors import safe_open
 
     out = build_tiny.build(
-        tmp_path / "bench", arch="llama", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=1,
-        intermediate_size=128, vocab_size=8192, tie_embeddings=False, dtype="bfloat16", seed=1,
+        tmp_path / "bench",
+        arch="llama",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=1,
+        intermediate_size=128,
+        vocab_size=8192,
+        tie_embeddings=False,
+        dtype="bfloat16",
+        seed=1,
     )
     config = json.loads((out / "config.json").read_text())
     assert (config["model_type"], config["vocab_size"], config["tie_word_embeddings"]) == ("llama", 8192, False)

@@ -15,7 +15,10 @@ PROMPTS = ["Calculate 1 + 2.", "Calculate 37 + 45 - 12.", "Calculate 90 - 9 + 5.
 
 
 def encode(tok, texts=PROMPTS):
-    t = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True) for c in texts]
+    t = [
+        tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+        for c in texts
+    ]
     enc = tok(t, padding=True, return_tensors="pt", add_special_tokens=False)
     return enc["input_ids"], enc["attention_mask"]
 
@@ -27,11 +30,25 @@ def test_greedy_equals_hf_generate(fixture, request):
     model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
     assert (mask == 0).any(), "prompts must need left padding for this test"
-    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24, min_new_tokens=24,
-                        pad_token_id=tok.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
+    hf = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=24,
+        min_new_tokens=24,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
+    )[:, ids.shape[1] :]
     for decoder in (make_decoder(model), HFDecoder(model)):
-        tokens, lengths, _ = generate_tokens(decoder, ids, mask, SamplingParams(temperature=0.0, max_new_tokens=24),
-                                             eos_ids=torch.tensor([-1]), pad_id=tok.pad_token_id, generator=None)
+        tokens, lengths, _ = generate_tokens(
+            decoder,
+            ids,
+            mask,
+            SamplingParams(temperature=0.0, max_new_tokens=24),
+            eos_ids=torch.tensor([-1]),
+            pad_id=tok.pad_token_id,
+            generator=None,
+        )
         assert torch.equal(tokens, hf), type(decoder).__name__
         assert lengths.tolist() == [24] * len(PROMPTS)
     assert isinstance(make_decoder(model), LlamaFamilyDecoder)
@@ -42,14 +59,29 @@ def test_greedy_with_eos_matches_hf_and_layout(tiny_model):
     model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
     # Make EOS likely: use the token the model greedily emits at step 3 of row 1 as an extra stop id.
-    free, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=8),
-                                 eos_ids=torch.tensor([-1]), pad_id=0, generator=None)
+    free, _, _ = generate_tokens(
+        make_decoder(model),
+        ids,
+        mask,
+        SamplingParams(temperature=0.0, max_new_tokens=8),
+        eos_ids=torch.tensor([-1]),
+        pad_id=0,
+        generator=None,
+    )
     stop = int(free[1, 3])
-    engine = NativeEngine(OwnWeights(model), eos_ids=[stop], pad_id=tok.pad_token_id, max_batch_size=2, device=torch.device("cpu"))
+    engine = NativeEngine(
+        OwnWeights(model), eos_ids=[stop], pad_id=tok.pad_token_id, max_batch_size=2, device=torch.device("cpu")
+    )
     prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(len(PROMPTS))}, {"text": PROMPTS})
     out = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8), generator=None)
-    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id,
-                        eos_token_id=stop)[:, ids.shape[1]:]
+    hf = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=8,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=stop,
+    )[:, ids.shape[1] :]
     R = out["responses_BR"].shape[1]
     for b in range(len(PROMPTS)):
         n = int(out["response_mask_BR"][b].sum())
@@ -68,8 +100,13 @@ def test_n_samples_are_consecutive_and_seeded(tiny_model):
     tok = load_tokenizer(tiny_model, field_name="model")
     model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
-    engine = NativeEngine(OwnWeights(model), eos_ids=eos_token_ids(tiny_model, tok), pad_id=tok.pad_token_id,
-                          max_batch_size=64, device=torch.device("cpu"))
+    engine = NativeEngine(
+        OwnWeights(model),
+        eos_ids=eos_token_ids(tiny_model, tok),
+        pad_id=tok.pad_token_id,
+        max_batch_size=64,
+        device=torch.device("cpu"),
+    )
     prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(4)})
     p = SamplingParams(temperature=1.0, max_new_tokens=6, n=3)
     a = engine.generate(prompts, p, generator=torch.Generator().manual_seed(1))
@@ -79,7 +116,9 @@ def test_n_samples_are_consecutive_and_seeded(tiny_model):
     assert torch.equal(a["responses_BR"], b["responses_BR"])
     assert not torch.equal(a["responses_BR"], c["responses_BR"])
     # rollout log-probs are the model's log-softmax at the sampled tokens
-    logits = model(input_ids=a["input_ids_BL"], attention_mask=a["attention_mask_BL"], position_ids=a["position_ids_BL"]).logits
+    logits = model(
+        input_ids=a["input_ids_BL"], attention_mask=a["attention_mask_BL"], position_ids=a["position_ids_BL"]
+    ).logits
     R = a["responses_BR"].shape[1]
     lp = torch.log_softmax(logits[:, -R - 1 : -1].float(), -1).gather(-1, a["responses_BR"][..., None]).squeeze(-1)
     m = a["response_mask_BR"].bool()
@@ -108,10 +147,24 @@ def test_real_tokenizer_smollm2(smollm2_l2):
     model = load_causal_lm(smollm2_l2, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok, ["What is 12 + 7?", "Name a colour."])
     assert tok.decode(ids[0][mask[0].bool()]).startswith("<|im_start|>system")
-    hf = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=16, min_new_tokens=16,
-                        pad_token_id=tok.pad_token_id, eos_token_id=None)[:, ids.shape[1]:]
-    tokens, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=16),
-                                   eos_ids=torch.tensor([-1]), pad_id=tok.pad_token_id, generator=None)
+    hf = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=16,
+        min_new_tokens=16,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=None,
+    )[:, ids.shape[1] :]
+    tokens, _, _ = generate_tokens(
+        make_decoder(model),
+        ids,
+        mask,
+        SamplingParams(temperature=0.0, max_new_tokens=16),
+        eos_ids=torch.tensor([-1]),
+        pad_id=tok.pad_token_id,
+        generator=None,
+    )
     assert isinstance(make_decoder(model), LlamaFamilyDecoder)
     assert torch.equal(tokens, hf)
     assert eos_token_ids(smollm2_l2, tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
@@ -138,15 +191,22 @@ def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):
     model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
     prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(4)})
-    free = NativeEngine(OwnWeights(model), eos_ids=[], pad_id=tok.pad_token_id, max_batch_size=64, device=torch.device("cpu"))
+    free = NativeEngine(
+        OwnWeights(model), eos_ids=[], pad_id=tok.pad_token_id, max_batch_size=64, device=torch.device("cpu")
+    )
     p = SamplingParams(temperature=1.0, max_new_tokens=12, n=4)
     sampled = free.generate(prompts, p, generator=torch.Generator().manual_seed(0))["responses_BR"]
     stops = sorted(set(sampled[:, :3].flatten().tolist()))  # tokens the model does sample early: make them "EOS"
-    engine = NativeEngine(OwnWeights(model), eos_ids=stops, pad_id=tok.pad_token_id, max_batch_size=64, device=torch.device("cpu"))
+    engine = NativeEngine(
+        OwnWeights(model), eos_ids=stops, pad_id=tok.pad_token_id, max_batch_size=64, device=torch.device("cpu")
+    )
     stopped = engine.generate(prompts, p, generator=torch.Generator().manual_seed(0))
     assert int(stopped["response_mask_BR"].sum()) < 16 * 12  # without ignore_eos these stop ids do end rows
-    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, n=4, ignore_eos=True),
-                          generator=torch.Generator().manual_seed(0))
+    out = engine.generate(
+        prompts,
+        SamplingParams(temperature=1.0, max_new_tokens=12, n=4, ignore_eos=True),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert int(out["response_mask_BR"].sum()) == 16 * 12
     assert not torch.isin(out["responses_BR"], torch.tensor(stops)).any()
 
@@ -158,13 +218,26 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
         tok = load_tokenizer(path, field_name="model")
         model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
         ids, mask = encode(tok)
-        free, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=10),
-                                     eos_ids=torch.tensor([-1]), pad_id=0, generator=None)
+        free, _, _ = generate_tokens(
+            make_decoder(model),
+            ids,
+            mask,
+            SamplingParams(temperature=0.0, max_new_tokens=10),
+            eos_ids=torch.tensor([-1]),
+            pad_id=0,
+            generator=None,
+        )
         stop = int(free[1, 3])  # row 1 stops early, the others run on: finished rows stay in the compiled batch
         prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(len(PROMPTS))})
         outs = [
-            NativeEngine(OwnWeights(model), eos_ids=[stop], pad_id=tok.pad_token_id, max_batch_size=8,
-                         device=torch.device("cpu"), compile_decode=c).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10), generator=None)
+            NativeEngine(
+                OwnWeights(model),
+                eos_ids=[stop],
+                pad_id=tok.pad_token_id,
+                max_batch_size=8,
+                device=torch.device("cpu"),
+                compile_decode=c,
+            ).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10), generator=None)
             for c in (False, True)
         ]
         assert torch.equal(outs[0]["responses_BR"], outs[1]["responses_BR"])
@@ -175,8 +248,17 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
 
 def _engines(model, tok, *, eos, max_batch_size, device):
     """The eager engine and the CUDA-graph engine (``rollout.cuda_graphs``)."""
-    return tuple(NativeEngine(OwnWeights(model), eos_ids=eos, pad_id=tok.pad_token_id, max_batch_size=max_batch_size,
-                              device=device, cuda_graphs=graphs) for graphs in (False, True))
+    return tuple(
+        NativeEngine(
+            OwnWeights(model),
+            eos_ids=eos,
+            pad_id=tok.pad_token_id,
+            max_batch_size=max_batch_size,
+            device=device,
+            cuda_graphs=graphs,
+        )
+        for graphs in (False, True)
+    )
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
@@ -189,7 +271,9 @@ def test_static_decode_step_gives_the_eager_tokens_on_cpu(fixture, request):
     model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
-    free, _, _ = generate_tokens(make_decoder(model), ids, mask, params, eos_ids=torch.tensor([-1]), pad_id=0, generator=None)
+    free, _, _ = generate_tokens(
+        make_decoder(model), ids, mask, params, eos_ids=torch.tensor([-1]), pad_id=0, generator=None
+    )
     eos = torch.tensor([int(free[1, 3])])  # row 1 stops at step 3, the others later or never
     static = StaticDecoder(model, capture=False, check_every=4)
     kw = dict(eos_ids=eos, pad_id=tok.pad_token_id, generator=None)
@@ -214,10 +298,16 @@ def test_static_decoder_samples_the_eager_draws_on_cpu(tiny_model):
     model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
     eos = torch.tensor(eos_token_ids(tiny_model, tok))
-    for p in (SamplingParams(temperature=0.8, top_k=50, max_new_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)):
-        a, b = (generate_tokens(dec, ids, mask, p, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(7))
-                for dec in (make_decoder(model), StaticDecoder(model, capture=False)))
+    for p in (
+        SamplingParams(temperature=0.8, top_k=50, max_new_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True),
+    ):
+        a, b = (
+            generate_tokens(
+                dec, ids, mask, p, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator().manual_seed(7)
+            )
+            for dec in (make_decoder(model), StaticDecoder(model, capture=False))
+        )
         assert torch.equal(a[0], b[0]) and b[1].tolist() == [10] * 4
         torch.testing.assert_close(b[2], a[2], atol=1e-5, rtol=1e-5)
         assert not torch.isin(b[0], eos).any()
@@ -241,15 +331,24 @@ def test_cuda_graph_decoding_equals_eager_decoding(fixture, request):
     torch.backends.cudnn.allow_tf32 = False
     model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval().to(dev)
     ids, mask = (x.to(dev) for x in encode(tok))
-    free, _, _ = generate_tokens(make_decoder(model), ids, mask, SamplingParams(temperature=0.0, max_new_tokens=40),
-                                 eos_ids=torch.tensor([-1], device=dev), pad_id=0, generator=None)
+    free, _, _ = generate_tokens(
+        make_decoder(model),
+        ids,
+        mask,
+        SamplingParams(temperature=0.0, max_new_tokens=40),
+        eos_ids=torch.tensor([-1], device=dev),
+        pad_id=0,
+        generator=None,
+    )
     stop = int(free[1, 3])
     prompts = Batch({"prompts_BP": ids, "prompt_mask_BP": mask, "uid_B": torch.arange(len(PROMPTS), device=dev)})
     params = SamplingParams(temperature=0.0, max_new_tokens=40)
     eager, graphs = _engines(model, tok, eos=[stop], max_batch_size=3, device=dev)
     a, b = eager.generate(prompts, params, generator=None), graphs.generate(prompts, params, generator=None)
     assert graphs.take_times()["capture_s"] > 0  # graphs were captured (two batch sizes: 3 and 1)
-    assert torch.equal(a["responses_BR"], b["responses_BR"]) and torch.equal(a["response_mask_BR"], b["response_mask_BR"])
+    assert torch.equal(a["responses_BR"], b["responses_BR"]) and torch.equal(
+        a["response_mask_BR"], b["response_mask_BR"]
+    )
     torch.testing.assert_close(b["rollout_logprobs_BR"], a["rollout_logprobs_BR"], atol=1e-4, rtol=1e-4)
 
     bf16 = load_causal_lm(path, dtype="bfloat16", attn_implementation="sdpa", field_name="model").eval().to(dev)
@@ -263,14 +362,19 @@ def test_cuda_graph_decoding_equals_eager_decoding(fixture, request):
 
     dec = StaticDecoder(bf16, capture=True)
     sampled = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
-    first = dec.generate(ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(3))
+    first = dec.generate(
+        ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(3)
+    )
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # captured already: the generation below replays without host syncs
     try:
-        again = dec.generate(ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id,
-                             generator=torch.Generator(dev).manual_seed(3))
+        again = dec.generate(
+            ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(3)
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(x, y) for x, y in zip(first, again))
-    other = dec.generate(ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(4))
+    other = dec.generate(
+        ids, mask, sampled, eos_ids=eos, pad_id=tok.pad_token_id, generator=torch.Generator(dev).manual_seed(4)
+    )
     assert not torch.equal(first[0], other[0])

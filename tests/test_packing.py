@@ -49,7 +49,12 @@ def grads_of(module, ids, am, pos, rm, R, temperature):
     w_lp, w_ent = torch.randn(lp.shape, generator=g), torch.randn(lp.shape, generator=g)
     loss = ((lp * w_lp + 0.1 * ent * w_ent) * rm).sum() / rm.sum()
     loss.backward()
-    return lp.detach(), ent.detach(), loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return (
+        lp.detach(),
+        ent.detach(),
+        loss.detach(),
+        {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None},
+    )
 
 
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
@@ -133,14 +138,24 @@ def test_registered_attention_still_serves_padded_forwards_and_generate(tiny_mod
     packed = load_causal_lm(tiny_model, dtype="float32", attn_implementation=register(), field_name="m").eval()
     ids, am, pos, _ = rollout_layout(plain.config.vocab_size, [6, 3, 4], [2, 5, 1], 6, 5, seed=2)
     with torch.no_grad():
-        torch.testing.assert_close(packed(input_ids=ids, attention_mask=am).logits * am[..., None],
-                                   plain(input_ids=ids, attention_mask=am).logits * am[..., None], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            packed(input_ids=ids, attention_mask=am).logits * am[..., None],
+            plain(input_ids=ids, attention_mask=am).logits * am[..., None],
+            rtol=1e-5,
+            atol=1e-5,
+        )
         p = pack(ids, am, pos)
         by_position_ids = packed(input_ids=p.input_ids_1T, position_ids=p.position_ids_1T).logits[0]
-        torch.testing.assert_close(p.unpack(by_position_ids) * am[..., None],
-                                   plain(input_ids=ids, attention_mask=am).logits * am[..., None], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            p.unpack(by_position_ids) * am[..., None],
+            plain(input_ids=ids, attention_mask=am).logits * am[..., None],
+            rtol=1e-5,
+            atol=1e-5,
+        )
     prompt, mask = ids[:, :6], am[:, :6]
-    kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        attention_mask=mask, do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0, eos_token_id=None
+    )
     assert torch.equal(packed.generate(input_ids=prompt, **kw), plain.generate(input_ids=prompt, **kw))
 
 
@@ -175,8 +190,12 @@ def test_packed_values_and_scores_equal_padded(tiny_model, tiny_reward_model):
     from rlspmd.models.value import load_sequence_scorer, load_value_model
 
     P, R = 7, 9
-    padded = load_value_model(tiny_model, dtype="float32", attn_implementation="sdpa", seed=0, field_name="m", packing=False)
-    packed = load_value_model(tiny_model, dtype="float32", attn_implementation="sdpa", seed=0, field_name="m", packing=True)
+    padded = load_value_model(
+        tiny_model, dtype="float32", attn_implementation="sdpa", seed=0, field_name="m", packing=False
+    )
+    packed = load_value_model(
+        tiny_model, dtype="float32", attn_implementation="sdpa", seed=0, field_name="m", packing=True
+    )
     ids, am, pos, rm = rollout_layout(padded.config.vocab_size, [7, 2, 5, 4], [9, 1, 6, 3], P, R, seed=5)
     out = []
     for model in (padded, packed):
@@ -192,8 +211,10 @@ def test_packed_values_and_scores_equal_padded(tiny_model, tiny_reward_model):
     for name, g in out[0][1].items():
         torch.testing.assert_close(out[1][1][name], g, rtol=1e-4, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
 
-    scorers = [load_sequence_scorer(tiny_reward_model, dtype="float32", attn_implementation="sdpa", field_name="m", packing=p)
-               for p in (False, True)]
+    scorers = [
+        load_sequence_scorer(tiny_reward_model, dtype="float32", attn_implementation="sdpa", field_name="m", packing=p)
+        for p in (False, True)
+    ]
     ids, am, pos, _ = rollout_layout(scorers[0].hf.config.vocab_size, [7, 3, 5], [2, 9, 5], P, R, seed=6)
     with torch.no_grad():
         a, b = (s(ids, am, pos) for s in scorers)
@@ -221,8 +242,12 @@ def test_document_causal_block_mask_matches_the_dense_mask(lengths):
     for i in range(n):
         for j in bm.full_kv_indices[0, 0, i, : bm.full_kv_num_blocks[0, 0, i]].tolist():
             full[i, j] = True
-    want_full = torch.tensor([[bool(dense[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].all()) and j < i
-                               for j in range(n)] for i in range(n)])
+    want_full = torch.tensor(
+        [
+            [bool(dense[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].all()) and j < i for j in range(n)]
+            for i in range(n)
+        ]
+    )
     assert torch.equal(full, want_full)
     # the mask_mod inside partial blocks is the exact pair rule
     q, kv = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -246,7 +271,9 @@ def test_flex_attention_forward_on_cpu_equals_per_sample_attention():
     T = sum(lengths)
     q, k, v = torch.randn(T, H, D), torch.randn(T, KV, D), torch.randn(T, KV, D)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    meta = PackedAttention("flex", cu, max(lengths), tuple(lengths), document_causal_block_mask(torch.tensor(lengths), T))
+    meta = PackedAttention(
+        "flex", cu, max(lengths), tuple(lengths), document_causal_block_mask(torch.tensor(lengths), T)
+    )
     with torch.no_grad():
         out = KERNELS["flex"](q, k, v, meta, 0.25, 0.0)
     torch.testing.assert_close(out, sdpa_loop_attention(q, k, v, lengths, scale=0.25), rtol=1e-5, atol=1e-5)
@@ -271,20 +298,31 @@ def test_kernel_choice_and_start_up_checks():
     cpu = torch.device("cpu")
     assert resolve_attn_kernel("auto", device=cpu, dtype=torch.float32) == "sdpa_loop"
     assert resolve_attn_kernel("auto", device=cpu, dtype=torch.bfloat16) == "sdpa_loop"
-    kw = dict(attn_implementation="sdpa", packing=True, device=cpu, dtype=torch.float32, field_name="actor.model.attn_kernel")
+    kw = dict(
+        attn_implementation="sdpa", packing=True, device=cpu, dtype=torch.float32, field_name="actor.model.attn_kernel"
+    )
     assert check_attn_kernel("auto", **kw) == "sdpa_loop"
     assert check_attn_kernel("sdpa_loop", **kw) == "sdpa_loop"
     assert check_attn_kernel("flex", **{**kw, "backward": False}) == "flex"  # a frozen role's forward runs on CPU
-    with pytest.raises(ValueError, match=r"actor.model.attn_kernel: attn_kernel='varlen': varlen_attn runs on CUDA only"):
+    with pytest.raises(
+        ValueError, match=r"actor.model.attn_kernel: attn_kernel='varlen': varlen_attn runs on CUDA only"
+    ):
         check_attn_kernel("varlen", **kw)
-    with pytest.raises(ValueError, match=r"actor.model.attn_kernel: attn_kernel='flex': FlexAttention has no backward on CPU"):
+    with pytest.raises(
+        ValueError, match=r"actor.model.attn_kernel: attn_kernel='flex': FlexAttention has no backward on CPU"
+    ):
         check_attn_kernel("flex", **kw)
     with pytest.raises(ValueError, match=r"actor.model.attn_kernel='flash' is not one of"):
         check_attn_kernel("flash", **kw)
-    with pytest.raises(ValueError, match=r"actor.model.attn_kernel='sdpa_loop' needs packed sequences .*model.packing=False"):
+    with pytest.raises(
+        ValueError, match=r"actor.model.attn_kernel='sdpa_loop' needs packed sequences .*model.packing=False"
+    ):
         check_attn_kernel("sdpa_loop", **{**kw, "packing": False})
     assert check_attn_kernel("auto", **{**kw, "packing": False}) == "padded"
-    assert check_attn_kernel("auto", **{**kw, "attn_implementation": "flash_attention_2"}) == "flash_attention_2 (transformers)"
+    assert (
+        check_attn_kernel("auto", **{**kw, "attn_implementation": "flash_attention_2"})
+        == "flash_attention_2 (transformers)"
+    )
     # flash-attn: not installed here, or CPU; either way a reason that names it
     problem = kernel_problem("flash_attn", device=cpu, dtype=torch.bfloat16)
     assert problem is not None and "flash-attn" in problem
@@ -328,8 +366,9 @@ def test_cuda_kernel_attention_forward_backward_equals_per_sample(kernel):
     lens = torch.tensor(lengths, device=dev)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0)
-    meta = PackedAttention(kernel, cu, max(lengths), tuple(lengths),
-                           document_causal_block_mask(lens, T) if kernel == "flex" else None)
+    meta = PackedAttention(
+        kernel, cu, max(lengths), tuple(lengths), document_causal_block_mask(lens, T) if kernel == "flex" else None
+    )
     out = KERNELS[kernel](q, k, v, meta, D**-0.5, 0.0)
     ref = sdpa_loop_attention(q, k, v, lengths, scale=D**-0.5)
     g = torch.randn_like(ref)
@@ -351,8 +390,12 @@ def test_cuda_kernel_policy_log_probs_and_gradients_equal_per_sample(kernel, tin
         pytest.skip(kernel_problem(kernel, device=dev, dtype=torch.bfloat16))
     ref, model = (load(tiny_model, True, name, dtype="bfloat16").to(dev) for name in ("sdpa_loop", kernel))
     P, R = 27, 64
-    ids, am, pos, rm = (x.to(dev) for x in rollout_layout(ref.config.vocab_size, [27, 20, 5, 27, 13, 27, 9, 1],
-                                                          [64, 30, 64, 1, 50, 64, 17, 40], P, R, seed=4))
+    ids, am, pos, rm = (
+        x.to(dev)
+        for x in rollout_layout(
+            ref.config.vocab_size, [27, 20, 5, 27, 13, 27, 9, 1], [64, 30, 64, 1, 50, 64, 17, 40], P, R, seed=4
+        )
+    )
     counts = TokenCounts.of(am, R)
     weights = torch.linspace(-1, 1, R, device=dev)
 
@@ -360,7 +403,11 @@ def test_cuda_kernel_policy_log_probs_and_gradients_equal_per_sample(kernel, tin
         m.zero_grad(set_to_none=True)
         lp, ent = m(ids, am, pos, response_len=R, counts=counts)
         ((lp * weights + 0.1 * ent) * rm).sum().div(64).backward()
-        return lp.detach(), ent.detach(), {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+        return (
+            lp.detach(),
+            ent.detach(),
+            {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None},
+        )
 
     forward_backward(model)  # once outside the check: FlexAttention compiles on its first call
     torch.cuda.synchronize()

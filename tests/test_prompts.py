@@ -18,7 +18,12 @@ def rows(n, long_at=()):
     return [
         {
             "data_source": "arithmetic",
-            "prompt": [{"role": "user", "content": ("Calculate " + "1 + " * 200 + "1.") if i in long_at else f"Calculate {i} + 1."}],
+            "prompt": [
+                {
+                    "role": "user",
+                    "content": ("Calculate " + "1 + " * 200 + "1.") if i in long_at else f"Calculate {i} + 1.",
+                }
+            ],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
             "extra_info": {"split": "train", "index": i},

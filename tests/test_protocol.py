@@ -5,7 +5,9 @@ from rlspmd.protocol import Batch
 
 
 def make(n=5):
-    return Batch({"x_BP": torch.arange(n * 2).view(n, 2), "uid_B": torch.arange(n)}, {"text": [f"t{i}" for i in range(n)]})
+    return Batch(
+        {"x_BP": torch.arange(n * 2).view(n, 2), "uid_B": torch.arange(n)}, {"text": [f"t{i}" for i in range(n)]}
+    )
 
 
 def test_fields_must_share_batch_size():

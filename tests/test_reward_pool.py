@@ -39,7 +39,11 @@ def batch(ground_truths: list[str], source: str = "custom") -> Batch:
     resp = torch.tensor([[5, 0], [7, 1], [9, 9], [3, 3]])[:n]
     return Batch(
         {"responses_BR": resp, "response_mask_BR": (resp > 0).long()},
-        {"ground_truth": ground_truths, "data_source": [source] * n, "extra_info": [{"index": 10 + i} for i in range(n)]},
+        {
+            "ground_truth": ground_truths,
+            "data_source": [source] * n,
+            "extra_info": [{"index": 10 + i} for i in range(n)],
+        },
     )
 
 
@@ -57,11 +61,19 @@ def test_a_call_stuck_in_c_code_is_killed_and_scores_zero(stuck_fn, capfd):
     m = manager(stuck_fn, timeout_s=1.0, num_workers=1)
     first = m.pool.workers[0].proc
     out = m.score(batch(["a", "stuck", "b", "c"]))
-    assert out["task_scores_B"].tolist() == [1.0, 0.0, 3.0, 3.0]  # len("5"), killed, len("9 9"), len("3 3"): a new worker
+    assert out["task_scores_B"].tolist() == [
+        1.0,
+        0.0,
+        3.0,
+        3.0,
+    ]  # len("5"), killed, len("9 9"), len("3 3"): a new worker
     assert first.poll() == -signal.SIGKILL and m.pool.replaced == 1 and m.pool.workers[0].proc.poll() is None
     assert m.metrics() == {"reward/timeouts": 1.0} and m.metrics() == {"reward/timeouts": 0.0}
     err = capfd.readouterr().err
-    assert "reward function score ran past reward.timeout_s=1 on sample index=11 (batch position 1) (data_source='custom')" in err
+    assert (
+        "reward function score ran past reward.timeout_s=1 on sample index=11 (batch position 1) (data_source='custom')"
+        in err
+    )
     assert "the sample scores 0 (reward.timeout_policy=zero)" in err
     assert m.score(batch(["a", "b"]))["task_scores_B"].tolist() == [1.0, 3.0]
     m.close()
@@ -69,26 +81,45 @@ def test_a_call_stuck_in_c_code_is_killed_and_scores_zero(stuck_fn, capfd):
 
 def test_timeout_policy_error_names_the_sample(stuck_fn):
     m = manager(stuck_fn, timeout_s=1.0, num_workers=2, timeout_policy="error")
-    with pytest.raises(RewardError, match=r"ran past reward.timeout_s=1 on sample index=12 \(batch position 2\) "
-                                          r"\(data_source='custom'\); its worker was killed \(reward.timeout_policy=error\)"):
+    with pytest.raises(
+        RewardError,
+        match=r"ran past reward.timeout_s=1 on sample index=12 \(batch position 2\) "
+        r"\(data_source='custom'\); its worker was killed \(reward.timeout_policy=error\)",
+    ):
         m.score(batch(["a", "b", "stuck", "c"]))
     m.close()
 
 
-@pytest.mark.parametrize("body, error", [
-    ("def score(response, ground_truth, extra_info, data_source):\n"
-     "    return len(response) + extra_info['index'] / 100 + (data_source == 'custom')\n", None),
-    ("def score(response, ground_truth):\n    if ground_truth == 'b':\n        raise KeyError('boom')\n    return 1.0\n",
-     r"reward function score raised on sample index=11 \(batch position 1\) \(data_source='custom'\): KeyError: 'boom'"),
-    ("def score(response, ground_truth):\n    return float('nan')\n",
-     r"reward function score returned nan \(not a finite number\) on sample index=10"),
-])
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (
+            "def score(response, ground_truth, extra_info, data_source):\n"
+            "    return len(response) + extra_info['index'] / 100 + (data_source == 'custom')\n",
+            None,
+        ),
+        (
+            "def score(response, ground_truth):\n    if ground_truth == 'b':\n        raise KeyError('boom')\n    return 1.0\n",
+            r"reward function score raised on sample index=11 \(batch position 1\) \(data_source='custom'\): KeyError: 'boom'",
+        ),
+        (
+            "def score(response, ground_truth):\n    return float('nan')\n",
+            r"reward function score returned nan \(not a finite number\) on sample index=10",
+        ),
+    ],
+)
 def test_workers_score_and_fail_exactly_like_this_process(tmp_path, body, error):
     (tmp_path / "fn.py").write_text(body)
-    here, pooled = manager(f"{tmp_path / 'fn.py'}:score", timeout_s=None), manager(f"{tmp_path / 'fn.py'}:score", num_workers=2)
+    here, pooled = (
+        manager(f"{tmp_path / 'fn.py'}:score", timeout_s=None),
+        manager(f"{tmp_path / 'fn.py'}:score", num_workers=2),
+    )
     assert here.pool is None and pooled.pool is not None
     if error is None:
-        assert pooled.score(batch(["a", "b", "c"]))["task_scores_B"].tolist() == here.score(batch(["a", "b", "c"]))["task_scores_B"].tolist()
+        assert (
+            pooled.score(batch(["a", "b", "c"]))["task_scores_B"].tolist()
+            == here.score(batch(["a", "b", "c"]))["task_scores_B"].tolist()
+        )
     else:
         for m in (here, pooled):
             with pytest.raises(RewardError, match=error):

@@ -30,14 +30,19 @@ def batch(n=3):
     resp = torch.tensor([[5, 0], [7, 1], [9, 9]])[:n]
     return Batch(
         {"responses_BR": resp, "response_mask_BR": (resp > 0).long()},
-        {"ground_truth": ["5", "7", "x"][:n], "data_source": ["arithmetic", "custom", "custom"][:n],
-         "extra_info": [{"index": 10}, {"index": 11}, {"index": 12}][:n]},
+        {
+            "ground_truth": ["5", "7", "x"][:n],
+            "data_source": ["arithmetic", "custom", "custom"][:n],
+            "extra_info": [{"index": 10}, {"index": 11}, {"index": 12}][:n],
+        },
     )
 
 
 def test_user_function_from_file(tmp_path):
     f = tmp_path / "my_reward.py"
-    f.write_text("def score(response, ground_truth, extra_info, data_source):\n    return float(response.startswith(ground_truth)) + extra_info['index'] / 100\n")
+    f.write_text(
+        "def score(response, ground_truth, extra_info, data_source):\n    return float(response.startswith(ground_truth)) + extra_info['index'] / 100\n"
+    )
     m = RewardManager(RewardConfig(function=f"{f}:score"), FakeTok())
     out = m.score(batch())
     assert out["task_scores_B"].tolist() == pytest.approx([1.10, 1.11, 0.12])
@@ -54,7 +59,9 @@ def test_user_function_from_module_with_two_args():
 
 def test_raising_reward_names_sample_and_source(tmp_path):
     f = tmp_path / "bad.py"
-    f.write_text("def score(response, ground_truth):\n    if ground_truth == 'x':\n        raise KeyError('boom')\n    return 1.0\n")
+    f.write_text(
+        "def score(response, ground_truth):\n    if ground_truth == 'x':\n        raise KeyError('boom')\n    return 1.0\n"
+    )
     with pytest.raises(RewardError, match=r"raised on sample index=12 .*data_source='custom'.*KeyError"):
         RewardManager(RewardConfig(function=f"{f}:score"), FakeTok()).score(batch())
 

@@ -41,25 +41,46 @@ LOSSES = components(clip_cov_ratio=1.0, clip_cov_lb=-10.0, clip_cov_ub=10.0, kl_
 
 
 def resolved(**kw):
-    cfg = RolloutCorrectionConfig(**({"mode": "both", "level": "token", "tis_threshold": 1.1, "mis_lower": 0.5,
-                                      "mis_upper": 2.0} | kw))
-    return resolve_rollout_correction(cfg, engine="native", rollout_dtype="bfloat16", actor_compute_dtype="float32",
-                                      placement="colocated")
+    cfg = RolloutCorrectionConfig(
+        **({"mode": "both", "level": "token", "tis_threshold": 1.1, "mis_lower": 0.5, "mis_upper": 2.0} | kw)
+    )
+    return resolve_rollout_correction(
+        cfg, engine="native", rollout_dtype="bfloat16", actor_compute_dtype="float32", placement="colocated"
+    )
 
 
 def micro_batch(**extra):
-    return Batch({"rollout_logprobs_BR": ROLLOUT.clone(), "response_mask_BR": MASK.clone(), "loss_mask_BR": MASK.clone(),
-                  "advantages_BR": ADV.clone(), **extra})
+    return Batch(
+        {
+            "rollout_logprobs_BR": ROLLOUT.clone(),
+            "response_mask_BR": MASK.clone(),
+            "loss_mask_BR": MASK.clone(),
+            "advantages_BR": ADV.clone(),
+            **extra,
+        }
+    )
 
 
 def inputs(source, mb, logp, metrics=None, **kw):
-    return policy_gradient_inputs(mb, logp, mb["loss_mask_BR"], old_logprobs=source, correction=resolved(**kw),
-                                  metrics=metrics if metrics is not None else MetricBuffer())
+    return policy_gradient_inputs(
+        mb,
+        logp,
+        mb["loss_mask_BR"],
+        old_logprobs=source,
+        correction=resolved(**kw),
+        metrics=metrics if metrics is not None else MetricBuffer(),
+    )
 
 
 def ppo_token_mean(logp, old, mask, weights, *, denominator):
-    loss, _ = bound(LOSSES["ppo_clip"])(logp, old, ADV, mask, agg=AggArgs(mode="token-mean", global_tokens=denominator,
-                                                                          global_seqs=2), weights_BT=weights)
+    loss, _ = bound(LOSSES["ppo_clip"])(
+        logp,
+        old,
+        ADV,
+        mask,
+        agg=AggArgs(mode="token-mean", global_tokens=denominator, global_seqs=2),
+        weights_BT=weights,
+    )
     return loss
 
 
@@ -142,9 +163,14 @@ def test_every_policy_loss_and_aggregation_gets_the_hand_computed_correction(nam
     want_weights = None if source == "rollout" else WEIGHTS
     want_denominators = CORRECTED_MASK if source == "recompute" else MASK
     ref = logp.detach().clone().requires_grad_()
-    want, _ = bound(LOSSES[name])(ref, want_old, ADV, CORRECTED_MASK, agg=AggArgs.from_mask(want_denominators, mode=mode,
-                                                                                             norm_length=4),
-                                  weights_BT=want_weights)
+    want, _ = bound(LOSSES[name])(
+        ref,
+        want_old,
+        ADV,
+        CORRECTED_MASK,
+        agg=AggArgs.from_mask(want_denominators, mode=mode, norm_length=4),
+        weights_BT=want_weights,
+    )
     want.backward()
     # (the hand weight e^-0.1 and the computed e^(-1.0 - -0.9) differ in the last bit)
     assert_close(loss, want, rtol=1e-12, atol=1e-15)
@@ -166,15 +192,20 @@ def test_mode_off_is_bit_identical_to_no_correction():
 
 def test_the_builder_resolves_the_mode_and_picks_the_old_log_prob_source():
     def config(**kw):
-        cfg = Config(rollout=RolloutConfig(**kw.pop("rollout", {})), data=DataConfig(train_batch_size=8),
-                     actor=ActorConfig(mini_batch_size=kw.pop("mini", 4)))
+        cfg = Config(
+            rollout=RolloutConfig(**kw.pop("rollout", {})),
+            data=DataConfig(train_batch_size=8),
+            actor=ActorConfig(mini_batch_size=kw.pop("mini", 4)),
+        )
         cfg.algorithm.rollout_correction = RolloutCorrectionConfig(**kw)
         return cfg
 
     off = build_rollout_correction(config(), compute=torch.float32, split=False)
     assert off.mode == "off" and "native engine" in off.summary()
     bf16 = build_rollout_correction(config(rollout={"dtype": "bfloat16"}), compute=torch.float32, split=True)
-    assert (bf16.mode, bf16.level) == ("mis", "sequence") and "bfloat16" in bf16.summary() and "(split)" in bf16.summary()
+    assert (
+        (bf16.mode, bf16.level) == ("mis", "sequence") and "bfloat16" in bf16.summary() and "(split)" in bf16.summary()
+    )
     stale = Config()
     stale.trainer.max_staleness = 1
     assert build_rollout_correction(stale, compute=torch.float32, split=True).mode == "tis"
@@ -198,9 +229,24 @@ def _run(tiny_model, arithmetic_data, out, *extra):
     from rl_run import rl_args, write_reward
 
     out.mkdir()
-    args = rl_args(tiny_model, arithmetic_data, out, steps=2, reward=write_reward(out), extra=[
-        "--rollout.dtype", "bfloat16", "--trainer.val-every", "0", "--trainer.no-val-before-train",
-        "--checkpoint.save-every", "0", "--checkpoint.no-save-final", *extra])
+    args = rl_args(
+        tiny_model,
+        arithmetic_data,
+        out,
+        steps=2,
+        reward=write_reward(out),
+        extra=[
+            "--rollout.dtype",
+            "bfloat16",
+            "--trainer.val-every",
+            "0",
+            "--trainer.no-val-before-train",
+            "--checkpoint.save-every",
+            "0",
+            "--checkpoint.no-save-final",
+            *extra,
+        ],
+    )
     proc = torchrun(args, 1)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return proc.stdout, rows
@@ -210,11 +256,24 @@ RUNS = {
     # two updates per step: the old log-probs are recomputed and the step's stage corrects the batch
     "recompute": ["--algorithm.rollout-correction.mode", "both", "--algorithm.rollout-correction.level", "token"],
     # one update per step: the update's forward is pi_train and the loss corrects itself
-    "update": ["--actor.mini-batch-size", "4", "--algorithm.rollout-correction.mode", "both",
-               "--algorithm.rollout-correction.level", "token"],
+    "update": [
+        "--actor.mini-batch-size",
+        "4",
+        "--algorithm.rollout-correction.mode",
+        "both",
+        "--algorithm.rollout-correction.level",
+        "token",
+    ],
     # bypass: no old-log-prob forward at all
-    "bypass": ["--actor.mini-batch-size", "4", "--algorithm.rollout-correction.mode", "mis",
-               "--algorithm.rollout-correction.level", "token", "--algorithm.rollout-correction.bypass"],
+    "bypass": [
+        "--actor.mini-batch-size",
+        "4",
+        "--algorithm.rollout-correction.mode",
+        "mis",
+        "--algorithm.rollout-correction.level",
+        "token",
+        "--algorithm.rollout-correction.bypass",
+    ],
     # off: the metrics are logged anyway
     "off": ["--algorithm.rollout-correction.mode", "off"],
 }
@@ -244,9 +303,19 @@ def test_the_trainer_applies_the_correction_and_logs_its_metrics(name, tiny_mode
 def test_rejected_tokens_still_count_as_generated(tiny_model, arithmetic_data, tmp_path):
     """A narrow token band (+-0.1%) rejects part of every bf16 step's tokens from the loss; ``tokens/generated`` (and
     the generation throughput) still counts every token the model sampled: all the response tokens in single turn."""
-    _, rows = _run(tiny_model, arithmetic_data, tmp_path / "reject", "--algorithm.rollout-correction.mode", "mis",
-                   "--algorithm.rollout-correction.level", "token", "--algorithm.rollout-correction.mis-lower", "0.999",
-                   "--algorithm.rollout-correction.mis-upper", "1.001")
+    _, rows = _run(
+        tiny_model,
+        arithmetic_data,
+        tmp_path / "reject",
+        "--algorithm.rollout-correction.mode",
+        "mis",
+        "--algorithm.rollout-correction.level",
+        "token",
+        "--algorithm.rollout-correction.mis-lower",
+        "0.999",
+        "--algorithm.rollout-correction.mis-upper",
+        "1.001",
+    )
     for r in rows:
         assert 0.05 < r["rollout_corr/masked_frac"] < 1, r["rollout_corr/masked_frac"]  # tokens were rejected
         assert r["tokens/generated"] == r["tokens/response"] > 0

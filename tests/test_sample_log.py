@@ -57,7 +57,9 @@ def check_against_batches(records: list[dict], batches: dict, tok) -> None:
         assert rec["reward"] == pytest.approx(float(t["scores_B"][i]), abs=1e-6)
         assert rec["rewards"]["task_score"] == pytest.approx(float(t["task_scores_B"][i]), abs=1e-6)
         adv = t["advantages_BR"][i, :n]
-        assert rec["advantage"] == pytest.approx(float((adv * t["loss_mask_BR"][i, :n]).sum() / max(sum(mask), 1)), abs=1e-5)
+        assert rec["advantage"] == pytest.approx(
+            float((adv * t["loss_mask_BR"][i, :n]).sum() / max(sum(mask), 1)), abs=1e-5
+        )
         assert rec["weight_version"] == int(t["weight_version_B"][i]) == rec["step"] - 1
         assert rec["uid"] == int(t["uid_B"][i])
         # the text is the ids decoded with the special tokens; the segments cut it at the loss mask
@@ -75,9 +77,23 @@ def check_against_batches(records: list[dict], batches: dict, tok) -> None:
 def single_turn(tiny_model, arithmetic_data, tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("samples_single")
     out, dump = tmp / "run", tmp / "dump"
-    args = rl_args(tiny_model, arithmetic_data, out, steps=3, reward=write_reward(tmp),
-                   extra=["--trainer.samples.num-train", "8", "--trainer.loggers", "jsonl", "tensorboard",
-                          "--checkpoint.save-every", "0", "--checkpoint.no-save-final"])
+    args = rl_args(
+        tiny_model,
+        arithmetic_data,
+        out,
+        steps=3,
+        reward=write_reward(tmp),
+        extra=[
+            "--trainer.samples.num-train",
+            "8",
+            "--trainer.loggers",
+            "jsonl",
+            "tensorboard",
+            "--checkpoint.save-every",
+            "0",
+            "--checkpoint.no-save-final",
+        ],
+    )
     run(args, dump)
     return out, dump
 
@@ -97,7 +113,16 @@ def test_logged_training_samples_are_the_trained_rows(single_turn, tiny_model):
     for step in (1, 2, 3):
         mine = [r for r in records if r["step"] == step]
         # the first 4 rows of each of the 2 ranks: every row of the step, rank 0's first
-        assert [(r["dp_rank"], r["row"]) for r in mine] == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+        assert [(r["dp_rank"], r["row"]) for r in mine] == [
+            (0, 0),
+            (0, 1),
+            (0, 2),
+            (0, 3),
+            (1, 0),
+            (1, 1),
+            (1, 2),
+            (1, 3),
+        ]
         assert sum(r["reward"] for r in mine) / 8 == pytest.approx(by_step[step]["reward/mean"], abs=1e-6)
         assert sum(r["response_tokens"] for r in mine) / 8 == pytest.approx(by_step[step]["response_length/mean"])
         assert {r["stop"] for r in mine} <= {"eos", "length"} and all("agent" not in r for r in mine)
@@ -130,19 +155,35 @@ def test_tensorboard_gets_each_sample_as_text(single_turn):
     ea = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
     ea.Reload()
     tags = set(ea.Tags()["tensors"])
-    assert {f"samples/train/{k}/text_summary" for k in range(8)} | {f"samples/val/{k}/text_summary" for k in range(8)} <= tags
+    assert {f"samples/train/{k}/text_summary" for k in range(8)} | {
+        f"samples/val/{k}/text_summary" for k in range(8)
+    } <= tags
     events = ea.Tensors("samples/train/3/text_summary")
     assert [e.step for e in events] == [1, 2, 3]
     records = [r for r in read_samples(out / "samples" / "train.jsonl") if r["step"] == 2]
-    assert events[1].tensor_proto.string_val[0].decode() == "\n".join("    " + x for x in format_sample(records[3]).splitlines())
+    assert events[1].tensor_proto.string_val[0].decode() == "\n".join(
+        "    " + x for x in format_sample(records[3]).splitlines()
+    )
 
 
 @pytest.mark.slow
 def test_off_by_the_flag(tiny_model, arithmetic_data, tmp_path):
     """``--trainer.samples.no-enable``: a run (one process, one step, a validation) writes no sample log at all."""
     out = tmp_path / "run"
-    args = rl_args(tiny_model, arithmetic_data, out, steps=1, extra=["--trainer.samples.no-enable", "--trainer.val-every", "1",
-                                                                    "--checkpoint.save-every", "0", "--checkpoint.no-save-final"])
+    args = rl_args(
+        tiny_model,
+        arithmetic_data,
+        out,
+        steps=1,
+        extra=[
+            "--trainer.samples.no-enable",
+            "--trainer.val-every",
+            "1",
+            "--checkpoint.save-every",
+            "0",
+            "--checkpoint.no-save-final",
+        ],
+    )
     subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=600)
     assert [m["step"] for m in metrics(out)] == [0, 1] and not (out / "samples").exists()
 
@@ -152,15 +193,19 @@ def test_a_resumed_run_continues_the_log(tiny_model, arithmetic_data, tmp_path):
     """A run of 3 steps (checkpoint at step 2), then the same command again: it resumes at step 2, moves the first
     run's step-3 records to ``*.superseded.jsonl`` and logs step 3 again, the same samples (a deterministic resume)."""
     out = tmp_path / "run"
-    args = rl_args(tiny_model, arithmetic_data, out, steps=3, reward=write_reward(tmp_path),
-                   extra=["--checkpoint.no-save-final"])
+    args = rl_args(
+        tiny_model, arithmetic_data, out, steps=3, reward=write_reward(tmp_path), extra=["--checkpoint.no-save-final"]
+    )
     for _ in range(2):
         subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=600)
     samples = out / "samples"
     train, val = read_samples(samples / "train.jsonl"), read_samples(samples / "val.jsonl")
     assert [r["step"] for r in train] == [1] * 4 + [2] * 4 + [3] * 4  # num_train=4 rows of the one rank
     assert [r["step"] for r in val] == [0] * 8 + [2] * 8 + [3] * 8
-    old_train, old_val = read_samples(samples / "train.superseded.jsonl"), read_samples(samples / "val.superseded.jsonl")
+    old_train, old_val = (
+        read_samples(samples / "train.superseded.jsonl"),
+        read_samples(samples / "val.superseded.jsonl"),
+    )
     assert old_train == train[8:] and old_val == val[16:]
 
 
@@ -188,15 +233,52 @@ def agent_run(tool_caller, tmp_path_factory) -> tuple[Path, Path, Path]:
     model, data = tool_caller
     tmp = tmp_path_factory.mktemp("samples_agent")
     out, dump = tmp / "run", tmp / "dump"
-    args = ["-m", "rlspmd.train", "--actor.model.path", str(model),
-            "--data.train-files", str(data / "train.parquet"), "--data.val-files", str(data / "test.parquet"),
-            "--data.train-batch-size", "4", "--data.max-val-samples", "4",
-            "--actor.mini-batch-size", "2", "--actor.micro-batch-size", "4", "--actor.optim.lr", "1e-6",
-            "--rollout.n", "2", "--rollout.max-response-length", "160", "--rollout.temperature", "0.5",
-            "--rollout.agent.tools", "calculator", "--rollout.agent.interaction", "gsm8k", "--rollout.agent.max-turns", "3",
-            "--trainer.total-steps", "2", "--trainer.val-every", "2", "--trainer.samples.num-train", "8",
-            "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl", "--trainer.deterministic",
-            "--checkpoint.save-every", "0", "--checkpoint.no-save-final"]
+    args = [
+        "-m",
+        "rlspmd.train",
+        "--actor.model.path",
+        str(model),
+        "--data.train-files",
+        str(data / "train.parquet"),
+        "--data.val-files",
+        str(data / "test.parquet"),
+        "--data.train-batch-size",
+        "4",
+        "--data.max-val-samples",
+        "4",
+        "--actor.mini-batch-size",
+        "2",
+        "--actor.micro-batch-size",
+        "4",
+        "--actor.optim.lr",
+        "1e-6",
+        "--rollout.n",
+        "2",
+        "--rollout.max-response-length",
+        "160",
+        "--rollout.temperature",
+        "0.5",
+        "--rollout.agent.tools",
+        "calculator",
+        "--rollout.agent.interaction",
+        "gsm8k",
+        "--rollout.agent.max-turns",
+        "3",
+        "--trainer.total-steps",
+        "2",
+        "--trainer.val-every",
+        "2",
+        "--trainer.samples.num-train",
+        "8",
+        "--trainer.output-dir",
+        str(out),
+        "--trainer.loggers",
+        "jsonl",
+        "--trainer.deterministic",
+        "--checkpoint.save-every",
+        "0",
+        "--checkpoint.no-save-final",
+    ]
     run(args, dump)
     return out, dump, model
 
@@ -269,14 +351,17 @@ def test_cli_prints_a_conversation_with_the_untrained_text_bracketed(agent_run):
     out, _, _ = agent_run
     cli = [sys.executable, "-m", "rlspmd.samples", str(out)]
     rec = [r for r in read_samples(out / "samples" / "train.jsonl") if r["step"] == 1][1]
-    shown = subprocess.run([*cli, "--step", "1", "--index", "1"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(
+        [*cli, "--step", "1", "--index", "1"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     assert shown.rstrip("\n") == format_sample(rec)
     body = shown.split("not trained on) ---\n", 1)[1].rstrip("\n")
     assert body == "".join(text if t else f"{MASK_OPEN}{text}{MASK_CLOSE}" for t, text in rec["segments"])
     assert body.count(MASK_OPEN) == rec["agent"]["tool_calls"]["calculator"] + rec["agent"]["user_turns"] >= 1
     assert f"step 1 train · dp_rank {rec['dp_rank']} row {rec['row']}" in shown and "tool calls: calculator x" in shown
-    coloured = subprocess.run([*cli, "--step", "1", "--index", "1", "--color", "always"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout
+    coloured = subprocess.run(
+        [*cli, "--step", "1", "--index", "1", "--color", "always"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     assert "\x1b[2;36m" in coloured and MASK_OPEN not in coloured
     listing = subprocess.run([*cli, "--list"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(listing) == 16 and listing[9].startswith("step     2 --index 1 ")

@@ -83,8 +83,13 @@ def snapshot(d: Path) -> dict:
     out = {}
     for p in sorted(d.rglob("*")):
         st = p.lstat()
-        out[str(p)] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mode, st.st_mtime_ns,
-                       p.read_bytes() if stat.S_ISREG(st.st_mode) else None)
+        out[str(p)] = (
+            stat.S_IFMT(st.st_mode),
+            st.st_size,
+            st.st_mode,
+            st.st_mtime_ns,
+            p.read_bytes() if stat.S_ISREG(st.st_mode) else None,
+        )
     return out
 
 
@@ -104,29 +109,56 @@ def run_dir(tmp_path):
 # itself, then tries to write into the run directory. `shell`: needs /bin/sh, which the sandbox may not have.
 SPAWN = {
     "subprocess": (False, "import subprocess, sys; subprocess.run([sys.executable, '-c', INNER])"),
-    "subprocess_shell": (True, "import subprocess, sys; subprocess.run(f'{sys.executable} -c \"{INNER}\"', shell=True)"),
+    "subprocess_shell": (
+        True,
+        "import subprocess, sys; subprocess.run(f'{sys.executable} -c \"{INNER}\"', shell=True)",
+    ),
     "os_system": (True, "import os, sys; os.system(f'{sys.executable} -c \"{INNER}\"')"),
     "os_popen": (True, "import os, sys; print(os.popen(f'{sys.executable} -c \"{INNER}\"').read())"),
-    "posix_spawn": (False, "import os, sys; os.waitpid(os.posix_spawn(sys.executable, [sys.executable, '-c', INNER], {}), 0)"),
-    "posix_spawnp": (False, "import os, sys; os.waitpid(os.posix_spawnp(sys.executable, [sys.executable, '-c', INNER], {}), 0)"),
+    "posix_spawn": (
+        False,
+        "import os, sys; os.waitpid(os.posix_spawn(sys.executable, [sys.executable, '-c', INNER], {}), 0)",
+    ),
+    "posix_spawnp": (
+        False,
+        "import os, sys; os.waitpid(os.posix_spawnp(sys.executable, [sys.executable, '-c', INNER], {}), 0)",
+    ),
     "spawnv": (False, "import os, sys; os.spawnv(os.P_WAIT, sys.executable, [sys.executable, '-c', INNER])"),
     "execv": (False, "import os, sys; os.execv(sys.executable, [sys.executable, '-c', INNER])"),
     "execve": (False, "import os, sys; os.execve(sys.executable, [sys.executable, '-c', INNER], {})"),
     "fork": (False, "import os\nif os.fork() == 0:\n    exec(INNER)\n    os._exit(0)\nos.wait()"),
-    "forkpty": (False, "import os\npid, fd = os.forkpty()\nif pid == 0:\n    exec(INNER)\n    os._exit(0)\n"
-                       "os.waitpid(pid, 0)\ntry:\n    print(os.read(fd, 1000).decode())\nexcept OSError:\n    pass"),
-    "fork_exec": (False, "import _posixsubprocess, os, sys\n"
-                         "pid = _posixsubprocess.fork_exec([sys.executable, '-c', INNER], [os.fsencode(sys.executable)], "
-                         "True, (), None, None, -1, -1, -1, -1, -1, -1, *os.pipe(), False, False, -1, None, None, None, "
-                         "-1, None, False)\nos.waitpid(pid, 0)"),
+    "forkpty": (
+        False,
+        "import os\npid, fd = os.forkpty()\nif pid == 0:\n    exec(INNER)\n    os._exit(0)\n"
+        "os.waitpid(pid, 0)\ntry:\n    print(os.read(fd, 1000).decode())\nexcept OSError:\n    pass",
+    ),
+    "fork_exec": (
+        False,
+        "import _posixsubprocess, os, sys\n"
+        "pid = _posixsubprocess.fork_exec([sys.executable, '-c', INNER], [os.fsencode(sys.executable)], "
+        "True, (), None, None, -1, -1, -1, -1, -1, -1, *os.pipe(), False, False, -1, None, None, None, "
+        "-1, None, False)\nos.waitpid(pid, 0)",
+    ),
     "pty_spawn": (False, "import pty, sys, os\npty.spawn([sys.executable, '-c', INNER])"),
-    "multiprocessing": (False, "import multiprocessing as mp\n"
-                               "def f():\n    exec(INNER)\n"
-                               "if __name__ == '__main__':\n    p = mp.get_context('fork').Process(target=f); p.start(); p.join()"),
-    "ctypes_system": (True, "import ctypes, sys; ctypes.CDLL(None).system(f'{sys.executable} -c \"{INNER}\"'.encode())"),
-    "ctypes_fork": (False, "import ctypes, os\nif ctypes.CDLL(None).fork() == 0:\n    exec(INNER)\n    os._exit(0)\nos.wait()"),
-    "ctypes_execve": (False, "import ctypes, sys\nargv = (ctypes.c_char_p * 4)(sys.executable.encode(), b'-c', INNER.encode(), None)\n"
-                             "ctypes.CDLL(None).execve(sys.executable.encode(), argv, (ctypes.c_char_p * 1)(None))"),
+    "multiprocessing": (
+        False,
+        "import multiprocessing as mp\n"
+        "def f():\n    exec(INNER)\n"
+        "if __name__ == '__main__':\n    p = mp.get_context('fork').Process(target=f); p.start(); p.join()",
+    ),
+    "ctypes_system": (
+        True,
+        "import ctypes, sys; ctypes.CDLL(None).system(f'{sys.executable} -c \"{INNER}\"'.encode())",
+    ),
+    "ctypes_fork": (
+        False,
+        "import ctypes, os\nif ctypes.CDLL(None).fork() == 0:\n    exec(INNER)\n    os._exit(0)\nos.wait()",
+    ),
+    "ctypes_execve": (
+        False,
+        "import ctypes, sys\nargv = (ctypes.c_char_p * 4)(sys.executable.encode(), b'-c', INNER.encode(), None)\n"
+        "ctypes.CDLL(None).execve(sys.executable.encode(), argv, (ctypes.c_char_p * 1)(None))",
+    ),
 }
 
 
@@ -135,8 +167,10 @@ def test_a_started_process_cannot_write_outside(route, run_dir, tmp_path):
     d, _ = run_dir
     target = d / f"escaped-{route}"
     repo_target = ROOT / f"escaped-{route}-{uuid.uuid4().hex[:8]}"
-    inner = (f"print('spawned', flush=True); open({str(target)!r}, 'w').write('x'); open({str(repo_target)!r}, 'w').write('x'); "
-             "print('wrote outside')")
+    inner = (
+        f"print('spawned', flush=True); open({str(target)!r}, 'w').write('x'); open({str(repo_target)!r}, 'w').write('x'); "
+        "print('wrote outside')"
+    )
     needs_shell, route_code = SPAWN[route]
     code = f"INNER = {inner!r}\n{route_code}"
     before = snapshot(d)
@@ -186,8 +220,10 @@ def test_no_write_create_link_or_special_file_outside(attempt, run_dir, tmp_path
     assert "done" not in r.output
     # the same write inside its own directory works: the sandbox refuses the place, not the operation
     if attempt not in ("mknod_device", "proc_root_of_pid1", "path_traversal"):
-        inside = run(f"import os\nT = os.path.join(os.getcwd(), 'own')\nCKPT = 'ckpt'\nopen(CKPT, 'w').write('x')\n{WRITE[attempt]}\n"
-                     "print('done', os.listdir('.'))")
+        inside = run(
+            f"import os\nT = os.path.join(os.getcwd(), 'own')\nCKPT = 'ckpt'\nopen(CKPT, 'w').write('x')\n{WRITE[attempt]}\n"
+            "print('done', os.listdir('.'))"
+        )
         assert "done" in inside.output, inside.output
     if attempt != "proc_root_of_pid1" and (attempt != "mknod_device" or os.geteuid() == 0):
         control(code, tmp_path / "control")
@@ -233,14 +269,19 @@ print('writable', writable)
 
 
 def test_its_own_directory_is_the_only_writable_place(tmp_path):
-    r = run("TOP = '/'\n" + WRITABLE_DIRS + "import multiprocessing as mp\nwith mp.Pool(2) as p:\n"
-            "    print('pool', p.map(abs, [-1, -2]))\n")
+    r = run(
+        "TOP = '/'\n" + WRITABLE_DIRS + "import multiprocessing as mp\nwith mp.Pool(2) as p:\n"
+        "    print('pool', p.map(abs, [-1, -2]))\n"
+    )
     assert sorted(eval(r.output.split("writable ")[1].splitlines()[0])) == ["/dev/shm", "/sandbox"], r.output
     assert "pool [1, 2]" in r.output, r.output  # the one use of /dev/shm: multiprocessing's semaphores
     (tmp_path / "run").mkdir()  # control: the same walk on the host, from a directory standing for the run's
     c = control(f"TOP = {str(tmp_path)!r}\n" + WRITABLE_DIRS, tmp_path / "control")
-    assert sorted(eval(c.stdout.split("writable ")[1])) == [str(tmp_path), str(tmp_path / "control"),
-                                                               str(tmp_path / "run")], c
+    assert sorted(eval(c.stdout.split("writable ")[1])) == [
+        str(tmp_path),
+        str(tmp_path / "control"),
+        str(tmp_path / "run"),
+    ], c
 
 
 def test_repository_and_home_are_invisible_and_unwritable():
@@ -248,12 +289,14 @@ def test_repository_and_home_are_invisible_and_unwritable():
     home = Path.home()
     home_files = [str(p) for p in home.iterdir() if p.is_file()][:10] if home.is_dir() else []
     marker = f"escaped-{uuid.uuid4().hex[:8]}"
-    code = (f"import os\nfor p in {[str(ROOT / 'tests/test_sandbox.py'), str(ROOT / 'README.md'), *home_files]!r}:\n"
-            "    try:\n        print(open(p).read())\n    except OSError as e:\n        print('no', type(e).__name__)\n"
-            f"print('visible', [p for p in {[str(ROOT), '/home', '/work', '/etc/passwd', '/etc/shadow']!r} "
-            "if os.path.exists(p)])\n"
-            f"for d in {[str(ROOT), str(ROOT / 'rlspmd'), str(home)]!r}:\n"
-            f"    try:\n        open(os.path.join(d, {marker!r}), 'w')\n    except OSError:\n        pass\n")
+    code = (
+        f"import os\nfor p in {[str(ROOT / 'tests/test_sandbox.py'), str(ROOT / 'README.md'), *home_files]!r}:\n"
+        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print('no', type(e).__name__)\n"
+        f"print('visible', [p for p in {[str(ROOT), '/home', '/work', '/etc/passwd', '/etc/shadow']!r} "
+        "if os.path.exists(p)])\n"
+        f"for d in {[str(ROOT), str(ROOT / 'rlspmd'), str(home)]!r}:\n"
+        f"    try:\n        open(os.path.join(d, {marker!r}), 'w')\n    except OSError:\n        pass\n"
+    )
     r = run(code)
     assert own not in r.output and "visible []" in r.output, r.output
     assert not (ROOT / marker).exists() and not (ROOT / "rlspmd" / marker).exists() and not (home / marker).exists()
@@ -264,9 +307,11 @@ def test_repository_and_home_are_invisible_and_unwritable():
 def test_the_run_data_next_to_it_cannot_be_read(run_dir, monkeypatch):
     d, canary = run_dir
     monkeypatch.setenv("RLSPMD_TEST_CANARY", canary)  # the trainer's environment is not the sandbox's
-    code = (f"import os, glob\nfor p in [{str(d / 'ckpt.pt')!r}, *glob.glob({str(d) + '/*'!r})]:\n"
-            "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)\n"
-            "print(dict(os.environ))")
+    code = (
+        f"import os, glob\nfor p in [{str(d / 'ckpt.pt')!r}, *glob.glob({str(d) + '/*'!r})]:\n"
+        "    try:\n        print(open(p).read())\n    except OSError as e:\n        print(type(e).__name__)\n"
+        "print(dict(os.environ))"
+    )
     r = run(code)
     assert canary not in r.output and "FileNotFoundError" in r.output, r.output
     assert canary in control(code, d.parent / "control").stdout  # unsandboxed, it reads the answer key
@@ -274,14 +319,17 @@ def test_the_run_data_next_to_it_cannot_be_read(run_dir, monkeypatch):
 
 def test_other_processes_proc_entries_are_out_of_reach(tmp_path):
     canary = f"CANARY-{uuid.uuid4().hex}"
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", canary],
-                               env={**os.environ, "RLSPMD_TEST_CANARY": canary})
+    sleeper = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", canary], env={**os.environ, "RLSPMD_TEST_CANARY": canary}
+    )
     try:
-        code = ("import os\nfor pid in [" + f"{sleeper.pid}, {os.getpid()}, 1, 'self'" + "] + os.listdir('/proc'):\n"
-                "    for what in ('cmdline', 'environ', 'status', 'maps'):\n"
-                "        try:\n            print(pid, what, open(f'/proc/{pid}/{what}', 'rb').read()[:4000])\n"
-                "        except (OSError, ValueError) as e:\n            print(pid, what, type(e).__name__)\n"
-                "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))")
+        code = (
+            "import os\nfor pid in [" + f"{sleeper.pid}, {os.getpid()}, 1, 'self'" + "] + os.listdir('/proc'):\n"
+            "    for what in ('cmdline', 'environ', 'status', 'maps'):\n"
+            "        try:\n            print(pid, what, open(f'/proc/{pid}/{what}', 'rb').read()[:4000])\n"
+            "        except (OSError, ValueError) as e:\n            print(pid, what, type(e).__name__)\n"
+            "print('pids', sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+        )
         r = run(code, max_output_chars=200_000)
         assert canary not in r.output and "pytest" not in r.output, r.output[-2000:]
         pids = eval(r.output.rsplit("pids ", 1)[1].splitlines()[0])
@@ -296,10 +344,12 @@ def test_signals_cannot_reach_other_processes(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         # the sleeper, this test's process, the sleeper's group, then everything it may signal, then its own group
-        r = run(f"import os, signal\ntry:\n    os.killpg({os.getpgid(sleeper.pid)}, signal.SIGKILL)\n"
-                "except OSError as e:\n    print(e)\n"
-                f"for pid in ({sleeper.pid}, {os.getpid()}, -1, 0):\n"
-                "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print(pid, e)\n")
+        r = run(
+            f"import os, signal\ntry:\n    os.killpg({os.getpgid(sleeper.pid)}, signal.SIGKILL)\n"
+            "except OSError as e:\n    print(e)\n"
+            f"for pid in ({sleeper.pid}, {os.getpid()}, -1, 0):\n"
+            "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError as e:\n        print(pid, e)\n"
+        )
         time.sleep(0.2)
         assert sleeper.poll() is None, r.output  # still alive (and so is this test's process)
         control(f"import os, signal; os.kill({sleeper.pid}, signal.SIGKILL)", tmp_path / "control")
@@ -338,14 +388,16 @@ def test_sockets_do_not_connect(tmp_path):
     abstract.bind(abstract_name)
     abstract.listen(4)
     try:
-        code = ("import socket\n"
-                f"for fam, addr in [(socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})), "
-                f"(socket.AF_UNIX, {unix_path!r}), (socket.AF_UNIX, {abstract_name!r})]:\n"
-                "    try:\n        s = socket.socket(fam); s.settimeout(2); s.connect(addr); print('CONNECTED', addr)\n"
-                "    except OSError as e:\n        print('FAILED', addr, e)\n"
-                f"u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nu.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))\n"
-                "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED internet')\n"
-                "except OSError as e:\n    print('FAILED internet', e)")
+        code = (
+            "import socket\n"
+            f"for fam, addr in [(socket.AF_INET, ('127.0.0.1', {tcp.getsockname()[1]})), "
+            f"(socket.AF_UNIX, {unix_path!r}), (socket.AF_UNIX, {abstract_name!r})]:\n"
+            "    try:\n        s = socket.socket(fam); s.settimeout(2); s.connect(addr); print('CONNECTED', addr)\n"
+            "    except OSError as e:\n        print('FAILED', addr, e)\n"
+            f"u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nu.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))\n"
+            "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED internet')\n"
+            "except OSError as e:\n    print('FAILED internet', e)"
+        )
         r = run(code)
         assert "CONNECTED" not in r.output and r.output.count("FAILED") == 4, r.output
         assert not _accepts(tcp, 0.2) and not _accepts(unix, 0.1) and not _accepts(abstract, 0.1)
@@ -364,18 +416,22 @@ def test_fork_bomb_is_bounded_and_the_call_returns():
     r = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=3.0)
     assert r.timed_out and r.seconds < 8 and time.monotonic() - t0 < 8
     # and the number of processes is the limit: count how many children one program gets
-    r = run("import os, time\nn = 0\ntry:\n    for _ in range(1000):\n        if os.fork() == 0:\n"
-            "            time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused', e.errno)\n"
-            "print('children', n, 'visible', len([p for p in os.listdir('/proc') if p.isdigit()]))")
+    r = run(
+        "import os, time\nn = 0\ntry:\n    for _ in range(1000):\n        if os.fork() == 0:\n"
+        "            time.sleep(5); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('refused', e.errno)\n"
+        "print('children', n, 'visible', len([p for p in os.listdir('/proc') if p.isdigit()]))"
+    )
     n = int(r.output.split("children ")[1].split()[0])
     assert "refused 11" in r.output and 1 <= n <= 16 - 1, r.output  # max_processes=16 tasks: the runner, children
     assert subprocess.run(["true"], timeout=10).returncode == 0  # the machine still forks
 
 
 def test_thread_bomb_is_bounded():
-    r = run("import threading, time\nn = 0\ntry:\n    for _ in range(10000):\n"
-            "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
-            "except RuntimeError as e:\n    print('refused', e)\nprint('threads', n, flush=True)\nimport os; os._exit(0)")
+    r = run(
+        "import threading, time\nn = 0\ntry:\n    for _ in range(10000):\n"
+        "        threading.Thread(target=time.sleep, args=(5,), daemon=True).start(); n += 1\n"
+        "except RuntimeError as e:\n    print('refused', e)\nprint('threads', n, flush=True)\nimport os; os._exit(0)"
+    )
     n = int(r.output.split("threads ")[1].split()[0])
     assert "refused" in r.output and n <= 16, r.output
 
@@ -383,12 +439,17 @@ def test_thread_bomb_is_bounded():
 def test_memory_exhaustion_fails_in_the_program_and_its_children():
     r = run("x = bytearray(1024 ** 3)\nprint('allocated')")
     assert r.exit_code != 0 and "MemoryError" in r.output and "allocated" not in r.output
-    r = run("import os\nif os.fork() == 0:\n    try:\n        x = bytearray(1024 ** 3); print('child allocated')\n"
-            "    except MemoryError:\n        print('child refused', flush=True)\n    os._exit(0)\nos.wait()")
+    r = run(
+        "import os\nif os.fork() == 0:\n    try:\n        x = bytearray(1024 ** 3); print('child allocated')\n"
+        "    except MemoryError:\n        print('child refused', flush=True)\n    os._exit(0)\nos.wait()"
+    )
     assert "child refused" in r.output and "child allocated" not in r.output, r.output
     # the workdir is a tmpfs of workdir_mb: filling it stops there (and never touches the host's disks)
-    r = run("import os\nn = 0\ntry:\n    for i in range(1000):\n        open(f'f{i}', 'wb').write(b'0' * (1 << 20)); n += 1\n"
-            "except OSError as e:\n    print('stopped', e.errno)\nprint('mb', n)", workdir_mb=8)
+    r = run(
+        "import os\nn = 0\ntry:\n    for i in range(1000):\n        open(f'f{i}', 'wb').write(b'0' * (1 << 20)); n += 1\n"
+        "except OSError as e:\n    print('stopped', e.errno)\nprint('mb', n)",
+        workdir_mb=8,
+    )
     assert "stopped 28" in r.output and int(r.output.split("mb ")[1]) <= 8, r.output  # ENOSPC
 
 
@@ -411,18 +472,23 @@ def test_nothing_outlives_the_call_daemons_setsid_and_sigterm_ignorers():
     inside a program killed at the wall-time limit: neither survives the call (checked by its marker on the host)."""
     for exit_at_once in (True, False):
         marker = f"rlspmd-daemon-{uuid.uuid4().hex}"
-        code = ("import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                f"        os.execv(sys.executable, [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)', {marker!r}])\n"
-                "    os._exit(0)\ntime.sleep(0.5)\nprint('parent done', flush=True)\n" + ("" if exit_at_once else "time.sleep(60)\n"))
+        code = (
+            "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv(sys.executable, [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)', {marker!r}])\n"
+            "    os._exit(0)\ntime.sleep(0.5)\nprint('parent done', flush=True)\n"
+            + ("" if exit_at_once else "time.sleep(60)\n")
+        )
         r = run(code, timeout_s=2.0)
         assert r.timed_out is (not exit_at_once) and "parent done" in r.output, r.output
         assert processes_with(marker) == [], [describe(pid) for pid in processes_with(marker)]
     # control: the same daemon started unsandboxed does outlive its parent
     marker = f"rlspmd-daemon-{uuid.uuid4().hex}"
-    daemon = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-              f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
-              "    os._exit(0)\ntime.sleep(0.5)")
+    daemon = (
+        f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+        "    os._exit(0)\ntime.sleep(0.5)"
+    )
     subprocess.run([PYTHON, "-c", daemon], timeout=30)
     left = processes_with(marker)
     assert left, "the control daemon should have outlived its parent"
@@ -444,12 +510,21 @@ def test_the_sandbox_dies_with_its_parent(tmp_path):
     """The trainer killed with SIGKILL mid-call: the sandboxed program (and what it started) goes too."""
     marker = f"rlspmd-orphan-{uuid.uuid4().hex}"
     # the marker is spelled backwards in the code: the parent's own command line holds the code
-    code = (f"import os, sys\nM = {marker[::-1]!r}[::-1]\nif os.fork() == 0:\n    os.setsid()\n"
-            "    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', M])\n"
-            "os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', M])")
-    parent = subprocess.Popen([sys.executable, "-c", LOAD_SANDBOX + "sandbox.run_python(sys.argv[2], timeout_s=60, "
-                               "memory_mb=256, cpu_s=60, max_output_chars=100)", str(ROOT / "rlspmd/agent/sandbox.py"),
-                               code])
+    code = (
+        f"import os, sys\nM = {marker[::-1]!r}[::-1]\nif os.fork() == 0:\n    os.setsid()\n"
+        "    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', M])\n"
+        "os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', M])"
+    )
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LOAD_SANDBOX + "sandbox.run_python(sys.argv[2], timeout_s=60, "
+            "memory_mb=256, cpu_s=60, max_output_chars=100)",
+            str(ROOT / "rlspmd/agent/sandbox.py"),
+            code,
+        ]
+    )
     try:
         deadline = time.monotonic() + 30
         while len(processes_with(marker)) < 2 and time.monotonic() < deadline:
@@ -470,12 +545,14 @@ def test_root_on_the_host_is_not_root_inside(tmp_path):
     and write through them."""
     stdlib = os.path.dirname(os.__file__)
     marker = f"escaped-{uuid.uuid4().hex[:8]}"
-    code = (f"import ctypes, os\nprint('uid', os.getuid(), [l for l in open('/proc/self/status') if l.startswith('CapEff')])\n"
-            "libc = ctypes.CDLL(None, use_errno=True)\n"
-            "print('unshare', libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())  # CLONE_NEWUSER | CLONE_NEWNS\n"
-            f"print('remount', libc.mount(None, {stdlib!r}.encode(), None, 32 | 4096 | 16384, None), ctypes.get_errno())\n"
-            f"for p in [{os.path.join(stdlib, marker)!r}, '/usr/lib/' + {marker!r}, '/' + {marker!r}]:\n"
-            "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n        print(p, e)")
+    code = (
+        f"import ctypes, os\nprint('uid', os.getuid(), [l for l in open('/proc/self/status') if l.startswith('CapEff')])\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('unshare', libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())  # CLONE_NEWUSER | CLONE_NEWNS\n"
+        f"print('remount', libc.mount(None, {stdlib!r}.encode(), None, 32 | 4096 | 16384, None), ctypes.get_errno())\n"
+        f"for p in [{os.path.join(stdlib, marker)!r}, '/usr/lib/' + {marker!r}, '/' + {marker!r}]:\n"
+        "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n    except OSError as e:\n        print(p, e)"
+    )
     r = run(code)
     assert "wrote" not in r.output and "CapEff:\\t0000000000000000" in r.output, r.output
     assert "uid 0" not in r.output and "unshare -1 " in r.output
@@ -486,8 +563,10 @@ def test_root_on_the_host_is_not_root_inside(tmp_path):
 
 def test_output_from_the_sandbox_cannot_reach_the_trainer_through_inherited_files():
     """Only stdin (the code) and one output file are shared; /proc/self/fd shows nothing else of the host's."""
-    r = run("import os\nprint(sorted(os.listdir('/proc/self/fd')))\n"
-            "print(os.readlink('/proc/self/fd/1'))\nprint(os.getcwd())")
+    r = run(
+        "import os\nprint(sorted(os.listdir('/proc/self/fd')))\n"
+        "print(os.readlink('/proc/self/fd/1'))\nprint(os.getcwd())"
+    )
     fds = eval(r.output.splitlines()[0])
     assert fds == ["0", "1", "2", "3"], r.output  # stdin, stdout, stderr and the listing's own directory fd
     assert r.output.splitlines()[2] == WORKDIR
@@ -505,8 +584,11 @@ def test_missing_bubblewrap_refuses_to_start_naming_it(monkeypatch, tmp_path):
         return config_problems(cfg, world_size=2, check_files=False)
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on PATH
-    with pytest.raises(ValueError, match=r"rollout.agent.code.sandbox='bwrap'.*bubblewrap is not installed.*"
-                                         r"audit-hook-unsafe"):
+    with pytest.raises(
+        ValueError,
+        match=r"rollout.agent.code.sandbox='bwrap'.*bubblewrap is not installed.*"
+        r"audit-hook-unsafe",
+    ):
         check_sandbox("bwrap")
     with pytest.raises(ValueError, match=r"rollout.agent.tools\[0\]='python'.*bubblewrap is not installed"):
         load_tools(AgentConfig(tools=["python"]))
@@ -519,28 +601,62 @@ def test_missing_bubblewrap_refuses_to_start_naming_it(monkeypatch, tmp_path):
 
 def test_refused_user_namespaces_refuse_to_start_naming_them(tmp_path):
     """A non-root user on a machine where user namespaces are off (here: inside a sandbox with them disabled)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import importlib.util as u\n"
-            "s = u.spec_from_file_location('sb', sys.argv[1] + '/rlspmd/agent/sandbox.py'); m = u.module_from_spec(s)\n"
-            "sys.modules['sb'] = m; s.loader.exec_module(m)\n"
-            "try:\n    m.check_sandbox('bwrap')\nexcept ValueError as e:\n    print(e)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import importlib.util as u\n"
+        "s = u.spec_from_file_location('sb', sys.argv[1] + '/rlspmd/agent/sandbox.py'); m = u.module_from_spec(s)\n"
+        "sys.modules['sb'] = m; s.loader.exec_module(m)\n"
+        "try:\n    m.check_sandbox('bwrap')\nexcept ValueError as e:\n    print(e)"
+    )
     interp = interpreter()
-    cmd = ["bwrap", "--unshare-user", "--disable-userns", "--uid", "1000", "--gid", "1000", "--unshare-pid",
-           "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-           "--ro-bind", str(ROOT), str(ROOT), "--", interp.executable, "-I", "-S", "-c", code, str(ROOT)]
+    cmd = [
+        "bwrap",
+        "--unshare-user",
+        "--disable-userns",
+        "--uid",
+        "1000",
+        "--gid",
+        "1000",
+        "--unshare-pid",
+        "--die-with-parent",
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind",
+        str(ROOT),
+        str(ROOT),
+        "--",
+        interp.executable,
+        "-I",
+        "-S",
+        "-c",
+        code,
+        str(ROOT),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert "model-written code cannot be isolated on this machine" in out.stdout, (out.stdout, out.stderr)
     assert "namespace" in out.stdout, out.stdout  # bwrap's own words on what it could not create
 
 
 SYSTEM_PYTHON = "/usr/bin/python3"
-AS_NOBODY = LOAD_SANDBOX + """
+AS_NOBODY = (
+    LOAD_SANDBOX
+    + """
 r = sandbox.run_python(sys.argv[2], timeout_s=20.0, memory_mb=256, cpu_s=5, max_output_chars=4000)
 print(json.dumps({"output": r.output, "exit_code": r.exit_code}))
 """
+)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
-                    reason="runs the unprivileged path as uid 65534: needs root here and a system Python at /usr/bin")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
+    reason="runs the unprivileged path as uid 65534: needs root here and a system Python at /usr/bin",
+)
 def test_the_unprivileged_path_holds_too(tmp_path):
     """An ordinary user's trainer (here uid 65534, the system Python): a user namespace instead of root's uid drop.
     The run directory is world-readable and world-writable, so the user could read and write it unsandboxed."""
@@ -551,14 +667,18 @@ def test_the_unprivileged_path_holds_too(tmp_path):
         (shared / "ckpt.pt").write_text(canary)
         os.chmod(shared / "ckpt.pt", 0o644)
         target = shared / "escaped"
-        attack = ("import ctypes, os, sys\nprint('uid', os.getuid())\n"
-                  f"try:\n    print(open({str(shared / 'ckpt.pt')!r}).read())\nexcept OSError as e:\n    print(e)\n"
-                  f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
-                  "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n"
-                  # bwrap's init, outside the limits, with the code's uid here: not to be taken over
-                  "print('ptrace', libc.ptrace(16, 1, 0, 0), 'init', os.listdir('/proc/1') if os.getpid() == 2 else '')\n")
-        bomb = ("n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
-                "        n += 1\nexcept OSError:\n    pass\nprint('children', n)")
+        attack = (
+            "import ctypes, os, sys\nprint('uid', os.getuid())\n"
+            f"try:\n    print(open({str(shared / 'ckpt.pt')!r}).read())\nexcept OSError as e:\n    print(e)\n"
+            f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError as e:\n    print(e)\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\nprint('unshare', libc.unshare(0x10000000))\n"
+            # bwrap's init, outside the limits, with the code's uid here: not to be taken over
+            "print('ptrace', libc.ptrace(16, 1, 0, 0), 'init', os.listdir('/proc/1') if os.getpid() == 2 else '')\n"
+        )
+        bomb = (
+            "n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
+            "        n += 1\nexcept OSError:\n    pass\nprint('children', n)"
+        )
         code = "TOP = '/'\n" + WRITABLE_DIRS + attack + bomb
         sandbox_py = str(ROOT / "rlspmd/agent/sandbox.py")
         nobody = dict(user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=120, cwd="/")
@@ -576,8 +696,13 @@ def test_the_unprivileged_path_holds_too(tmp_path):
 
 def test_the_cost_benchmark_runs_and_prints_json():
     """``scripts/bench/sandbox_calls.py`` (docs/agents.md: its figures); a smoke run, the figures are not asserted."""
-    out = subprocess.run([sys.executable, "scripts/bench/sandbox_calls.py", "--calls", "10", "--threads", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "scripts/bench/sandbox_calls.py", "--calls", "10", "--threads", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for mode in ("bare", "audit-hook-unsafe", "bwrap"):

@@ -13,9 +13,29 @@ pytestmark = pytest.mark.dist
 
 
 def sft_args(model, data, out, *extra: str) -> list[str]:
-    return ["-m", "rlspmd.sft", "--config", "configs/sft_quickstart.py", "--model.path", str(model),
-            "--data.train-files", str(data / "sft.parquet"), "--total-steps", "4", "--log-every", "1",
-            "--checkpoint.save-every", "2", "--checkpoint.keep-last", "0", "--output-dir", str(out), "--loggers", "jsonl", *extra]
+    return [
+        "-m",
+        "rlspmd.sft",
+        "--config",
+        "configs/sft_quickstart.py",
+        "--model.path",
+        str(model),
+        "--data.train-files",
+        str(data / "sft.parquet"),
+        "--total-steps",
+        "4",
+        "--log-every",
+        "1",
+        "--checkpoint.save-every",
+        "2",
+        "--checkpoint.keep-last",
+        "0",
+        "--output-dir",
+        str(out),
+        "--loggers",
+        "jsonl",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -31,8 +51,10 @@ def test_sft_stop_and_resume_is_bit_identical(tiny_model, arithmetic_data, tmp_p
     assert [m["step"] for m in metrics(split)] == [1, 2, 3, 4]  # continued, nothing repeated
     assert metrics(split) == metrics(whole)
     # model, optimiser, LR schedule, the sampler's place in the data order, RNGs
-    assert_same_state(checkpoint_tensors(whole / "checkpoints" / "step_00000004"),
-                      checkpoint_tensors(split / "checkpoints" / "step_00000004"))
+    assert_same_state(
+        checkpoint_tensors(whole / "checkpoints" / "step_00000004"),
+        checkpoint_tensors(split / "checkpoints" / "step_00000004"),
+    )
     want, got = load_file(whole / "hf" / "model.safetensors"), load_file(split / "hf" / "model.safetensors")
     assert want.keys() == got.keys() and all(want[k].equal(got[k]) for k in want)
     # checkpoint.save_hf: the step's HF directory holds the model the run ends with
@@ -41,8 +63,21 @@ def test_sft_stop_and_resume_is_bit_identical(tiny_model, arithmetic_data, tmp_p
 
 
 def test_sft_checkpoint_settings_are_checked_before_loading(tiny_model, arithmetic_data, tmp_path):
-    out = torchrun(sft_args(tiny_model, arithmetic_data, tmp_path, "--stop-at-step", "9", "--checkpoint.keep-last", "-1",
-                            "--resume", str(tmp_path / "nowhere")), 1, check=False)
+    out = torchrun(
+        sft_args(
+            tiny_model,
+            arithmetic_data,
+            tmp_path,
+            "--stop-at-step",
+            "9",
+            "--checkpoint.keep-last",
+            "-1",
+            "--resume",
+            str(tmp_path / "nowhere"),
+        ),
+        1,
+        check=False,
+    )
     text = out.stdout + out.stderr
     assert out.returncode != 0
     for field in ("stop_at_step", "checkpoint.keep_last", "checkpoint.resume"):

@@ -17,19 +17,29 @@ KW = dict(dtype="float32", attn_implementation="sdpa", field_name="actor.model.p
 
 @pytest.fixture(scope="module")
 def untied_llama(tmp_path_factory) -> Path:
-    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("untied") / "m", arch="llama",
-                                                             tie_embeddings=False, seed=3)
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("untied") / "m", arch="llama", tie_embeddings=False, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
 def bf16_file(tmp_path_factory) -> Path:
-    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("bf16") / "m", dtype="bfloat16", seed=4)
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("bf16") / "m", dtype="bfloat16", seed=4
+    )
 
 
 @pytest.mark.dist
 def test_two_ranks_load_what_from_pretrained_loads(tiny_model, tiny_reward_model, untied_llama, bf16_file, tmp_path):
-    specs = [f"policy:{tiny_model}", f"policy:{untied_llama}", f"value:{tiny_model}", f"value:{tiny_reward_model}",
-             f"scorer:{tiny_reward_model}", f"policy:{tiny_model}:bfloat16", f"policy:{bf16_file}"]
+    specs = [
+        f"policy:{tiny_model}",
+        f"policy:{untied_llama}",
+        f"value:{tiny_model}",
+        f"value:{tiny_reward_model}",
+        f"scorer:{tiny_reward_model}",
+        f"policy:{tiny_model}:bfloat16",
+        f"policy:{bf16_file}",
+    ]
     out = tmp_path / "loaded.pt"
     torchrun([dist_script("sharded_load_check.py"), str(out), *specs], 2)
     results = torch.load(out, weights_only=False)
@@ -55,8 +65,15 @@ def _random_model(out: Path, *, hidden=512, layers=8, inter=2048, vocab=8192) ->
     """A random Qwen2 directory (config + safetensors, no tokenizer: loading needs none), ~42M parameters, untied."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
     return out
@@ -95,26 +112,36 @@ def _copy(model: Path, tmp_path: Path, edit) -> Path:
 
 def test_missing_tensor_is_named(tiny_model, tmp_path):
     d = _copy(tiny_model, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"actor\.model\.path: no tensor in .*edited holds parameter 'hf\.model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor\.model\.path: no tensor in .*edited holds parameter 'hf\.model\.layers\.1\.mlp\.up_proj\.weight'",
+    ):
         meta_policy_module(d, **KW)
 
 
 def test_unexpected_tensor_is_named_with_its_file(tiny_model, tmp_path):
     d = _copy(tiny_model, tmp_path, lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(2)}))
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.layers\.9\.extra\.weight' belongs to no parameter"):
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor 'model\.layers\.9\.extra\.weight' belongs to no parameter"
+    ):
         meta_policy_module(d, **KW)
 
 
 def test_shape_mismatch_names_file_tensor_and_both_shapes(tiny_model, tmp_path):
     d = _copy(tiny_model, tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(7)}))
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[7\], but parameter "
-                                         r"'hf\.model\.norm\.weight' of the model built from config\.json has \[128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: tensor 'model\.norm\.weight' has shape \[7\], but parameter "
+        r"'hf\.model\.norm\.weight' of the model built from config\.json has \[128\]",
+    ):
         meta_policy_module(d, **KW)
 
 
 def test_integer_dtype_is_refused_naming_the_tensor(tiny_model, tmp_path):
     d = _copy(tiny_model, tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(128, dtype=torch.int32)}))
-    with pytest.raises(ValueError, match=r"tensor 'model\.norm\.weight' is stored as I32, which cannot load into parameter"):
+    with pytest.raises(
+        ValueError, match=r"tensor 'model\.norm\.weight' is stored as I32, which cannot load into parameter"
+    ):
         meta_policy_module(d, **KW)
 
 
@@ -145,7 +172,11 @@ def test_truncated_file_names_the_path(tiny_model, tmp_path):
 
 
 def test_value_model_ignores_the_lm_head_and_a_multi_label_classifier(tiny_model, tmp_path):
-    d = _copy(tiny_model, tmp_path, lambda t: t.update({"lm_head.weight": torch.zeros(896, 128), "score.weight": torch.zeros(3, 128)}))
+    d = _copy(
+        tiny_model,
+        tmp_path,
+        lambda t: t.update({"lm_head.weight": torch.zeros(896, 128), "score.weight": torch.zeros(3, 128)}),
+    )
     module, plan = meta_value_model(d, seed=0, **KW)
     assert "hf.value_head.weight" not in plan.keys and "value_head.weight" in plan.inits  # a new head, seeded
 

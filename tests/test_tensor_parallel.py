@@ -63,8 +63,9 @@ def test_update_equals_one_rank(runs):
         torch.testing.assert_close(g, g1, rtol=0, atol=ATOL, msg=lambda m: f"gradient of {name}: {m}")
         # relative to the tensor's own gradient too (many are ~1e-4 here): no TP shard counted twice or dropped
         assert float((g - g1).norm()) <= ATOL * float(g1.norm()), name
-        torch.testing.assert_close(tp["params"][name], one["params"][name], rtol=0, atol=ATOL,
-                                   msg=lambda m: f"{name} after the step: {m}")
+        torch.testing.assert_close(
+            tp["params"][name], one["params"][name], rtol=0, atol=ATOL, msg=lambda m: f"{name} after the step: {m}"
+        )
 
 
 def test_weight_stream_of_the_2d_actor_is_the_full_state_dict(runs):
@@ -83,7 +84,9 @@ def test_weight_stream_of_the_2d_actor_is_the_full_state_dict(runs):
 
 def test_dcp_round_trip_on_the_2d_mesh(runs):
     _, tp, _ = runs
-    assert tp["dcp_ok"] == len(tp["names"]) + 1  # every model entry (the tied head too) and the AdamW state reloaded exactly
+    assert (
+        tp["dcp_ok"] == len(tp["names"]) + 1
+    )  # every model entry (the tied head too) and the AdamW state reloaded exactly
 
 
 def test_2d_checkpoint_loads_at_tp_1(runs):
@@ -99,10 +102,13 @@ def test_bad_actor_tp_names_the_field(tiny_model):
     with pytest.raises(ValueError, match=r"mesh.actor_tp=0"):
         ParallelDims.from_config(MeshConfig(actor_tp=0), 4)
     cfg = Config()
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(actor_tp=4),
-                              actor=dataclasses.replace(cfg.actor, model=ModelConfig(path=str(tiny_model))))
+    cfg = dataclasses.replace(
+        cfg, mesh=MeshConfig(actor_tp=4), actor=dataclasses.replace(cfg.actor, model=ModelConfig(path=str(tiny_model)))
+    )
     lines = config_problems(cfg, world_size=4)
-    assert any(line.startswith("mesh.actor_tp=4: must divide the model's 4 attention heads and 2 KV heads") for line in lines), lines
+    assert any(
+        line.startswith("mesh.actor_tp=4: must divide the model's 4 attention heads and 2 KV heads") for line in lines
+    ), lines
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(actor_tp=2), actor=ActorConfig(engine=MegatronConfig()))
     lines = config_problems(cfg, world_size=4, check_files=False)
     assert any(line.startswith("mesh.actor_tp=2: is the fsdp engine's tensor parallelism") for line in lines), lines

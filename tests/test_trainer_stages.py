@@ -21,7 +21,13 @@ from rlspmd.algorithms import (
     rloo,
 )
 from rlspmd.config import (
-    ADVANTAGE_ESTIMATOR_TYPES, RLOO, AdaptiveKL, AlgorithmConfig, FixedKL, OverlongBufferConfig, RewardConfig,
+    ADVANTAGE_ESTIMATOR_TYPES,
+    RLOO,
+    AdaptiveKL,
+    AlgorithmConfig,
+    FixedKL,
+    OverlongBufferConfig,
+    RewardConfig,
     RewardModelConfig,
 )
 from rlspmd.metrics import MetricBuffer
@@ -49,8 +55,15 @@ RESPONSE_MASK = (MASK.flip(1).cummax(1).values.flip(1) > 0).long()
 
 
 def batch(**extra) -> Batch:
-    return Batch({"scores_B": SCORES.clone(), "response_mask_BR": RESPONSE_MASK.clone(), "loss_mask_BR": MASK.clone(),
-                  "uid_B": UID.clone(), **extra})
+    return Batch(
+        {
+            "scores_B": SCORES.clone(),
+            "response_mask_BR": RESPONSE_MASK.clone(),
+            "loss_mask_BR": MASK.clone(),
+            "uid_B": UID.clone(),
+            **extra,
+        }
+    )
 
 
 def test_overlong_penalty_hand_computed():
@@ -62,7 +75,9 @@ def test_overlong_penalty_hand_computed():
 
 def test_overlong_shaping_adds_to_scores_and_checks_its_config():
     b = Batch({"scores_B": torch.tensor([1.0, 1.0]), "response_mask_BR": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
-    out = OverlongShaping(OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0), max_response_length=4)(b, MetricBuffer())
+    out = OverlongShaping(OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0), max_response_length=4)(
+        b, MetricBuffer()
+    )
     torch.testing.assert_close(out["overlong_penalty_B"], torch.tensor([-0.5, -1.0]))
     torch.testing.assert_close(out["scores_B"], torch.tensor([0.5, 0.0]))
     with pytest.raises(ValueError, match="reward.overlong_buffer.len=8"):
@@ -85,12 +100,16 @@ def kl_batch():
 
 
 def test_kl_in_reward_fixed_coefficient_hand_computed():
-    stage = KLPenalizedTokenRewards(AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.1)), mesh=None)
+    stage = KLPenalizedTokenRewards(
+        AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k1", kl_ctrl=FixedKL(kl_coef=0.1)), mesh=None
+    )
     metrics = MetricBuffer()
     out = stage(kl_batch(), metrics)
     # row 0: k1 = old - ref = [0.5, -1.0, 0.0] on its 3 valid tokens, score 1.0 on the last one
     torch.testing.assert_close(out["token_rewards_BR"][0], torch.tensor([-0.05, 0.1, 1.0, 0.0]))
-    torch.testing.assert_close(out["token_rewards_BR"][1:], TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"][1:])
+    torch.testing.assert_close(
+        out["token_rewards_BR"][1:], TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"][1:]
+    )
     m = metrics.reduce(mesh=None)
     assert m["kl_in_reward/coef"] == pytest.approx(0.1)
     # verl's controller KL: the mean over the 6 samples of each sample's mean KL (row 0: -0.5 / 3, others 0)
@@ -99,8 +118,9 @@ def test_kl_in_reward_fixed_coefficient_hand_computed():
 
 
 def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
-    cfg = AlgorithmConfig(use_kl_in_reward=True, kl_penalty="abs",
-                          kl_ctrl=AdaptiveKL(kl_coef=0.2, target_kl=0.1, horizon=60))
+    cfg = AlgorithmConfig(
+        use_kl_in_reward=True, kl_penalty="abs", kl_ctrl=AdaptiveKL(kl_coef=0.2, target_kl=0.1, horizon=60)
+    )
     stage = build_token_rewards(cfg, mesh=None)
     stage(kl_batch(), MetricBuffer())
     mean_kl = 1.5 / 3 / 6  # abs: 0.5 + 1.0 over row 0's 3 tokens; the mean over 6 samples of per-sample means
@@ -142,8 +162,12 @@ def test_every_estimator_is_wired_to_its_library_function():
     expected["gae"] = (masked_whiten(adv, m), ret)
     assert set(expected) == set(ADVANTAGE_ESTIMATOR_TYPES)
     for name, (want_adv, want_ret) in expected.items():
-        got_adv, got_ret = advantages(name, batch(values_BR=values, baseline_scores_B=baseline,
-                                                  reward_components_BK=components), gamma=0.9, lam=0.8)
+        got_adv, got_ret = advantages(
+            name,
+            batch(values_BR=values, baseline_scores_B=baseline, reward_components_BK=components),
+            gamma=0.9,
+            lam=0.8,
+        )
         torch.testing.assert_close(got_adv, want_adv.float(), msg=lambda s: f"{name}: {s}")
         if name not in ("reinforce_pp_baseline", "gdpo"):  # their returns are their (whitened) advantages
             torch.testing.assert_close(got_ret, want_ret.float(), msg=lambda s: f"{name}: {s}")
@@ -156,7 +180,9 @@ def test_global_whitening_hand_computed():
     per_token = SCORES[:, None].expand(6, 4)[valid].double()
     mean, std = per_token.mean(), per_token.std()
     torch.testing.assert_close(ret, SCORES[:, None] * MASK)
-    torch.testing.assert_close(adv[valid].double(), (per_token - mean) / torch.sqrt(std**2 + 1e-8), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        adv[valid].double(), (per_token - mean) / torch.sqrt(std**2 + 1e-8), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_dr_grpo_and_std_option_defaults():
@@ -188,9 +214,13 @@ def test_reward_role_mixes_rule_and_reward_model_scores(tiny_model):
         def __call__(self, b):
             return b.set(rm_scores_B=torch.tensor([0.25, -1.0]))
 
-    resp = tok(["2 + 3 = 5 #### 5", "nope"], add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt")
-    b = Batch({"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
-              {"ground_truth": ["5", "5"], "data_source": ["arithmetic"] * 2, "extra_info": [{}, {}]})
+    resp = tok(
+        ["2 + 3 = 5 #### 5", "nope"], add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt"
+    )
+    b = Batch(
+        {"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
+        {"ground_truth": ["5", "5"], "data_source": ["arithmetic"] * 2, "extra_info": [{}, {}]},
+    )
     cfg = RewardConfig(rule_weight=0.5, model=RewardModelConfig(path="unused", weight=2.0))
     reward = Reward(cfg, rules=RewardManager(cfg, tok), model=FakeRM())
     out = reward.score(b, MetricBuffer())
@@ -214,22 +244,32 @@ def test_reward_components_are_columns_scored_by_their_own_functions(tiny_model,
     tok = load_tokenizer(tiny_model, field_name="t")
     texts = ["2 + 3 = 5\n#### 5", "The answer is 5.", "#### 4"]
     resp = tok(texts, add_special_tokens=False, padding=True, padding_side="right", return_tensors="pt")
-    b = Batch({"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
-              {"ground_truth": ["5"] * 3, "data_source": ["arithmetic"] * 3, "extra_info": [{}, {}, {}]})
+    b = Batch(
+        {"responses_BR": resp["input_ids"], "response_mask_BR": resp["attention_mask"]},
+        {"ground_truth": ["5"] * 3, "data_source": ["arithmetic"] * 3, "extra_info": [{}, {}, {}]},
+    )
     cfg = RewardConfig(components=specs, timeout_s=timeout_s, num_workers=1)
     assert component_columns(cfg) == ["task_score", "answer_format", "short"]
-    reward = Reward(cfg, rules=RewardManager(cfg, tok), model=None,
-                    extra={name: component_manager(cfg, spec, tok) for name, spec in zip(["answer_format", "short"], specs)})
+    reward = Reward(
+        cfg,
+        rules=RewardManager(cfg, tok),
+        model=None,
+        extra={name: component_manager(cfg, spec, tok) for name, spec in zip(["answer_format", "short"], specs)},
+    )
     metrics = MetricBuffer()
     try:
         out = reward.score(b, metrics)
     finally:
         reward.close()
-    torch.testing.assert_close(out["reward_components_BK"], torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]]))
+    torch.testing.assert_close(
+        out["reward_components_BK"], torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    )
     torch.testing.assert_close(out["scores_B"], torch.tensor([1.0, 0.0, 0.0]))  # the task's score only
     assert out["response_text"] == texts and out["task_scores_B"].tolist() == [1.0, 0.0, 0.0]
     m = metrics.reduce(mesh=None)
-    assert m["reward/component/answer_format"] == pytest.approx(2 / 3) and m["reward/component/short"] == pytest.approx(1 / 3)
+    assert m["reward/component/answer_format"] == pytest.approx(2 / 3) and m["reward/component/short"] == pytest.approx(
+        1 / 3
+    )
 
 
 def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
@@ -241,9 +281,17 @@ def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
     responses = torch.arange(start, start + rows * R).view(rows, R) * resp_mask + 99 * (1 - resp_mask)
     attn = torch.cat([prompt_mask, resp_mask], 1)
     return Batch(
-        {"prompts_BP": prompts, "prompt_mask_BP": prompt_mask, "responses_BR": responses, "response_mask_BR": resp_mask,
-         "input_ids_BL": torch.cat([prompts, responses], 1), "attention_mask_BL": attn,
-         "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0), "old_logprobs_BR": -resp_mask.float(), "uid_B": torch.arange(rows) + start},
+        {
+            "prompts_BP": prompts,
+            "prompt_mask_BP": prompt_mask,
+            "responses_BR": responses,
+            "response_mask_BR": resp_mask,
+            "input_ids_BL": torch.cat([prompts, responses], 1),
+            "attention_mask_BL": attn,
+            "position_ids_BL": (attn.cumsum(-1) - 1).clamp(min=0),
+            "old_logprobs_BR": -resp_mask.float(),
+            "uid_B": torch.arange(rows) + start,
+        },
         {"text": [f"r{start + i}" for i in range(rows)]},
     )
 
@@ -251,7 +299,11 @@ def rollout_part(P: int, R: int, rows: int, start: int) -> Batch:
 def test_concat_padded_repads_prompts_left_and_responses_right():
     a, b = rollout_part(P=3, R=2, rows=2, start=0), rollout_part(P=2, R=4, rows=1, start=10)
     out = Batch.concat_padded([a, b], pad_id=99)
-    assert out["prompts_BP"].shape == (3, 3) and out["responses_BR"].shape == (3, 4) and out["input_ids_BL"].shape == (3, 7)
+    assert (
+        out["prompts_BP"].shape == (3, 3)
+        and out["responses_BR"].shape == (3, 4)
+        and out["input_ids_BL"].shape == (3, 7)
+    )
     assert out["prompts_BP"][2].tolist() == [99, 99, 11] and out["prompt_mask_BP"][2].tolist() == [0, 0, 1]
     assert out["responses_BR"][0].tolist() == [0, 1, 99, 99] and out["response_mask_BR"][0].tolist() == [1, 1, 0, 0]
     assert out["old_logprobs_BR"][0].tolist() == [-1.0, -1.0, 0.0, 0.0]
@@ -273,7 +325,12 @@ def test_concat_padded_repads_prompts_left_and_responses_right():
         # rank 1 holds everything: half of it moves
         ([[0, 0]], [0, 4], 4, dict(kept=[0, 0], topped_up=[0, 4], stay=[0, 2], send=[[], [(0, 2)]])),
         # groups with signal are preferred to dropped ones even when they must move
-        ([[2, 0, 0, 0], [3, 0, 0, 1]], [3, 4, 4, 3], 8, dict(kept=[5, 0, 0, 1], topped_up=[0, 2, 0, 0], stay=[2, 2, 0, 1], send=[[(2, 2), (3, 1)], [], [], []])),
+        (
+            [[2, 0, 0, 0], [3, 0, 0, 1]],
+            [3, 4, 4, 3],
+            8,
+            dict(kept=[5, 0, 0, 1], topped_up=[0, 2, 0, 0], stay=[2, 2, 0, 1], send=[[(2, 2), (3, 1)], [], [], []]),
+        ),
     ],
 )
 def test_plan_groups(kept_per_round, dropped_last, target, want):
@@ -325,7 +382,10 @@ def test_settings_that_do_nothing_are_reported():
     for name in ("ppo", "grpo", "dapo", "rloo", "reinforce_pp", "remax", "gspo"):
         assert ignored_settings(load_config_file(ROOT / f"configs/{name}.py")) == [], name
         assert ignored_settings(load_config_file(ROOT / f"configs/{name}.py:cpu")) == [], name
-    cfg = Config(critic=CriticConfig(warmup_steps=3), algorithm=AlgorithmConfig(kl_ctrl=FixedKL(kl_coef=0.5), filter_groups=FilterGroupsConfig(max_rounds=9)))
+    cfg = Config(
+        critic=CriticConfig(warmup_steps=3),
+        algorithm=AlgorithmConfig(kl_ctrl=FixedKL(kl_coef=0.5), filter_groups=FilterGroupsConfig(max_rounds=9)),
+    )
     cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef = False, 0.1
     messages = ignored_settings(cfg)
     assert len(messages) == 4 and "algorithm.adv_estimator='grpo' uses no critic" in messages[0]
@@ -335,5 +395,7 @@ def test_settings_that_do_nothing_are_reported():
 def test_checkpoint_state_names_every_stateful_object_the_builder_makes(tiny_model, arithmetic_data, tmp_path):
     from conftest import dist_script, torchrun
 
-    proc = torchrun([dist_script("roles_state_check.py"), str(tiny_model), str(arithmetic_data), str(tmp_path / "out")], 1)
+    proc = torchrun(
+        [dist_script("roles_state_check.py"), str(tiny_model), str(arithmetic_data), str(tmp_path / "out")], 1
+    )
     assert "ROLES STATE OK" in proc.stdout

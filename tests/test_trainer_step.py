@@ -67,9 +67,14 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
         baseline=baseline,
         sampling=SingleRound(train_batch_size=4),
         ref=Obj(log_prob=calls.stage("ref.log_prob")),
-        actor=Obj(old_log_prob=calls.stage("actor.old_log_prob"), update=calls.stage("actor.update", metric=(3.0, 1.0))),
-        critic=Obj(values=calls.stage("critic.values"), update=calls.stage("critic.update", metric=(1.0, 3.0)),
-                   warmup_steps=warmup_steps),
+        actor=Obj(
+            old_log_prob=calls.stage("actor.old_log_prob"), update=calls.stage("actor.update", metric=(3.0, 1.0))
+        ),
+        critic=Obj(
+            values=calls.stage("critic.values"),
+            update=calls.stage("critic.update", metric=(1.0, 3.0)),
+            warmup_steps=warmup_steps,
+        ),
         token_rewards=calls.stage("token_rewards"),
         advantage=calls.stage("advantage"),
         correction=calls.stage("correction"),
@@ -86,9 +91,26 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
     return RLTrainer(None, roles=roles, rt=rt, stop_request=StopRequest(), val_batch_size=4), seen
 
 
-DATA_FLOW = ["prompts.next", "rollout.generate", "report.sampled", "reward.score", "shaping", "baseline", "ref.log_prob",
-             "actor.old_log_prob", "critic.values", "token_rewards", "advantage", "correction", "balance",
-             "critic.update", "actor.update", "rollout.sync_weights", "samples.train", "report.step"]
+DATA_FLOW = [
+    "prompts.next",
+    "rollout.generate",
+    "report.sampled",
+    "reward.score",
+    "shaping",
+    "baseline",
+    "ref.log_prob",
+    "actor.old_log_prob",
+    "critic.values",
+    "token_rewards",
+    "advantage",
+    "correction",
+    "balance",
+    "critic.update",
+    "actor.update",
+    "rollout.sync_weights",
+    "samples.train",
+    "report.step",
+]
 
 
 def test_a_step_runs_the_stages_in_the_order_of_the_data_flow_and_hands_each_the_previous_batch():
@@ -98,15 +120,39 @@ def test_a_step_runs_the_stages_in_the_order_of_the_data_flow_and_hands_each_the
     assert calls == DATA_FLOW
     batch = seen["batch"]
     # prompt ids + responses, then one column per stage, each seeing every column added before it
-    added = [n for n in DATA_FLOW if n not in ("prompts.next", "rollout.generate", "report.sampled", "baseline",
-                                                  "rollout.sync_weights", "samples.train", "report.step")]
+    added = [
+        n
+        for n in DATA_FLOW
+        if n
+        not in (
+            "prompts.next",
+            "rollout.generate",
+            "report.sampled",
+            "baseline",
+            "rollout.sync_weights",
+            "samples.train",
+            "report.step",
+        )
+    ]
     for i, name in enumerate(added):
         assert batch[f"{name.replace('.', '_')}_B"].tolist() == [2.0 + i] * 4, name
     # one reduction: the global mean of the two contributions (3 over 1 and 1 over 3), not the mean of their means
     assert metrics == {"fake/loss": 1.0}
     # every stage timed, and the whole step, which closes before the report reads the probe
-    assert set(seen["seconds"]) == {"step", "gen", "reward", "baseline", "ref", "old_log_prob", "values", "adv", "balance",
-                                    "update_critic", "update_actor", "weight_sync"}
+    assert set(seen["seconds"]) == {
+        "step",
+        "gen",
+        "reward",
+        "baseline",
+        "ref",
+        "old_log_prob",
+        "values",
+        "adv",
+        "balance",
+        "update_critic",
+        "update_actor",
+        "weight_sync",
+    }
 
 
 def test_critic_warmup_steps_update_only_the_critic():

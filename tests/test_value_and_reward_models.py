@@ -21,7 +21,11 @@ def inputs(vocab: int, B: int = 3, L: int = 9):
 
 def test_value_model_head_is_seeded_and_values_cover_the_response(tiny_model):
     kw = dict(dtype="float32", attn_implementation="eager", field_name="critic.model_path")
-    a, b, c = load_value_model(tiny_model, seed=0, **kw), load_value_model(tiny_model, seed=0, **kw), load_value_model(tiny_model, seed=1, **kw)
+    a, b, c = (
+        load_value_model(tiny_model, seed=0, **kw),
+        load_value_model(tiny_model, seed=0, **kw),
+        load_value_model(tiny_model, seed=1, **kw),
+    )
     torch.testing.assert_close(a.value_head.weight, b.value_head.weight)
     assert not torch.equal(a.value_head.weight, c.value_head.weight)
     assert a.value_head.bias.item() == 0.0
@@ -35,14 +39,18 @@ def test_value_model_head_is_seeded_and_values_cover_the_response(tiny_model):
 
 
 def test_value_model_starts_from_a_reward_models_head(tiny_reward_model):
-    critic = load_value_model(tiny_reward_model, dtype="float32", attn_implementation="eager", seed=0, field_name="critic.model_path")
+    critic = load_value_model(
+        tiny_reward_model, dtype="float32", attn_implementation="eager", seed=0, field_name="critic.model_path"
+    )
     rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_reward_model))
     torch.testing.assert_close(critic.value_head.weight, rm.score.weight)
     torch.testing.assert_close(critic.hf.embed_tokens.weight, rm.model.embed_tokens.weight)
 
 
 def test_sequence_scorer_matches_hf_pooling(tiny_reward_model):
-    scorer = load_sequence_scorer(tiny_reward_model, dtype="float32", attn_implementation="eager", field_name="reward.model.path")
+    scorer = load_sequence_scorer(
+        tiny_reward_model, dtype="float32", attn_implementation="eager", field_name="reward.model.path"
+    )
     hf = AutoModelForSequenceClassification.from_pretrained(str(tiny_reward_model), attn_implementation="eager")
     ids, mask, pos = inputs(hf.config.vocab_size)
     ids = ids.masked_fill(mask == 0, hf.config.pad_token_id)  # HF pools at the last non-pad token

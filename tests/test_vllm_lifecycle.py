@@ -73,7 +73,12 @@ class FakeSource:
 
 
 def prompts(n=2) -> Batch:
-    return Batch({"prompts_BP": torch.tensor([[0, 5, 6], [7, 8, 9]])[:n], "prompt_mask_BP": torch.tensor([[0, 1, 1], [1, 1, 1]])[:n]})
+    return Batch(
+        {
+            "prompts_BP": torch.tensor([[0, 5, 6], [7, 8, 9]])[:n],
+            "prompt_mask_BP": torch.tensor([[0, 1, 1], [1, 1, 1]])[:n],
+        }
+    )
 
 
 def names(calls):
@@ -82,9 +87,17 @@ def names(calls):
 
 def colocated(mesh, *, sleep_level=2):
     backend = RecordingBackend(asleep=True)
-    engine = VllmEngine(backend, sleeps=True, sleep_level=sleep_level, eos_ids=[1], pad_id=0, device=torch.device("cpu"))
-    role = Rollout(RolloutConfig(n=2, max_response_length=3), engine=engine, weights=FakeSource(), mesh=mesh, seed=0,
-                   device=torch.device("cpu"))
+    engine = VllmEngine(
+        backend, sleeps=True, sleep_level=sleep_level, eos_ids=[1], pad_id=0, device=torch.device("cpu")
+    )
+    role = Rollout(
+        RolloutConfig(n=2, max_response_length=3),
+        engine=engine,
+        weights=FakeSource(),
+        mesh=mesh,
+        seed=0,
+        device=torch.device("cpu"),
+    )
     return backend, engine, role
 
 
@@ -102,12 +115,25 @@ def test_per_step_sequence_colocated(mesh_of_one):
     backend.calls.clear()
     role.generate_validation(prompts(), step=1)
     assert names(backend.calls) == [
-        "wake_up('weights',)", "load_weights", "reset_prefix_cache", "wake_up('kv_cache',)", "generate", "reset_prefix_cache", "sleep2"
+        "wake_up('weights',)",
+        "load_weights",
+        "reset_prefix_cache",
+        "wake_up('kv_cache',)",
+        "generate",
+        "reset_prefix_cache",
+        "sleep2",
     ]
     buffer = MetricBuffer()
     role.sync_weights(buffer)
     metrics = buffer.reduce(mesh=None)
-    for key in ("timing/rollout/weight_sync", "weight_sync/loaded_bytes", "timing/rollout/wake", "timing/rollout/sleep", "timing/rollout/gen", "throughput/rollout/gen_tokens_per_s"):
+    for key in (
+        "timing/rollout/weight_sync",
+        "weight_sync/loaded_bytes",
+        "timing/rollout/wake",
+        "timing/rollout/sleep",
+        "timing/rollout/gen",
+        "throughput/rollout/gen_tokens_per_s",
+    ):
         assert key in metrics, key
     assert metrics["weight_sync/loaded_bytes"] == (8 + 2) * 4
 
@@ -119,7 +145,13 @@ def test_first_generate_syncs_and_level1_keeps_weights(mesh_of_one):
     assert engine.holds_weights  # level 1: a CPU copy survives
     backend.calls.clear()
     role.generate(prompts(), step=2)  # no re-stream: wake the kept weights, then the KV cache
-    assert names(backend.calls) == ["wake_up('weights',)", "wake_up('kv_cache',)", "generate", "reset_prefix_cache", "sleep1"]
+    assert names(backend.calls) == [
+        "wake_up('weights',)",
+        "wake_up('kv_cache',)",
+        "generate",
+        "reset_prefix_cache",
+        "sleep1",
+    ]
 
 
 def test_update_changes_outputs(mesh_of_one):
@@ -182,11 +214,19 @@ def test_split_engine_never_sleeps():
     engine.sleep()
     engine.update_weights(FakeSource().stream())  # while awake: READY -> STALE -> (reset) -> READY
     engine.generate(prompts(), params, generator=None)
-    assert names(backend.calls) == ["load_weights", "reset_prefix_cache", "generate", "load_weights", "reset_prefix_cache", "generate"]
+    assert names(backend.calls) == [
+        "load_weights",
+        "reset_prefix_cache",
+        "generate",
+        "load_weights",
+        "reset_prefix_cache",
+        "generate",
+    ]
 
 
 def test_per_request_seeds_follow_the_generator():
     """Ranks of a TP group (same generator seed) send the same per-request seeds; other groups differ; greedy none."""
+
     def seeds(gen_seed, params):
         backend = RecordingBackend(asleep=False)
         engine = VllmEngine(backend, sleeps=False, sleep_level=2, eos_ids=[1], pad_id=0, device=torch.device("cpu"))
@@ -216,6 +256,16 @@ def test_adapter_environment_and_missing_vllm(monkeypatch):
         import vllm  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError, match=r"rlspmd\[vllm\]"):
-            vllm_adapter.VllmBackend("models/tiny", tensor_parallel_size=1, seed=0, dtype=torch.bfloat16, max_model_len=64,
-                                     gpu_memory_utilization=0.5, kv_cache_memory_bytes=None, max_num_seqs=8,
-                                     enforce_eager=True, enable_prefix_caching=True, sleeps=True)
+            vllm_adapter.VllmBackend(
+                "models/tiny",
+                tensor_parallel_size=1,
+                seed=0,
+                dtype=torch.bfloat16,
+                max_model_len=64,
+                gpu_memory_utilization=0.5,
+                kv_cache_memory_bytes=None,
+                max_num_seqs=8,
+                enforce_eager=True,
+                enable_prefix_caching=True,
+                sleeps=True,
+            )

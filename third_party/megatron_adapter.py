@@ -69,7 +69,7 @@ try:
         from megatron.core.transformer.transformer_config import TransformerConfig
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(
-        f"the megatron engine needs megatron-core ({e}); install it with `pip install -e \".[megatron]\"`"
+        f'the megatron engine needs megatron-core ({e}); install it with `pip install -e ".[megatron]"`'
     ) from e
 
 MEGATRON_VERSION = "0.16.1"
@@ -85,7 +85,9 @@ def no_dropout_rng_tracker() -> None:
     initialize_rng_tracker(inference_rng_tracker=True)
 
 
-def transformer_config(arch: MegatronArch, *, tp: int, pp: int, params_dtype: torch.dtype, cpu: bool) -> TransformerConfig:
+def transformer_config(
+    arch: MegatronArch, *, tp: int, pp: int, params_dtype: torch.dtype, cpu: bool
+) -> TransformerConfig:
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -129,17 +131,29 @@ class SDPACoreAttention(nn.Module):
     GQA: key/value heads are repeated per query group (``enable_gqa``), the grouping of ``repeat_kv``.
     """
 
-    def __init__(self, *, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None):
+    def __init__(
+        self,
+        *,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        cp_comm_type=None,
+        softmax_scale=None,
+        pg_collection=None,
+    ):
         super().__init__()
         self.softmax_scale = softmax_scale  # None: 1/sqrt(head_dim), as HF
 
-    def forward(self, query, key, value, attention_mask, /, *, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, /, *, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         assert packed_seq_params is None and attention_bias is None, "SDPACoreAttention takes padded batches only"
         # megatron: (s, b, heads, d) -> SDPA: (b, heads, s, d)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale, enable_gqa=True
+        )
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
@@ -161,8 +175,16 @@ class _DeviceLocalRotaryEmbedding(RotaryEmbedding):
         return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
-def gpt_model(config: TransformerConfig, arch: MegatronArch, *, pg_collection: ProcessGroupCollection, pre_process: bool,
-              post_process: bool, tie_embeddings: bool, device: torch.device) -> nn.Module:
+def gpt_model(
+    config: TransformerConfig,
+    arch: MegatronArch,
+    *,
+    pg_collection: ProcessGroupCollection,
+    pre_process: bool,
+    post_process: bool,
+    tie_embeddings: bool,
+    device: torch.device,
+) -> nn.Module:
     """This pipeline stage of a GPT model on ``device``, uninitialised (load weights next). Its ``forward(input_ids,
     position_ids, attention_mask)`` returns hidden states ``(s, b, h)``."""
     assert hasattr(GPTModel, "_postprocess"), (
@@ -194,9 +216,17 @@ def process_groups(*, tp, pp, cp, dp, embd) -> ProcessGroupCollection:
     return ProcessGroupCollection(tp=tp, pp=pp, cp=cp, dp=dp, dp_cp=dp, embd=embd, pos_embd=None)
 
 
-def forward_backward(forward_step: Callable, data: Iterator, *, model: nn.Module, num_micro_batches: int,
-                     pg_collection: ProcessGroupCollection, device: torch.device, forward_only: bool = False,
-                     pipeline_dtype: torch.dtype = torch.float32) -> None:
+def forward_backward(
+    forward_step: Callable,
+    data: Iterator,
+    *,
+    model: nn.Module,
+    num_micro_batches: int,
+    pg_collection: ProcessGroupCollection,
+    device: torch.device,
+    forward_only: bool = False,
+    pipeline_dtype: torch.dtype = torch.float32,
+) -> None:
     """Run ``forward_step(data_iterator, model) -> (output, loss_func)`` over ``num_micro_batches`` micro-batches and
     backpropagate each ``loss_func(output)[0]`` (megatron's contract, ``calculate_per_token_loss``: the loss is used
     as returned; with pipeline stages, on the last stage). CUDA: megatron's schedule (1F1B with pipeline stages).
@@ -206,16 +236,28 @@ def forward_backward(forward_step: Callable, data: Iterator, *, model: nn.Module
     if device.type == "cuda":
         extra = {} if pp == 1 else {"p2p_communicator": P2PCommunicator(pp_group=pg_collection.pp, config=model.config)}
         get_forward_backward_func(pp_size=pp)(
-            forward_step_func=forward_step, data_iterator=data, model=model, num_microbatches=num_micro_batches,
-            seq_length=0, micro_batch_size=0,  # unused: shapes are exchanged per micro-batch (variable_seq_lengths)
-            forward_only=forward_only, pg_collection=pg_collection, **extra,
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=model,
+            num_microbatches=num_micro_batches,
+            seq_length=0,
+            micro_batch_size=0,  # unused: shapes are exchanged per micro-batch (variable_seq_lengths)
+            forward_only=forward_only,
+            pg_collection=pg_collection,
+            **extra,
         )
         return
     if pp > 1:
         from rlspmd.engines.pipeline import StageP2P, gpipe_forward_backward
 
-        gpipe_forward_backward(forward_step, data, model=model, num_micro_batches=num_micro_batches, forward_only=forward_only,
-                               p2p=StageP2P(pg_collection.pp, dtype=pipeline_dtype, device=device))
+        gpipe_forward_backward(
+            forward_step,
+            data,
+            model=model,
+            num_micro_batches=num_micro_batches,
+            forward_only=forward_only,
+            p2p=StageP2P(pg_collection.pp, dtype=pipeline_dtype, device=device),
+        )
         return
     for _ in range(num_micro_batches):
         output, loss_func = forward_step(data, model)

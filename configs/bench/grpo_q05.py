@@ -16,12 +16,30 @@ Micro-batches: 32 sequences per update forward/backward (like TRL's 32 x 8 accum
 """
 
 from rlspmd.config import (
-    ActorConfig, CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig, RefConfig, RolloutConfig, TrainerConfig,
+    ActorConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RefConfig,
+    RolloutConfig,
+    TrainerConfig,
 )
 
 
-def workload(model: str, name: str, *, prompts: int = 32, samples: int = 8, new_tokens: int = 256, micro: int = 32,
-             ref_micro: int = 64, steps: int = 4, data: str = "data/bench/prompts.jsonl") -> Config:
+def workload(
+    model: str,
+    name: str,
+    *,
+    prompts: int = 32,
+    samples: int = 8,
+    new_tokens: int = 256,
+    micro: int = 32,
+    ref_micro: int = 64,
+    steps: int = 4,
+    data: str = "data/bench/prompts.jsonl",
+) -> Config:
     return Config(
         actor=ActorConfig(
             model=ModelConfig(path=model),
@@ -34,8 +52,13 @@ def workload(model: str, name: str, *, prompts: int = 32, samples: int = 8, new_
             kl_loss_type="k3",
         ),
         ref=RefConfig(logprob_micro_batch_size=ref_micro),
-        rollout=RolloutConfig(n=samples, max_response_length=new_tokens, temperature=1.0, ignore_eos=True,
-                              max_batch_size=prompts * samples),
+        rollout=RolloutConfig(
+            n=samples,
+            max_response_length=new_tokens,
+            temperature=1.0,
+            ignore_eos=True,
+            max_batch_size=prompts * samples,
+        ),
         data=DataConfig(
             train_files=[data],
             val_files=[data],
@@ -57,5 +80,14 @@ def workload(model: str, name: str, *, prompts: int = 32, samples: int = 8, new_
 
 
 config = workload("models/bench-q05", "grpo_q05")
-smoke = workload("models/bench-tiny", "grpo_q05_smoke", prompts=4, samples=2, new_tokens=16, micro=4, ref_micro=8,
-                 steps=2, data="data/bench/smoke_prompts.jsonl")
+smoke = workload(
+    "models/bench-tiny",
+    "grpo_q05_smoke",
+    prompts=4,
+    samples=2,
+    new_tokens=16,
+    micro=4,
+    ref_micro=8,
+    steps=2,
+    data="data/bench/smoke_prompts.jsonl",
+)

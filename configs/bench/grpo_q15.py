@@ -19,5 +19,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_q05 import workload  # noqa: E402
 
 config = workload("models/bench-q15", "grpo_q15", steps=3)
-smoke = workload("models/bench-tiny", "grpo_q15_smoke", prompts=2, samples=2, new_tokens=8, micro=4, ref_micro=4,
-                 steps=1, data="data/bench/smoke_prompts.jsonl")
+smoke = workload(
+    "models/bench-tiny",
+    "grpo_q15_smoke",
+    prompts=2,
+    samples=2,
+    new_tokens=8,
+    micro=4,
+    ref_micro=4,
+    steps=1,
+    data="data/bench/smoke_prompts.jsonl",
+)

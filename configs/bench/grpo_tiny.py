@@ -12,7 +12,14 @@ optimiser step. ``scripts/bench/trl_grpo.py`` runs the same workload through TRL
 """
 
 from rlspmd.config import (
-    ActorConfig, CheckpointConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig,
+    ActorConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainerConfig,
 )
 
 

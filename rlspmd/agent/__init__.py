@@ -16,23 +16,57 @@ from rlspmd.agent.loop import AGENT_LOOPS, STOP_REASONS, AgentLoop, check_rows
 from rlspmd.agent.parser import PARSERS, HermesParser, ParseError, ToolCall
 from rlspmd.agent.tools import Tool, ToolSample, check_arguments, check_schema, check_tool, function_schema
 from rlspmd.agent.verl_config import (
-    VERL_INTERACTIONS, VERL_TOOLS, Entry, default_interaction_name, read_interaction_config, read_tool_config, user_spec,
+    VERL_INTERACTIONS,
+    VERL_TOOLS,
+    Entry,
+    default_interaction_name,
+    read_interaction_config,
+    read_tool_config,
+    user_spec,
     verl_class_error,
 )
 from rlspmd.config import AgentConfig, CodeRunnerConfig
 from rlspmd.utils.imports import load_object
 
 __all__ = [
-    "AGENT_LOOPS", "AgentLoop", "check_rows", "load_interactions", "read_interaction_config", "read_tool_config",
-    "Calculator", "ChatRenderer", "system_tool_template", "use_system_tool_prompt", "Gsm8kAnswer", "HermesParser", "InteractionSample", "ParseError",
-    "PythonRunner", "STOP_REASONS", "Tool", "ToolCall", "ToolSample", "build_agent_loop", "check_arguments",
-    "check_schema", "function_schema", "load_interaction", "load_parser", "load_tools", "tool_schemas",
+    "AGENT_LOOPS",
+    "AgentLoop",
+    "check_rows",
+    "load_interactions",
+    "read_interaction_config",
+    "read_tool_config",
+    "Calculator",
+    "ChatRenderer",
+    "system_tool_template",
+    "use_system_tool_prompt",
+    "Gsm8kAnswer",
+    "HermesParser",
+    "InteractionSample",
+    "ParseError",
+    "PythonRunner",
+    "STOP_REASONS",
+    "Tool",
+    "ToolCall",
+    "ToolSample",
+    "build_agent_loop",
+    "check_arguments",
+    "check_schema",
+    "function_schema",
+    "load_interaction",
+    "load_parser",
+    "load_tools",
+    "tool_schemas",
 ]
 
 
 def _builtin_tools(code: CodeRunnerConfig) -> dict:
-    python = lambda: PythonRunner(timeout_s=code.timeout_s, memory_mb=code.memory_mb, cpu_s=code.cpu_s,  # noqa: E731
-                                  max_output_chars=code.max_output_chars, sandbox=code.sandbox)
+    python = lambda: PythonRunner(
+        timeout_s=code.timeout_s,
+        memory_mb=code.memory_mb,
+        cpu_s=code.cpu_s,  # noqa: E731
+        max_output_chars=code.max_output_chars,
+        sandbox=code.sandbox,
+    )
     return {"calculator": Calculator, "calc_gsm8k_reward": Gsm8kAnswer, "gsm8k_answer": Gsm8kAnswer, "python": python}
 
 
@@ -58,8 +92,9 @@ def load_tools(cfg: AgentConfig, *, field_name: str = "rollout.agent.tools") -> 
 
     for i, spec in enumerate(cfg.tools):
         where = f"{field_name}[{i}]={spec!r}"
-        factory = builtin.get(spec) or load_object(spec, field_name=f"{field_name}[{i}]", kind="class",
-                                                   registered=list(builtin))
+        factory = builtin.get(spec) or load_object(
+            spec, field_name=f"{field_name}[{i}]", kind="class", registered=list(builtin)
+        )
         add(_instantiate(factory, where=where), where)
     if cfg.tool_config_path is not None:
         for entry in read_tool_config(cfg.tool_config_path):
@@ -87,8 +122,10 @@ def _entry_factory(entry: Entry, *, mapped: dict[str, str], builtin: dict):
     registered = mapped.get(entry.class_name, entry.class_name if entry.class_name in builtin else None)
     if registered is not None:
         if entry.config:
-            raise ValueError(f"{entry.where}.config: the built-in {registered!r} ({entry.class_name}) takes no options, "
-                             f"got {sorted(entry.config)}")
+            raise ValueError(
+                f"{entry.where}.config: the built-in {registered!r} ({entry.class_name}) takes no options, "
+                f"got {sorted(entry.config)}"
+            )
         return registered, builtin[registered]
     error = verl_class_error(entry, mapped=mapped)
     if error is not None:
@@ -99,13 +136,16 @@ def _entry_factory(entry: Entry, *, mapped: dict[str, str], builtin: dict):
 
 def _same_parameters(own: dict, given: dict, *, where: str, builtin: str) -> None:
     """A built-in reads its own arguments: a schema for it may word them differently, not rename or retype them."""
+
     def shape(schema: dict) -> tuple[dict, list]:
         params = schema["function"].get("parameters", {})
         return ({k: v.get("type") for k, v in params.get("properties", {}).items()}, sorted(params.get("required", [])))
 
     if shape(own) != shape(given):
-        raise ValueError(f"{where}: the built-in {builtin!r} reads the arguments {shape(own)[0]} (required "
-                         f"{shape(own)[1]}); this schema declares {shape(given)[0]} (required {shape(given)[1]})")
+        raise ValueError(
+            f"{where}: the built-in {builtin!r} reads the arguments {shape(own)[0]} (required "
+            f"{shape(own)[1]}); this schema declares {shape(given)[0]} (required {shape(given)[1]})"
+        )
 
 
 def tool_schemas(tools: list) -> list[dict] | None:
@@ -114,7 +154,9 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
 
 def load_parser(cfg: AgentConfig, *, field_name: str = "rollout.agent.parser"):
-    cls = PARSERS.get(cfg.parser) or load_object(cfg.parser, field_name=field_name, kind="class", registered=list(PARSERS))
+    cls = PARSERS.get(cfg.parser) or load_object(
+        cfg.parser, field_name=field_name, kind="class", registered=list(PARSERS)
+    )
     parser = _instantiate(cls, where=f"{field_name}={cfg.parser!r}")
     if not callable(getattr(parser, "parse", None)):
         raise ValueError(f"{field_name}={cfg.parser!r}: a parser needs parse(text) -> list[ToolCall | ParseError]")
@@ -126,15 +168,18 @@ def load_interaction(cfg: AgentConfig, *, field_name: str = "rollout.agent.inter
     if cfg.interaction is None:
         return None
     where = f"{field_name}={cfg.interaction!r}"
-    cls = INTERACTIONS.get(cfg.interaction) or load_object(cfg.interaction, field_name=field_name, kind="class",
-                                                            registered=list(INTERACTIONS))
+    cls = INTERACTIONS.get(cfg.interaction) or load_object(
+        cfg.interaction, field_name=field_name, kind="class", registered=list(INTERACTIONS)
+    )
     return _check_interaction(_instantiate(cls, where=where), where=where)
 
 
 def _check_interaction(obj, *, where: str):
     missing = [m for m in INTERACTION_MEMBERS if not callable(getattr(obj, m, None))]
     if missing:
-        raise ValueError(f"{where}: an interaction needs {list(INTERACTION_MEMBERS)}; {type(obj).__name__} lacks {missing}")
+        raise ValueError(
+            f"{where}: an interaction needs {list(INTERACTION_MEMBERS)}; {type(obj).__name__} lacks {missing}"
+        )
     return obj
 
 
@@ -162,8 +207,9 @@ def _yaml_interaction(entry: Entry):
     return _check_interaction(_instantiate(factory, where=f"{entry.where} ({entry.class_name})"), where=entry.where)
 
 
-def build_agent_loop(cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id: int, max_response_length: int,
-                     model_field: str) -> AgentLoop:
+def build_agent_loop(
+    cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id: int, max_response_length: int, model_field: str
+) -> AgentLoop:
     """The loop with its tools, parser, interactions and renderer (``rlspmd/validate.py`` checked the section before
     anything loaded)."""
     tools = load_tools(cfg)
@@ -172,5 +218,14 @@ def build_agent_loop(cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id:
     if cfg.tool_prompt == "system" and tools:
         use_system_tool_prompt(tokenizer)  # the run's one tokenizer: the prompt dataset renders with it too
     renderer = ChatRenderer(tokenizer, tools=tool_schemas(tools), field_name=model_field)
-    return AgentLoop(cfg, tools=tools, parser=load_parser(cfg), interactions=load_interactions(cfg), renderer=renderer,
-                     tokenizer=tokenizer, eos_ids=eos_ids, pad_id=pad_id, max_response_length=max_response_length)
+    return AgentLoop(
+        cfg,
+        tools=tools,
+        parser=load_parser(cfg),
+        interactions=load_interactions(cfg),
+        renderer=renderer,
+        tokenizer=tokenizer,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        max_response_length=max_response_length,
+    )

@@ -25,8 +25,15 @@ MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = 1e30
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
@@ -68,8 +75,12 @@ def format_number(value: int | float) -> str:
 
 class Calculator(Tool):
     name = "calculator"
-    schema = function_schema("calculator", "Evaluate an arithmetic expression.",
-                             {"expression": {"type": "string", "description": "e.g. 4821 + 3907"}}, ["expression"])
+    schema = function_schema(
+        "calculator",
+        "Evaluate an arithmetic expression.",
+        {"expression": {"type": "string", "description": "e.g. 4821 + 3907"}},
+        ["expression"],
+    )
 
     def call(self, state, arguments: dict) -> tuple[str, float, dict]:
         return format_number(evaluate(arguments["expression"])), 0.0, {}
@@ -88,8 +99,12 @@ def _parse_number(text: str) -> float | None:
 
 class Gsm8kAnswer(Tool):
     name = "calc_gsm8k_reward"
-    schema = function_schema("calc_gsm8k_reward", "Submit your final answer; you hear whether it is correct.",
-                             {"answer": {"type": "string", "description": "the final answer, a number"}}, ["answer"])
+    schema = function_schema(
+        "calc_gsm8k_reward",
+        "Submit your final answer; you hear whether it is correct.",
+        {"answer": {"type": "string", "description": "the final answer, a number"}},
+        ["answer"],
+    )
     penalty = 0.05
     """Cost of a submission that does not improve on the previous one (verl's value)."""
 
@@ -111,17 +126,25 @@ class Gsm8kAnswer(Tool):
 
 class PythonRunner(Tool):
     name = "python"
-    schema = function_schema("python", "Run a Python program and read what it prints.",
-                             {"code": {"type": "string", "description": "the program"}}, ["code"])
+    schema = function_schema(
+        "python",
+        "Run a Python program and read what it prints.",
+        {"code": {"type": "string", "description": "the program"}},
+        ["code"],
+    )
 
     def __init__(self, *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_chars: int, sandbox: str = "bwrap"):
         check_sandbox(sandbox)  # fail closed: no tool that would run model code unisolated by accident
         if sandbox == "audit-hook-unsafe":
-            warnings.warn("rollout.agent.code.sandbox='audit-hook-unsafe': the python tool's code can read every file "
-                          "this process can (data, checkpoints) and can step around the audit hook; see docs/agents.md: The "
-                          "python tool's sandbox", stacklevel=2)
-        self.limits = dict(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_chars=max_output_chars,
-                           sandbox=sandbox)
+            warnings.warn(
+                "rollout.agent.code.sandbox='audit-hook-unsafe': the python tool's code can read every file "
+                "this process can (data, checkpoints) and can step around the audit hook; see docs/agents.md: The "
+                "python tool's sandbox",
+                stacklevel=2,
+            )
+        self.limits = dict(
+            timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_chars=max_output_chars, sandbox=sandbox
+        )
 
     def call(self, state, arguments: dict) -> tuple[str, float, dict]:
         r = run_python(arguments["code"], **self.limits)
@@ -132,4 +155,8 @@ class PythonRunner(Tool):
             text += f"\n[exit code {r.exit_code}]"
         if r.truncated:
             text += "\n[output truncated]"
-        return text, 0.0, {"code_timeouts": float(r.timed_out), "code_failures": float(bool(r.exit_code) or r.timed_out)}
+        return (
+            text,
+            0.0,
+            {"code_timeouts": float(r.timed_out), "code_failures": float(bool(r.exit_code) or r.timed_out)},
+        )

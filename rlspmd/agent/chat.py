@@ -30,7 +30,7 @@ TOOL_SYSTEM_HEADER = (
 )
 TOOL_SYSTEM_FOOTER = (
     "\n</tools>\n\nTo call a function, write a JSON object with its name and arguments inside "
-    "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments as a JSON object>}"
+    '<tool_call></tool_call> tags:\n<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}'
     "\n</tool_call>"
 )
 
@@ -52,9 +52,13 @@ def system_tool_template(template: str) -> str:
     return (
         TOOL_PROMPT_MARKER
         + "{%- if tools %}"
-        + "{%- set ns = namespace(text=" + as_jinja(TOOL_SYSTEM_HEADER) + ") %}"
+        + "{%- set ns = namespace(text="
+        + as_jinja(TOOL_SYSTEM_HEADER)
+        + ") %}"
         + "{%- for tool in tools %}{%- set ns.text = ns.text + '\\n' + (tool | tojson) %}{%- endfor %}"
-        + "{%- set ns.text = ns.text + " + as_jinja(TOOL_SYSTEM_FOOTER) + " %}"
+        + "{%- set ns.text = ns.text + "
+        + as_jinja(TOOL_SYSTEM_FOOTER)
+        + " %}"
         + "{%- if messages and messages[0]['role'] == 'system' %}"
         + "{%- set messages = [{'role': 'system', 'content': messages[0]['content'] + '\\n\\n' + ns.text}] + messages[1:] %}"
         + "{%- else %}"
@@ -79,30 +83,37 @@ class ChatRenderer:
         self.tokenizer, self.tools = tokenizer, tools
         self.probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PROBE}]
         if PROBE not in self.render(self.probe, add_generation_prompt=False):
-            raise ValueError(f"{field_name}: the chat template does not render an assistant message's content verbatim; "
-                             "multi-turn rollouts cannot append turns to it")
+            raise ValueError(
+                f"{field_name}: the chat template does not render an assistant message's content verbatim; "
+                "multi-turn rollouts cannot append turns to it"
+            )
         if PROBE + "2" not in self.delta_text([{"role": "tool", "content": PROBE + "2"}], stop_text=None):
-            raise ValueError(f"{field_name}: the chat template does not render messages with role 'tool'; use a template "
-                             "with tool support for rollout.agent")
+            raise ValueError(
+                f"{field_name}: the chat template does not render messages with role 'tool'; use a template "
+                "with tool support for rollout.agent"
+            )
         prompt = self.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
         missing = [t["function"]["name"] for t in tools or [] if t["function"]["name"] not in prompt]
         if missing:
-            raise ValueError(f"{field_name}: the chat template ignores its `tools` argument (tools {missing} do not appear "
-                             "in the prompt), so the model would never see the tool schemas; use a template with tool "
-                             "support, or (RL runs) set rollout.agent.tool_prompt=system to have rlspmd write the schemas "
-                             "into the system message")
+            raise ValueError(
+                f"{field_name}: the chat template ignores its `tools` argument (tools {missing} do not appear "
+                "in the prompt), so the model would never see the tool schemas; use a template with tool "
+                "support, or (RL runs) set rollout.agent.tool_prompt=system to have rlspmd write the schemas "
+                "into the system message"
+            )
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def delta_text(self, messages: list[dict], *, stop_text: str | None) -> str:
         """What the template appends after an assistant turn that ended with ``stop_text`` (its stop token's text;
         None: the turn ended without one)."""
         full = self.render(self.probe + messages, add_generation_prompt=True)
-        after = full[full.index(PROBE) + len(PROBE):]  # the probe assistant turn (tool results come after it)
+        after = full[full.index(PROBE) + len(PROBE) :]  # the probe assistant turn (tool results come after it)
         if stop_text and after.startswith(stop_text):
-            after = after[len(stop_text):]
+            after = after[len(stop_text) :]
         return after
 
     def delta_ids(self, messages: list[dict], *, stop_text: str | None) -> list[int]:

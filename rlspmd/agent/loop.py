@@ -110,8 +110,19 @@ class _Conversation:
 
 
 class AgentLoop:
-    def __init__(self, cfg: AgentConfig, *, tools: list, parser, interactions: dict, renderer: ChatRenderer, tokenizer,
-                 eos_ids: list[int], pad_id: int, max_response_length: int):
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        *,
+        tools: list,
+        parser,
+        interactions: dict,
+        renderer: ChatRenderer,
+        tokenizer,
+        eos_ids: list[int],
+        pad_id: int,
+        max_response_length: int,
+    ):
         """``tools``, ``parser``, ``interactions`` (by name): built and checked by ``build_agent_loop``."""
         self.cfg, self.tools, self.parser, self.interactions = cfg, tools, parser, interactions
         self.by_name = {t.name: k for k, t in enumerate(tools)}
@@ -121,18 +132,28 @@ class AgentLoop:
         self.tool_names = [t.name for t in tools]
         self.eos_ids, self.pad_id, self.max_response_length = list(eos_ids), pad_id, max_response_length
 
-    def run(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
-            metrics: MetricBuffer) -> Batch:
+    def run(
+        self,
+        engine: RolloutEngine,
+        prompts: Batch,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        metrics: MetricBuffer,
+    ) -> Batch:
         """``params.n`` conversations per prompt on ``engine.serve``. ``metrics`` gets the step statistics
         (``declare``): tool-call seconds and calls run (summed over ranks), and the seconds the engine sat idle waiting
         for tools (``timing/rollout/tool_wait``, max over ranks)."""
         batch = prompts.repeat(params.n) if params.n > 1 else prompts
-        seeds = (torch.randint(0, 2**62, (len(batch),), generator=generator, device=generator.device).tolist()
-                 if generator is not None else [0] * len(batch))
+        seeds = (
+            torch.randint(0, 2**62, (len(batch),), generator=generator, device=generator.device).tolist()
+            if generator is not None
+            else [0] * len(batch)
+        )
         convs = [self._start(batch, i, seeds[i]) for i in range(len(batch))]
         session = Session(self, convs)
-        engine.serve(session, params, max_len=batch["prompts_BP"].shape[1] + self.max_response_length,
-                     max_requests=len(convs))
+        engine.serve(
+            session, params, max_len=batch["prompts_BP"].shape[1] + self.max_response_length, max_requests=len(convs)
+        )
         assert all(c.stop is not None for c in convs), "the engine returned before every conversation ended"
         metrics.sum("agent/tool_call_seconds", session.call_seconds)
         metrics.sum("agent/tool_calls_run", session.calls_run)
@@ -157,17 +178,26 @@ class AgentLoop:
         if name is None and len(self.interactions) == 1:
             return next(iter(self.interactions))
         if name not in self.interactions:
-            why = ("has no name and the run has several" if name is None else f"name={name!r} is not one of the run's")
-            raise ValueError(f"extra_info.interaction_kwargs {why}: {sorted(self.interactions)} (rollout.agent.interaction"
-                             "/interaction_config_path)")
+            why = "has no name and the run has several" if name is None else f"name={name!r} is not one of the run's"
+            raise ValueError(
+                f"extra_info.interaction_kwargs {why}: {sorted(self.interactions)} (rollout.agent.interaction"
+                "/interaction_config_path)"
+            )
         return name
 
     def _start(self, batch: Batch, i: int, seed: int) -> _Conversation:
         mask = batch["prompt_mask_BP"][i].bool()
         info = batch["extra_info"][i] or {}
-        conv = _Conversation(index=i, prompt_ids=batch["prompts_BP"][i][mask].tolist(), seed=seed,
-                             messages=list(batch["prompt_messages"][i]), tool_states={}, interaction=None,
-                             interaction_state=None, calls_by_tool=[0] * len(self.tools))
+        conv = _Conversation(
+            index=i,
+            prompt_ids=batch["prompts_BP"][i][mask].tolist(),
+            seed=seed,
+            messages=list(batch["prompt_messages"][i]),
+            tool_states={},
+            interaction=None,
+            interaction_state=None,
+            calls_by_tool=[0] * len(self.tools),
+        )
         if self.agent_name(batch, i) == "single_turn_agent":
             conv.single_turn = True
             return conv
@@ -175,25 +205,40 @@ class AgentLoop:
         states = conv.tool_states
         for tool in self.tools:
             create_kwargs = (tools_kwargs.get(tool.name) or {}).get("create_kwargs") or {}
-            sample = ToolSample(ground_truth=batch["ground_truth"][i], data_source=batch["data_source"][i], extra_info=info,
-                                create_kwargs=dict(create_kwargs))
+            sample = ToolSample(
+                ground_truth=batch["ground_truth"][i],
+                data_source=batch["data_source"][i],
+                extra_info=info,
+                create_kwargs=dict(create_kwargs),
+            )
             try:
                 states[tool.name] = tool.create(sample)
             except Exception as e:  # noqa: BLE001 - a row the tool cannot start from is a data problem: name it
-                raise ValueError(f"rollout.agent.tools: {tool.name}.create failed on the sample with extra_info.index="
-                                 f"{info.get('index')} (data_source={batch['data_source'][i]!r}): {type(e).__name__}: {e}") from e
+                raise ValueError(
+                    f"rollout.agent.tools: {tool.name}.create failed on the sample with extra_info.index="
+                    f"{info.get('index')} (data_source={batch['data_source'][i]!r}): {type(e).__name__}: {e}"
+                ) from e
         kwargs = dict(info.get("interaction_kwargs") or {})
         name = self.interaction_for(kwargs)
         if name is not None:
-            sample = InteractionSample(ground_truth=batch["ground_truth"][i], data_source=batch["data_source"][i],
-                                       extra_info=info, kwargs=kwargs)
+            sample = InteractionSample(
+                ground_truth=batch["ground_truth"][i],
+                data_source=batch["data_source"][i],
+                extra_info=info,
+                kwargs=kwargs,
+            )
             conv.interaction = self.interactions[name]
             conv.interaction_state = conv.interaction.start(sample)
         return conv
 
     def request(self, conv: _Conversation) -> Request:
-        return Request(key=conv.index, ids=conv.prompt_ids + conv.response,
-                       max_new_tokens=self.max_response_length - len(conv.response), seed=conv.seed, counter=conv.generated)
+        return Request(
+            key=conv.index,
+            ids=conv.prompt_ids + conv.response,
+            max_new_tokens=self.max_response_length - len(conv.response),
+            seed=conv.seed,
+            counter=conv.generated,
+        )
 
     def _assemble(self, batch: Batch, convs: list[_Conversation]) -> Batch:
         B, K = len(convs), len(self.tools)
@@ -223,8 +268,9 @@ class AgentLoop:
                 except Exception:  # noqa: BLE001
                     c.errors += 1
         lengths = torch.tensor([len(c.response) for c in convs], dtype=torch.long)
-        out = assemble_rollout(batch, tokens.to(dev), lengths.to(dev), logprobs.to(dev), pad_id=self.pad_id,
-                               loss_mask_BR=loss.to(dev))
+        out = assemble_rollout(
+            batch, tokens.to(dev), lengths.to(dev), logprobs.to(dev), pad_id=self.pad_id, loss_mask_BR=loss.to(dev)
+        )
 
         def col(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=dev)
@@ -358,8 +404,10 @@ class Session:
             conv.reward += c.reward
             for k, v in c.metrics.items():
                 conv.tool_metrics[k] = conv.tool_metrics.get(k, 0.0) + v
-        messages = [{"role": "tool", "content": c.text if len(c.text) <= limit else c.text[:limit] + " [truncated]"}
-                    for c in turn.calls]
+        messages = [
+            {"role": "tool", "content": c.text if len(c.text) <= limit else c.text[:limit] + " [truncated]"}
+            for c in turn.calls
+        ]
         self._append(conv, messages)
 
     # -- tool threads ------------------------------------------------------------------------------------------------
@@ -408,8 +456,11 @@ class Session:
                     if c.status is None:
                         late = j == turn.current
                         c.status = "timeout" if late else "error"
-                        c.text = (f"Error: {c.tool.name} timed out after {timeout:g} s" if late
-                                  else "Error: not run (an earlier call of this turn timed out)")
+                        c.text = (
+                            f"Error: {c.tool.name} timed out after {timeout:g} s"
+                            if late
+                            else "Error: not run (an earlier call of this turn timed out)"
+                        )
                 self.call_seconds += now - turn.started
                 self.calls_run += 1
                 self.settled.put(index)
@@ -438,8 +489,10 @@ def check_rows(rows: list[dict], *, loop: AgentLoop | None, field_name: str) -> 
         if loop is None:
             if name == "tool_agent" or info.get("need_tools_kwargs"):
                 what = "agent_name='tool_agent'" if name == "tool_agent" else "extra_info.need_tools_kwargs=True"
-                raise ValueError(f"{where}: {what} but the run has no rollout.agent (set rollout.agent.tools or "
-                                 "tool_config_path, or drop the column)")
+                raise ValueError(
+                    f"{where}: {what} but the run has no rollout.agent (set rollout.agent.tools or "
+                    "tool_config_path, or drop the column)"
+                )
             continue
         if (name or loop.cfg.default_agent_loop) == "single_turn_agent":
             continue
@@ -448,12 +501,16 @@ def check_rows(rows: list[dict], *, loop: AgentLoop | None, field_name: str) -> 
             raise ValueError(f"{where}: extra_info.need_tools_kwargs=True but extra_info.tools_kwargs is empty")
         for tool, kw in tools_kwargs.items():
             if tool not in tools:
-                raise ValueError(f"{where}: extra_info.tools_kwargs names the tool {tool!r}, which the run does not have "
-                                 f"(its tools: {sorted(tools)})")
+                raise ValueError(
+                    f"{where}: extra_info.tools_kwargs names the tool {tool!r}, which the run does not have "
+                    f"(its tools: {sorted(tools)})"
+                )
             unread = sorted(k for k, v in (kw or {}).items() if k != "create_kwargs" and v)
             if unread:
-                raise ValueError(f"{where}: extra_info.tools_kwargs[{tool!r}] sets {unread}; rlspmd passes only "
-                                 "create_kwargs (to the tool's create)")
+                raise ValueError(
+                    f"{where}: extra_info.tools_kwargs[{tool!r}] sets {unread}; rlspmd passes only "
+                    "create_kwargs (to the tool's create)"
+                )
         try:
             loop.interaction_for(dict(info.get("interaction_kwargs") or {}))
         except ValueError as e:

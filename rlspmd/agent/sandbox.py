@@ -166,24 +166,42 @@ class RunResult:
     truncated: bool
 
 
-def run_python(code: str, *, timeout_s: float, memory_mb: int, cpu_s: int, max_output_chars: int,
-               max_file_mb: int = 16, max_processes: int = 16, workdir_mb: int = 64,
-               sandbox: str = "bwrap") -> RunResult:
+def run_python(
+    code: str,
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: int,
+    max_output_chars: int,
+    max_file_mb: int = 16,
+    max_processes: int = 16,
+    workdir_mb: int = 64,
+    sandbox: str = "bwrap",
+) -> RunResult:
     """Run ``code`` under the limits above; never raises for anything the code does (``ValueError`` where the
     ``sandbox`` mode cannot run here, see ``check_sandbox``)."""
     check_sandbox(sandbox)
     t0 = time.perf_counter()
     with tempfile.TemporaryFile(prefix="rlspmd-sandbox-out-") as out:
         if sandbox == "bwrap":
-            exit_code, timed_out = _run_bwrap(code, out=out, timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s,
-                                              max_file_mb=max_file_mb, max_processes=max_processes,
-                                              workdir_mb=workdir_mb)
+            exit_code, timed_out = _run_bwrap(
+                code,
+                out=out,
+                timeout_s=timeout_s,
+                memory_mb=memory_mb,
+                cpu_s=cpu_s,
+                max_file_mb=max_file_mb,
+                max_processes=max_processes,
+                workdir_mb=workdir_mb,
+            )
         else:
-            exit_code, timed_out = _run_audit_hook(code, out=out, timeout_s=timeout_s, memory_mb=memory_mb,
-                                                   cpu_s=cpu_s, max_file_mb=max_file_mb)
+            exit_code, timed_out = _run_audit_hook(
+                code, out=out, timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_file_mb=max_file_mb
+            )
         text, truncated = _read_output(out, max_output_chars)
-    return RunResult(output=text, exit_code=exit_code, timed_out=timed_out, seconds=time.perf_counter() - t0,
-                     truncated=truncated)
+    return RunResult(
+        output=text, exit_code=exit_code, timed_out=timed_out, seconds=time.perf_counter() - t0, truncated=truncated
+    )
 
 
 def check_sandbox(mode: str, *, field_name: str = FIELD) -> None:
@@ -201,7 +219,8 @@ def check_sandbox(mode: str, *, field_name: str = FIELD) -> None:
             "bubblewrap (`apt-get install bubblewrap`, `dnf install bubblewrap`; scripts/install.sh does as root) and "
             "allow user namespaces (sysctl user.max_user_namespaces > 0; Ubuntu 24.04: "
             "kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap), or accept the weaker "
-            f"Python-level sandbox with {field_name}='audit-hook-unsafe' (docs/agents.md: The python tool's sandbox)")
+            f"Python-level sandbox with {field_name}='audit-hook-unsafe' (docs/agents.md: The python tool's sandbox)"
+        )
 
 
 _PROBED: set[str] = set()
@@ -215,8 +234,16 @@ def _probe_bwrap(bwrap: str) -> str | None:
             return None
         with tempfile.TemporaryFile() as out:
             try:
-                exit_code, _ = _run_bwrap("print('sandbox-ok')", out=out, timeout_s=30, memory_mb=256, cpu_s=10,
-                                          max_file_mb=1, max_processes=4, workdir_mb=1)
+                exit_code, _ = _run_bwrap(
+                    "print('sandbox-ok')",
+                    out=out,
+                    timeout_s=30,
+                    memory_mb=256,
+                    cpu_s=10,
+                    max_file_mb=1,
+                    max_processes=4,
+                    workdir_mb=1,
+                )
             except OSError as e:
                 return f"{bwrap} failed to start: {e}"
             text, _ = _read_output(out, 2000)
@@ -241,8 +268,12 @@ def interpreter() -> Interpreter:
     """What the sandbox binds: the interpreter, its standard library and shared library, the system libraries."""
     exe = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
     # the base installation's library paths (a venv's own lib/, its site-packages, stays outside)
-    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix, "installed_base": sys.base_prefix,
-            "installed_platbase": sys.base_exec_prefix}
+    base = {
+        "base": sys.base_prefix,
+        "platbase": sys.base_exec_prefix,
+        "installed_base": sys.base_prefix,
+        "installed_platbase": sys.base_exec_prefix,
+    }
     lib = sysconfig.get_paths(vars=base)
     paths = {exe, lib["stdlib"], lib["platstdlib"], "/etc/ld.so.cache"}
     if sysconfig.get_config_var("Py_ENABLE_SHARED") and sysconfig.get_config_var("LIBDIR"):
@@ -258,12 +289,24 @@ def interpreter() -> Interpreter:
     return Interpreter(executable=exe, binds=tuple(binds), symlinks=tuple(symlinks))
 
 
-def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info_fd: int,
-                    disable_userns: bool = True) -> list[str]:
+def bwrap_arguments(
+    interp: Interpreter, *, as_root: bool, workdir_mb: int, info_fd: int, disable_userns: bool = True
+) -> list[str]:
     """The namespaces and the filesystem of one sandbox (the command follows ``--``). ``disable_userns`` (bubblewrap
     0.8+) is redundant where the seccomp filter already refuses new user namespaces."""
-    args = ["--die-with-parent", "--new-session", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-            "--unshare-cgroup-try", "--hostname", "sandbox", "--info-fd", str(info_fd)]
+    args = [
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--info-fd",
+        str(info_fd),
+    ]
     if as_root:  # namespaces without a user namespace; the runner drops to its own uid with these two, then has none
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
@@ -282,12 +325,49 @@ def bwrap_arguments(interp: Interpreter, *, as_root: bool, workdir_mb: int, info
     # init has the code's uid, and its /proc entries (mem, fds) would be a way around the limits. /dev read-only (its
     # device nodes stay usable): as an ordinary user its tmpfs is the code's, with no size limit; /dev/shm a small
     # tmpfs of its own, for multiprocessing's semaphores.
-    args += ["--proc", "/proc", "--perms", "0555", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
-             "--dev", "/dev", "--perms", "1777", "--size", str(SHM_MB << 20), "--tmpfs", "/dev/shm",
-             "--remount-ro", "/dev",
-             "--perms", "1777", "--size", str(workdir_mb << 20), "--tmpfs", WORKDIR, "--symlink", WORKDIR, "/tmp",
-             "--remount-ro", "/", "--chdir", WORKDIR, "--clearenv",
-             "--setenv", "HOME", WORKDIR, "--setenv", "TMPDIR", WORKDIR, "--setenv", "PATH", "/usr/bin:/bin"]
+    args += [
+        "--proc",
+        "/proc",
+        "--perms",
+        "0555",
+        "--tmpfs",
+        "/proc/1",
+        "--remount-ro",
+        "/proc/1",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(SHM_MB << 20),
+        "--tmpfs",
+        "/dev/shm",
+        "--remount-ro",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(workdir_mb << 20),
+        "--tmpfs",
+        WORKDIR,
+        "--symlink",
+        WORKDIR,
+        "/tmp",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        WORKDIR,
+        "--clearenv",
+        "--setenv",
+        "HOME",
+        WORKDIR,
+        "--setenv",
+        "TMPDIR",
+        WORKDIR,
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+    ]
     return args
 
 
@@ -297,8 +377,17 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, max_file_mb: int, max_processes: int,
-               workdir_mb: int) -> tuple[int | None, bool]:
+def _run_bwrap(
+    code: str,
+    *,
+    out,
+    timeout_s: float,
+    memory_mb: int,
+    cpu_s: int,
+    max_file_mb: int,
+    max_processes: int,
+    workdir_mb: int,
+) -> tuple[int | None, bool]:
     deadline = time.monotonic() + timeout_s
     interp = interpreter()
     as_root = os.geteuid() == 0
@@ -310,13 +399,27 @@ def _run_bwrap(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, 
     if bpf is not None:
         child_fds.append(_sealed_memfd("rlspmd-seccomp", bpf))  # close-on-exec: only bwrap gets it (pass_fds)
         args += ["--seccomp", str(child_fds[-1])]
-    cmd = [shutil.which("bwrap") or "bwrap", *args, "--", interp.executable, "-I", "-S", "-c", BWRAP_RUNNER, str(uid),
-           str(memory_mb << 20), str(max(1, int(cpu_s))), str(max_file_mb << 20), str(max_processes)]
+    cmd = [
+        shutil.which("bwrap") or "bwrap",
+        *args,
+        "--",
+        interp.executable,
+        "-I",
+        "-S",
+        "-c",
+        BWRAP_RUNNER,
+        str(uid),
+        str(memory_mb << 20),
+        str(max(1, int(cpu_s))),
+        str(max_file_mb << 20),
+        str(max_processes),
+    ]
     code_fd = _sealed_memfd("rlspmd-code", code.encode())  # stdin: a file, so no writer can block on a full pipe
     pidfd = None
     try:
-        proc = subprocess.Popen(cmd, stdin=code_fd, stdout=out, stderr=subprocess.STDOUT, env={},
-                                start_new_session=True, pass_fds=child_fds)
+        proc = subprocess.Popen(
+            cmd, stdin=code_fd, stdout=out, stderr=subprocess.STDOUT, env={}, start_new_session=True, pass_fds=child_fds
+        )
         while child_fds:
             os.close(child_fds.pop())
         # bwrap's own exit, waited on with a pidfd (Popen.wait(timeout) polls with sleeps of up to 50 ms)
@@ -339,7 +442,7 @@ def _sealed_memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
@@ -352,10 +455,14 @@ def _sealed_memfd(name: str, data: bytes) -> int:
 # clone), bpf, perf_event_open, userfaultfd, io_uring, the kernel keyring, 32-bit / x32 system calls, and access to
 # another process's memory or files (ptrace & co.: as an ordinary user bwrap's init has the code's uid, not its limits).
 _AUDIT_ARCH_X86_64 = 0xC000003E
-_X86_64 = {"clone": 56, "unshare": 272, "clone3": 435,
-           # bpf, perf_event_open, userfaultfd, io_uring_{setup,enter,register}, add_key, request_key, keyctl;
-           # ptrace, process_vm_{readv,writev}, kcmp, pidfd_getfd, process_madvise (into another process: bwrap's init)
-           "refused": (321, 298, 323, 425, 426, 427, 248, 249, 250, 101, 310, 311, 312, 438, 440)}
+_X86_64 = {
+    "clone": 56,
+    "unshare": 272,
+    "clone3": 435,
+    # bpf, perf_event_open, userfaultfd, io_uring_{setup,enter,register}, add_key, request_key, keyctl;
+    # ptrace, process_vm_{readv,writev}, kcmp, pidfd_getfd, process_madvise (into another process: bwrap's init)
+    "refused": (321, 298, 323, 425, 426, 427, 248, 249, 250, 101, 310, 311, 312, 438, 440),
+}
 _CLONE_NEWUSER = 0x10000000
 
 
@@ -370,8 +477,13 @@ def seccomp_filter() -> bytes | None:
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
     nr = _X86_64
     # (code, jump-if-true label, jump-if-false label, k); labels resolve to relative offsets below
-    prog = [(ld, None, None, 4), (jeq, None, "enosys", _AUDIT_ARCH_X86_64), (ld, None, None, 0),
-            (jge, "enosys", None, 0x40000000), (jeq, "enosys", None, nr["clone3"])]
+    prog = [
+        (ld, None, None, 4),
+        (jeq, None, "enosys", _AUDIT_ARCH_X86_64),
+        (ld, None, None, 0),
+        (jge, "enosys", None, 0x40000000),
+        (jeq, "enosys", None, nr["clone3"]),
+    ]
     prog += [(jeq, "eperm", None, n) for n in nr["refused"]]
     prog += [(jeq, "flags", None, nr["unshare"]), (jeq, "flags", None, nr["clone"]), (ret, None, None, allow)]
     labels = {"flags": len(prog)}
@@ -422,15 +534,32 @@ def _end_sandbox(proc: subprocess.Popen, pidfd: int | None) -> None:
         select.select([pidfd], [], [], 30.0)  # readable once PID 1, and so its whole namespace, has exited
 
 
-def _run_audit_hook(code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int,
-                    max_file_mb: int) -> tuple[int | None, bool]:
+def _run_audit_hook(
+    code: str, *, out, timeout_s: float, memory_mb: int, cpu_s: int, max_file_mb: int
+) -> tuple[int | None, bool]:
     workdir = tempfile.mkdtemp(prefix="rlspmd-sandbox-")
     try:
-        cmd = [*network_namespace_prefix(), sys.executable, "-I", "-c", AUDIT_HOOK_RUNNER, workdir,
-               str(memory_mb << 20), str(max(1, int(cpu_s))), str(max_file_mb << 20)]
+        cmd = [
+            *network_namespace_prefix(),
+            sys.executable,
+            "-I",
+            "-c",
+            AUDIT_HOOK_RUNNER,
+            workdir,
+            str(memory_mb << 20),
+            str(max(1, int(cpu_s))),
+            str(max_file_mb << 20),
+        ]
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "PYTHONDONTWRITEBYTECODE": "1"}
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=env,
+            start_new_session=True,
+        )
         try:
             proc.communicate(code.encode(), timeout=timeout_s)
             return proc.returncode, False
@@ -450,7 +579,7 @@ def _read_output(out, max_output_chars: int) -> tuple[str, bool]:
     out.seek(max(0, size - 2 * max_output_chars))
     tail = out.read().decode("utf-8", errors="replace")
     truncated = size > 2 * max_output_chars or len(head) > max_output_chars
-    text = head if not truncated else head[: max_output_chars // 2] + " [...] " + tail[-(max_output_chars // 2 - 7):]
+    text = head if not truncated else head[: max_output_chars // 2] + " [...] " + tail[-(max_output_chars // 2 - 7) :]
     return text, truncated
 
 

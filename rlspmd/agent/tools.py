@@ -67,12 +67,19 @@ class Tool:
 
 def function_schema(name: str, description: str, properties: dict, required: list[str]) -> dict:
     """An OpenAI-style function schema."""
-    return {"type": "function", "function": {"name": name, "description": description,
-                                             "parameters": {"type": "object", "properties": properties, "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
 
 
 def check_schema(schema: Any, *, where: str) -> str:
     """Validate an OpenAI-style function schema; returns the function's name. ``where`` names the tool in errors."""
+
     def bad(msg: str) -> ValueError:
         return ValueError(f"{where}: invalid tool schema: {msg}")
 
@@ -142,8 +149,10 @@ def check_tool(tool: Any, *, where: str) -> None:
     """The members every tool needs, and a valid schema whose name is the tool's ``name``."""
     missing = [m for m in MEMBERS if not hasattr(tool, m)]
     if missing:
-        raise ValueError(f"{where}: a tool needs {list(MEMBERS)}; {type(tool).__name__} lacks {missing} "
-                         "(subclass rlspmd.agent.Tool for the defaults)")
+        raise ValueError(
+            f"{where}: a tool needs {list(MEMBERS)}; {type(tool).__name__} lacks {missing} "
+            "(subclass rlspmd.agent.Tool for the defaults)"
+        )
     for m in ("create", "call", "score", "release"):
         if not callable(getattr(tool, m)):
             raise ValueError(f"{where}: {type(tool).__name__}.{m} must be a method")

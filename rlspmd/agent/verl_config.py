@@ -41,7 +41,7 @@ VERL_INTERACTIONS = {"verl.interactions.gsm8k_interaction.Gsm8kInteraction": "gs
 """verl's built-in interaction classes -> the rlspmd built-in that does the same."""
 VERL_HINTS = {
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rlspmd's local code runner is the built-in `python` tool "
-                                                         "(rollout.agent.tools=['python'], limits in rollout.agent.code)",
+    "(rollout.agent.tools=['python'], limits in rollout.agent.code)",
 }
 """verl classes with no equivalent but a near one, named in the error."""
 
@@ -121,8 +121,9 @@ def read_tool_config(path: str, *, field_name: str = "rollout.agent.tool_config_
         config = _entry_config(item, where)
         kind = config.pop("type", "native")
         if kind != "native":
-            raise ValueError(f"{where}.config.type={kind!r}: rlspmd runs native (in-process) tools only; "
-                             "MCP tools are not supported")
+            raise ValueError(
+                f"{where}.config.type={kind!r}: rlspmd runs native (in-process) tools only; MCP tools are not supported"
+            )
         schema = item.get("tool_schema")
         if schema is not None and not isinstance(schema, dict):
             raise ValueError(f"{where}.tool_schema={schema!r}: must be a mapping (an OpenAI function schema)")
@@ -168,5 +169,7 @@ def verl_class_error(entry: Entry, *, mapped: dict[str, str]) -> ValueError | No
     if not entry.class_name.startswith("verl."):
         return None
     hint = VERL_HINTS.get(entry.class_name)
-    return ValueError(f"{entry.where}.class_name={entry.class_name!r}: rlspmd does not import verl; the verl classes "
-                      f"it has equivalents of are {sorted(mapped)}" + (f"; {hint}" if hint else ""))
+    return ValueError(
+        f"{entry.where}.class_name={entry.class_name!r}: rlspmd does not import verl; the verl classes "
+        f"it has equivalents of are {sorted(mapped)}" + (f"; {hint}" if hint else "")
+    )

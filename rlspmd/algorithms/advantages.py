@@ -43,14 +43,15 @@ def _check_B(name: str, x_B: Tensor, mask_BT: Tensor) -> None:
     if mask_BT.dim() != 2:
         raise ValueError(f"mask_BT must be 2-D (B, T), got shape {tuple(mask_BT.shape)}")
     if x_B.shape != mask_BT.shape[:1]:
-        raise ValueError(f"{name} must have shape ({mask_BT.shape[0]},) to match mask_BT {tuple(mask_BT.shape)}, "
-                         f"got {tuple(x_B.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({mask_BT.shape[0]},) to match mask_BT {tuple(mask_BT.shape)}, "
+            f"got {tuple(x_B.shape)}"
+        )
 
 
 def _check_BT(name: str, x_BT: Tensor, mask_BT: Tensor) -> None:
     if x_BT.shape != mask_BT.shape or mask_BT.dim() != 2:
-        raise ValueError(f"{name} must have the 2-D shape of mask_BT {tuple(mask_BT.shape)}, "
-                         f"got {tuple(x_BT.shape)}")
+        raise ValueError(f"{name} must have the 2-D shape of mask_BT {tuple(mask_BT.shape)}, got {tuple(x_BT.shape)}")
 
 
 def _groups(group_ids_B: Tensor, B: int) -> tuple[Tensor, int]:
@@ -158,8 +159,9 @@ def masked_moments(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def masked_whiten(x_BT: Tensor, mask_BT: Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
-                  moments: Tensor | None = None) -> Tensor:
+def masked_whiten(
+    x_BT: Tensor, mask_BT: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, moments: Tensor | None = None
+) -> Tensor:
     """Normalise `x_BT` to zero mean and unit variance over its valid tokens.
 
     Args:
@@ -283,8 +285,9 @@ def _group_normalise(s_B: Tensor, inv_B: Tensor, num_groups: int, *, norm_by_std
 
 
 @torch.no_grad()
-def grpo_outcome(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: bool = True,
-                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def grpo_outcome(
+    scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: bool = True, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
     """GRPO outcome advantage: (score - group mean) / (group std + eps), the same for every token.
 
     Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
@@ -314,8 +317,9 @@ def grpo_outcome(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm
 
 
 @torch.no_grad()
-def grpo_passk(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6,
-               norm_by_std: bool = True) -> tuple[Tensor, Tensor]:
+def grpo_passk(
+    scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, eps: float = 1e-6, norm_by_std: bool = True
+) -> tuple[Tensor, Tensor]:
     """Pass@k GRPO: only the best response of each group gets a non-zero advantage, best minus second best.
 
     Tang et al. 2025, "Optimizing Language Models for Inference Time Objectives using Reinforcement Learning",
@@ -380,8 +384,9 @@ def rloo(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor) -> tuple[Tensor
 
 
 @torch.no_grad()
-def reinforce_pp_baseline(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
-                          eps: float = 1e-8) -> tuple[Tensor, Tensor]:
+def reinforce_pp_baseline(
+    scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, eps: float = 1e-8
+) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline: subtract the group mean score, broadcast to tokens, whiten over the batch.
 
     Hu 2025, "REINFORCE++", arXiv 2501.03262 (the variant with a group baseline, for multi-sample prompts).
@@ -471,8 +476,15 @@ def gpg_alpha(*, num_rows: int | float, num_nonzero_scores: int | float) -> floa
 
 
 @torch.no_grad()
-def gpg(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: bool = False, eps: float = 1e-6,
-        alpha: float | None = None) -> tuple[Tensor, Tensor]:
+def gpg(
+    scores_B: Tensor,
+    mask_BT: Tensor,
+    group_ids_B: Tensor,
+    *,
+    norm_by_std: bool = False,
+    eps: float = 1e-6,
+    alpha: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """GPG (Group Policy Gradient): group-mean baseline scaled by alpha.
 
     Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
@@ -507,9 +519,15 @@ def gpg(scores_B: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *, norm_by_std: 
 
 
 @torch.no_grad()
-def gdpo_combine(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
-                 weights_K: Tensor | list[float] | tuple[float, ...] | None = None, norm_by_std: bool = True,
-                 eps: float = 1e-6) -> Tensor:
+def gdpo_combine(
+    components_BK: Tensor,
+    mask_BT: Tensor,
+    group_ids_B: Tensor,
+    *,
+    weights_K: Tensor | list[float] | tuple[float, ...] | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
     """GDPO before its batch whitening: Σ_k w_k * GRPO-normalised component k, broadcast to the valid tokens.
 
     See `gdpo`. Each column of `components_BK` is group-normalised on its own exactly as `grpo_outcome` does
@@ -519,12 +537,17 @@ def gdpo_combine(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
         (B, T) combined advantage, 0 at masked positions, not yet whitened.
     """
     if components_BK.dim() != 2 or components_BK.shape[0] != mask_BT.shape[0] or components_BK.shape[1] == 0:
-        raise ValueError(f"components_BK must have shape ({mask_BT.shape[0]}, K) with K >= 1 to match mask_BT "
-                         f"{tuple(mask_BT.shape)}, got {tuple(components_BK.shape)}")
+        raise ValueError(
+            f"components_BK must have shape ({mask_BT.shape[0]}, K) with K >= 1 to match mask_BT "
+            f"{tuple(mask_BT.shape)}, got {tuple(components_BK.shape)}"
+        )
     c_BK = _as_float(components_BK)
     K = c_BK.shape[1]
-    w_K = torch.ones(K, dtype=c_BK.dtype, device=c_BK.device) if weights_K is None else \
-        torch.as_tensor(weights_K, dtype=c_BK.dtype, device=c_BK.device)
+    w_K = (
+        torch.ones(K, dtype=c_BK.dtype, device=c_BK.device)
+        if weights_K is None
+        else torch.as_tensor(weights_K, dtype=c_BK.dtype, device=c_BK.device)
+    )
     if w_K.shape != (K,):
         raise ValueError(f"weights_K has {w_K.numel()} entries but components_BK has {K} reward components")
     inv_B, num_groups = _groups(group_ids_B, c_BK.shape[0])
@@ -535,9 +558,15 @@ def gdpo_combine(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
 
 
 @torch.no_grad()
-def gdpo(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
-         weights_K: Tensor | list[float] | tuple[float, ...] | None = None, norm_by_std: bool = True,
-         eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def gdpo(
+    components_BK: Tensor,
+    mask_BT: Tensor,
+    group_ids_B: Tensor,
+    *,
+    weights_K: Tensor | list[float] | tuple[float, ...] | None = None,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
     """GDPO: several reward components, each group-normalised, then weighted, summed and whitened over the batch.
 
     Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL
@@ -561,6 +590,8 @@ def gdpo(components_BK: Tensor, mask_BT: Tensor, group_ids_B: Tensor, *,
         valid tokens (eps 1e-8 on the variance); across DP ranks whiten `gdpo_combine` with all-reduced
         `masked_moments` instead (`AdvantageStage` does).
     """
-    adv_BT = masked_whiten(gdpo_combine(components_BK, mask_BT, group_ids_B, weights_K=weights_K,
-                                        norm_by_std=norm_by_std, eps=eps), mask_BT)
+    adv_BT = masked_whiten(
+        gdpo_combine(components_BK, mask_BT, group_ids_B, weights_K=weights_K, norm_by_std=norm_by_std, eps=eps),
+        mask_BT,
+    )
     return adv_BT, adv_BT

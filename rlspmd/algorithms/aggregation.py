@@ -62,34 +62,39 @@ def _drop_masked(loss_BT: Tensor, mask_BT: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(valid_BT, loss_BT, 0.0), valid_BT
 
 
-def _token_mean(loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count,
-                norm_length: int | None = None) -> Tensor:
+def _token_mean(
+    loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count, norm_length: int | None = None
+) -> Tensor:
     loss_BT, _ = _drop_masked(loss_BT, mask_BT)
     return loss_BT.sum() / _safe_denominator(global_tokens)
 
 
-def _token_sum(loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count,
-               norm_length: int | None = None) -> Tensor:
+def _token_sum(
+    loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count, norm_length: int | None = None
+) -> Tensor:
     loss_BT, _ = _drop_masked(loss_BT, mask_BT)
     return loss_BT.sum()
 
 
-def _seq_mean_token_sum(loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count,
-                        norm_length: int | None = None) -> Tensor:
+def _seq_mean_token_sum(
+    loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count, norm_length: int | None = None
+) -> Tensor:
     # Rows without valid tokens sum to 0 by themselves, so the sum over all tokens equals Σ_i Σ_t.
     loss_BT, _ = _drop_masked(loss_BT, mask_BT)
     return loss_BT.sum() / _safe_denominator(global_seqs)
 
 
-def _seq_mean_token_mean(loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count,
-                         norm_length: int | None = None) -> Tensor:
+def _seq_mean_token_mean(
+    loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count, norm_length: int | None = None
+) -> Tensor:
     loss_BT, valid_BT = _drop_masked(loss_BT, mask_BT)
     seq_len_B = valid_BT.sum(dim=-1).clamp(min=1)
     return (loss_BT.sum(dim=-1) / seq_len_B).sum() / _safe_denominator(global_seqs)
 
 
-def _seq_mean_token_sum_norm(loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count,
-                             norm_length: int | None = None) -> Tensor:
+def _seq_mean_token_sum_norm(
+    loss_BT: Tensor, mask_BT: Tensor, *, global_tokens: Count, global_seqs: Count, norm_length: int | None = None
+) -> Tensor:
     _check_norm_length("seq-mean-token-sum-norm", norm_length)
     loss_BT, _ = _drop_masked(loss_BT, mask_BT)
     return loss_BT.sum() / (_safe_denominator(global_seqs) * norm_length)
@@ -114,11 +119,19 @@ def _check_norm_length(mode: str, norm_length: int | None) -> None:
     if mode == "seq-mean-token-sum-norm" and (norm_length is None or norm_length <= 0):
         raise ValueError(
             f"loss aggregation mode {mode!r} needs norm_length (the maximum response length, a positive int), "
-            f"got {norm_length!r}")
+            f"got {norm_length!r}"
+        )
 
 
-def agg_loss(loss_BT: Tensor, mask_BT: Tensor, *, mode: str, global_tokens: Count, global_seqs: Count,
-             norm_length: int | None = None) -> Tensor:
+def agg_loss(
+    loss_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    mode: str,
+    global_tokens: Count,
+    global_seqs: Count,
+    norm_length: int | None = None,
+) -> Tensor:
     """Aggregate a per-token loss over a micro-batch, normalised by global-batch denominators.
 
     Args:
@@ -141,8 +154,9 @@ def agg_loss(loss_BT: Tensor, mask_BT: Tensor, *, mode: str, global_tokens: Coun
     _check_mode(mode)
     if loss_BT.shape != mask_BT.shape:
         raise ValueError(f"loss_BT {tuple(loss_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must have the same shape")
-    return AGG_MODES[mode](loss_BT, mask_BT, global_tokens=global_tokens, global_seqs=global_seqs,
-                           norm_length=norm_length)
+    return AGG_MODES[mode](
+        loss_BT, mask_BT, global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length
+    )
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: fields may be tensors, whose == is elementwise
@@ -176,5 +190,11 @@ class AggArgs:
 
     def __call__(self, loss_BT: Tensor, mask_BT: Tensor) -> Tensor:
         """`agg_loss(loss_BT, mask_BT, ...)` with these settings."""
-        return agg_loss(loss_BT, mask_BT, mode=self.mode, global_tokens=self.global_tokens,
-                        global_seqs=self.global_seqs, norm_length=self.norm_length)
+        return agg_loss(
+            loss_BT,
+            mask_BT,
+            mode=self.mode,
+            global_tokens=self.global_tokens,
+            global_seqs=self.global_seqs,
+            norm_length=self.norm_length,
+        )

@@ -101,14 +101,16 @@ def gpg_estimate(batch: Batch, *, all_reduce: AllReduce) -> tuple[Tensor, Tensor
     return gpg(scores, mask, batch["uid_B"], norm_by_std=False, alpha=alpha)  # F_norm = 1, the paper's best setting
 
 
-def gdpo_estimate(batch: Batch, *, reward_weights: list[float] | None, norm_adv_by_std: bool, eps: float,
-                  all_reduce: AllReduce) -> tuple[Tensor, Tensor]:
+def gdpo_estimate(
+    batch: Batch, *, reward_weights: list[float] | None, norm_adv_by_std: bool, eps: float, all_reduce: AllReduce
+) -> tuple[Tensor, Tensor]:
     """``reward_weights`` has one entry per column of ``reward_components_BK`` (``rlspmd.validate`` checked it
     against the reward components the run configures)."""
     _, mask = _inputs(batch)
     components = batch["reward_components_BK"]
     assert reward_weights is None or len(reward_weights) == components.shape[1], (reward_weights, components.shape)
-    combined = gdpo_combine(components, mask, batch["uid_B"], weights_K=reward_weights, norm_by_std=norm_adv_by_std,
-                            eps=eps)
+    combined = gdpo_combine(
+        components, mask, batch["uid_B"], weights_K=reward_weights, norm_by_std=norm_adv_by_std, eps=eps
+    )
     adv = whiten(combined, mask, all_reduce=all_reduce)
     return adv, adv

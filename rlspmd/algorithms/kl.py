@@ -92,14 +92,17 @@ def kl_penalty(logprobs_BT: Tensor, ref_logprobs_BT: Tensor, *, kind: str) -> Te
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator kind {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
     if logprobs_BT.shape != ref_logprobs_BT.shape:
-        raise ValueError(f"logprobs_BT {tuple(logprobs_BT.shape)} and ref_logprobs_BT "
-                         f"{tuple(ref_logprobs_BT.shape)} must have the same shape")
+        raise ValueError(
+            f"logprobs_BT {tuple(logprobs_BT.shape)} and ref_logprobs_BT "
+            f"{tuple(ref_logprobs_BT.shape)} must have the same shape"
+        )
     return KL_ESTIMATORS[kind](logprobs_BT, ref_logprobs_BT.detach())
 
 
 @torch.no_grad()
-def apply_kl_in_reward(token_scores_BT: Tensor, logprobs_BT: Tensor, ref_logprobs_BT: Tensor, mask_BT: Tensor, *,
-                       coef: float, kind: str) -> tuple[Tensor, Tensor]:
+def apply_kl_in_reward(
+    token_scores_BT: Tensor, logprobs_BT: Tensor, ref_logprobs_BT: Tensor, mask_BT: Tensor, *, coef: float, kind: str
+) -> tuple[Tensor, Tensor]:
     """Subtract a per-token KL penalty from the per-token rewards (InstructGPT-style PPO, REINFORCE++).
 
     Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", arXiv 1909.08593:

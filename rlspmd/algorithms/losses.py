@@ -64,8 +64,9 @@ def _check_shapes(mask_BT: Tensor, **tensors_BT: Tensor) -> None:
             raise ValueError(f"{name} has shape {tuple(x.shape)}; expected the 2-D shape of mask_BT {shape}")
 
 
-def _prepare(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor,
-             mask_BT: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prepare(
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Check shapes, make old log-probs and advantages constants, and zero all three at masked positions.
 
     Zeroing with `torch.where` (whose backward gives the unselected branch exactly 0) keeps a non-finite value at
@@ -105,8 +106,9 @@ def _log_ratio(logprobs_BT: Tensor, old_logprobs_BT: Tensor) -> Tensor:
     return (logprobs_BT - old_logprobs_BT).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
 
 
-def _common_metrics(logprobs_BT: Tensor, old_logprobs_BT: Tensor, ratio_BT: Tensor,
-                    valid_BT: Tensor) -> dict[str, Tensor]:
+def _common_metrics(
+    logprobs_BT: Tensor, old_logprobs_BT: Tensor, ratio_BT: Tensor, valid_BT: Tensor
+) -> dict[str, Tensor]:
     return {
         "approx_kl": _masked_mean((old_logprobs_BT - logprobs_BT).detach(), valid_BT),
         "ratio_mean": _masked_mean(ratio_BT.detach(), valid_BT),
@@ -134,8 +136,18 @@ def _ppo_surrogate(adv_BT: Tensor, ratio_BT: Tensor, clip_low: float, clip_high:
     return torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT
 
 
-def ppo_clip(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-             agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, clip_ratio_c: float | None = 3.0, weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_clip(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip range and dual clip.
 
     Schulman et al. 2017, "Proximal Policy Optimization Algorithms", arXiv 1707.06347:
@@ -172,8 +184,17 @@ def ppo_clip(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor
     return agg(_weighted(loss_BT, w_BT), mask_BT), metrics
 
 
-def gspo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-         agg: AggArgs, clip_low: float = 3e-4, clip_high: float = 4e-4, weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: a sequence-level importance ratio, clipped per sequence.
 
     Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071; verl: `compute_policy_loss_gspo`.
@@ -208,8 +229,17 @@ def gspo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, ma
     return _seq_mean_token_mean(agg)(_weighted(loss_BT, w_BT), mask_BT), metrics
 
 
-def cispo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-          agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio; no token is ever dropped.
 
     MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", arXiv 2506.13585;
@@ -236,8 +266,17 @@ def cispo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, m
     return agg(_weighted(loss_BT, w_BT), mask_BT), metrics
 
 
-def sapo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-         agg: AggArgs, weights_BT: Tensor | None = None, tau_pos: float = 1.0, tau_neg: float = 1.05) -> tuple[Tensor, dict[str, Tensor]]:
+def sapo(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    weights_BT: Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO: a smooth, temperature-controlled gate on the ratio instead of a hard clip.
 
     Gao et al. 2025 (Qwen), "Soft Adaptive Policy Optimization", arXiv 2511.20347; verl: `compute_policy_loss_sapo`:
@@ -268,8 +307,15 @@ def sapo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, ma
     return _seq_mean_token_mean(agg)(_weighted(loss_BT, w_BT), mask_BT), metrics
 
 
-def gpg_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-             agg: AggArgs, weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def gpg_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG's loss: plain policy gradient, loss_t = -A_t logp_t; no ratio, no clip.
 
     Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model Reasoning",
@@ -290,8 +336,17 @@ def gpg_loss(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor
     return agg(_weighted(loss_BT, w_BT), mask_BT), metrics
 
 
-def gmpo(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-         agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, weights_BT: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def gmpo(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO: maximise the geometric mean of the clipped token ratios, one objective per sequence.
 
     Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673; verl: `compute_policy_loss_geo_mean`:
@@ -351,8 +406,21 @@ def _centred_covariance(adv_BT: Tensor, logprobs_BT: Tensor, valid_BT: Tensor) -
     return (adv_BT - _masked_mean(adv_BT, valid_BT)) * (logprobs_BT - _masked_mean(logprobs_BT, valid_BT))
 
 
-def clip_cov(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-             agg: AggArgs, clip_low: float = 0.2, clip_high: float = 0.2, weights_BT: Tensor | None = None, clip_cov_ratio: float = 2e-4, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def clip_cov(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    weights_BT: Tensor | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov: PPO's clipped surrogate, plus the gradient of a few high-covariance tokens removed.
 
     Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
@@ -379,8 +447,9 @@ def clip_cov(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor
     candidates = eligible_BT.flatten().nonzero().squeeze(-1)
     budget = max(int(clip_cov_ratio * int(valid_BT.sum())), 1)
     if candidates.numel() > budget:
-        draw = torch.randperm(candidates.numel(), generator=generator,
-                              device=generator.device if generator is not None else "cpu")[:budget]
+        draw = torch.randperm(
+            candidates.numel(), generator=generator, device=generator.device if generator is not None else "cpu"
+        )[:budget]
         candidates = candidates[draw.to(candidates.device)]
     drawn_BT = torch.zeros_like(valid_BT).flatten().index_fill_(0, candidates, True).view_as(valid_BT)
     loss_BT = torch.where(drawn_BT, 0.0, surrogate_BT)
@@ -391,8 +460,17 @@ def clip_cov(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor
     return agg(_weighted(loss_BT, w_BT), mask_BT), metrics
 
 
-def kl_cov(logprobs_BT: Tensor, old_logprobs_BT: Tensor, advantages_BT: Tensor, mask_BT: Tensor, *,
-           agg: AggArgs, weights_BT: Tensor | None = None, kl_cov_ratio: float = 2e-4, kl_cov_coef: float = 0.1) -> tuple[Tensor, dict[str, Tensor]]:
+def kl_cov(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    weights_BT: Tensor | None = None,
+    kl_cov_ratio: float = 2e-4,
+    kl_cov_coef: float = 0.1,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov: the unclipped policy-gradient surrogate, plus a KL penalty on the highest-covariance tokens.
 
     Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models",
@@ -443,8 +521,15 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
 """Name -> policy loss function (its options unbound; ``rlspmd.config.POLICY_LOSS_TYPES`` has the components)."""
 
 
-def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor, *,
-               clip_range: float | None, agg: AggArgs) -> tuple[Tensor, dict[str, Tensor]]:
+def value_loss(
+    values_BT: Tensor,
+    old_values_BT: Tensor,
+    returns_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_range: float | None,
+    agg: AggArgs,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped critic loss: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2).
 
     The value clipping of the PPO reference implementation (OpenAI baselines; Schulman et al. 2017, arXiv

@@ -63,8 +63,7 @@ class RolloutCorrection:
     """Metric name -> this rank's minimum (+inf when there is nothing to take it over)."""
 
 
-def _check(mode: str, level: str, tis_threshold: float, mis_lower: float, mis_upper: float,
-           ratio_bound: float) -> None:
+def _check(mode: str, level: str, tis_threshold: float, mis_lower: float, mis_upper: float, ratio_bound: float) -> None:
     if mode not in CORRECTION_MODES:
         raise ValueError(f"rollout correction mode {mode!r} is not one of {CORRECTION_MODES}")
     if level not in CORRECTION_LEVELS:
@@ -88,9 +87,18 @@ def _extremum(x: Tensor, where: Tensor, op: str) -> Tensor:
 
 
 @torch.no_grad()
-def rollout_correction(train_logprobs_BT: Tensor, rollout_logprobs_BT: Tensor, mask_BT: Tensor, *, mode: str,
-                       level: str, tis_threshold: float = 2.0, mis_lower: float = 0.999, mis_upper: float = 1.001,
-                       ratio_bound: float = 2.0) -> RolloutCorrection:
+def rollout_correction(
+    train_logprobs_BT: Tensor,
+    rollout_logprobs_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    mode: str,
+    level: str,
+    tis_threshold: float = 2.0,
+    mis_lower: float = 0.999,
+    mis_upper: float = 1.001,
+    ratio_bound: float = 2.0,
+) -> RolloutCorrection:
     """Importance weights and rejection mask that correct a policy loss for pi_rollout != pi_train, and metrics.
 
     Args:
@@ -124,11 +132,12 @@ def rollout_correction(train_logprobs_BT: Tensor, rollout_logprobs_BT: Tensor, m
     """
     _check(mode, level, tis_threshold, mis_lower, mis_upper, ratio_bound)
     if train_logprobs_BT.shape != mask_BT.shape or rollout_logprobs_BT.shape != mask_BT.shape or mask_BT.dim() != 2:
-        raise ValueError(f"train_logprobs_BT {tuple(train_logprobs_BT.shape)}, rollout_logprobs_BT "
-                         f"{tuple(rollout_logprobs_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must share one "
-                         f"2-D shape")
-    dtype = torch.promote_types(torch.promote_types(train_logprobs_BT.dtype, rollout_logprobs_BT.dtype),
-                                torch.float32)
+        raise ValueError(
+            f"train_logprobs_BT {tuple(train_logprobs_BT.shape)}, rollout_logprobs_BT "
+            f"{tuple(rollout_logprobs_BT.shape)} and mask_BT {tuple(mask_BT.shape)} must share one "
+            f"2-D shape"
+        )
+    dtype = torch.promote_types(torch.promote_types(train_logprobs_BT.dtype, rollout_logprobs_BT.dtype), torch.float32)
     valid_BT = mask_BT > 0
     # torch.where, not multiplication: a -inf log-prob at a padding position must not turn a sum into NaN.
     delta_BT = torch.where(valid_BT, train_logprobs_BT.detach().to(dtype) - rollout_logprobs_BT.detach().to(dtype), 0.0)

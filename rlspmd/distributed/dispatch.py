@@ -113,7 +113,11 @@ def all_to_all_objects(objs: list[Any], *, mesh: DeviceMesh) -> list[Any]:
     recv_sizes = torch.empty(n, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
     blob = b"".join(payloads)
-    send = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if blob else torch.empty(0, dtype=torch.uint8, device=device)
+    send = (
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device)
+        if blob
+        else torch.empty(0, dtype=torch.uint8, device=device)
+    )
     recv_list = recv_sizes.tolist()
     recv = torch.empty(sum(recv_list), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_list, input_split_sizes=send_sizes.tolist(), group=group)
@@ -138,7 +142,12 @@ def even_split(total: int, parts: int) -> list[int]:
 
 
 def redistribute_batch(
-    batch: Batch | None, *, mesh: DeviceMesh, sizes_in: list[int], sizes_out: list[int], device: torch.device | None = None
+    batch: Batch | None,
+    *,
+    mesh: DeviceMesh,
+    sizes_in: list[int],
+    sizes_out: list[int],
+    device: torch.device | None = None,
 ) -> Batch:
     """Move rows between the ranks of ``mesh`` keeping their global order; one all-to-all.
 
@@ -236,4 +245,7 @@ def balance_batch(batch: Batch, *, mesh: DeviceMesh, chunk_rows: int) -> tuple[B
     for r in range(n):
         for i in range(rows):
             after[dest[r][i]] += tokens[r][i]
-    return received, {"balance/token_imbalance_before": imbalance(before), "balance/token_imbalance_after": imbalance(after)}
+    return received, {
+        "balance/token_imbalance_before": imbalance(before),
+        "balance/token_imbalance_after": imbalance(after),
+    }

@@ -93,8 +93,10 @@ class ParallelDims:
                 )
         n = len(self.role_ranks["actor"])
         if self.train_tp < 1 or n % self.train_tp:
-            raise ValueError(f"mesh.actor_tp={self.train_tp} must be a positive divisor of the actor's {n} ranks "
-                             f"(mesh.actor_ranks); consecutive ranks form a tensor-parallel group")
+            raise ValueError(
+                f"mesh.actor_tp={self.train_tp} must be a positive divisor of the actor's {n} ranks "
+                f"(mesh.actor_ranks); consecutive ranks form a tensor-parallel group"
+            )
         for role in TRAINED:
             if self.train_tp > 1 and self.role_ranks[role] != self.role_ranks["actor"]:
                 raise ValueError(f"mesh.actor_tp={self.train_tp}: the {role} must live on the actor's ranks")
@@ -124,10 +126,12 @@ class ParallelDims:
         lines = [f"world size {self.world_size}, placement {'colocated' if self.is_colocated else 'split'}"]
         for role in ROLES:
             ranks = self.role_ranks[role]
-            train = f" (engine: dp={len(ranks) // self.train_tp} x tp={self.train_tp})" if role in TRAINED and self.train_tp > 1 else ""
-            lines.append(
-                f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}{train}"
+            train = (
+                f" (engine: dp={len(ranks) // self.train_tp} x tp={self.train_tp})"
+                if role in TRAINED and self.train_tp > 1
+                else ""
             )
+            lines.append(f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}{train}")
         return "\n".join(lines)
 
 
@@ -263,8 +267,9 @@ class ModelParallelGroups:
         return self.pp_rank == self.pp - 1
 
 
-def model_parallel_groups(mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: str,
-                          pipeline_ends: bool = False) -> ModelParallelGroups:
+def model_parallel_groups(
+    mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: str, pipeline_ends: bool = False
+) -> ModelParallelGroups:
     """The (pp, dp, tp) groups over the ranks of a role's ``mesh`` (tp fastest: megatron's order), collective over
     those ranks only. ``pipeline_ends`` also builds the first/last-stage group (tied embeddings, ``pp`` > 1);
     ``field_prefix`` (``actor.engine``) names the config fields in errors."""
@@ -284,9 +289,18 @@ def model_parallel_groups(mesh: DeviceMesh, *, tp: int, pp: int, field_prefix: s
     tp_group = process_group(tp_ranks)
     in_ends = pipeline_ends and pp > 1 and pp_rank in (0, pp - 1)
     return ModelParallelGroups(
-        tp=tp, pp=pp, dp=dp, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-        tp_group=tp_group, pp_group=process_group(pp_ranks), dp_group=process_group(dp_ranks),
-        cp_group=process_group([dist.get_rank()]), mp_group=process_group(mp_ranks),
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        dp_rank=dp_rank,
+        tp_group=tp_group,
+        pp_group=process_group(pp_ranks),
+        dp_group=process_group(dp_ranks),
+        cp_group=process_group([dist.get_rank()]),
+        mp_group=process_group(mp_ranks),
         embd_group=process_group([pp_ranks[0], pp_ranks[-1]]) if in_ends else None,
-        pp_ranks=pp_ranks, tp_mesh=DeviceMesh.from_group(tp_group, device_type) if tp > 1 else None,
+        pp_ranks=pp_ranks,
+        tp_mesh=DeviceMesh.from_group(tp_group, device_type) if tp > 1 else None,
     )

@@ -153,8 +153,18 @@ class HangMonitor:
     """One per rank (``start``): publishes this rank's ``Progress`` to ``store``; leaves when the job is ended; on rank
     0, judges every rank's view (``check``). Every store call is made from this thread."""
 
-    def __init__(self, store, *, rank: int, world_size: int, warn_s: float, timeout_s: float, prefix: str,
-                 end_job: Callable[[str], None], state: Progress = progress):
+    def __init__(
+        self,
+        store,
+        *,
+        rank: int,
+        world_size: int,
+        warn_s: float,
+        timeout_s: float,
+        prefix: str,
+        end_job: Callable[[str], None],
+        state: Progress = progress,
+    ):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.warn_s, self.timeout_s = warn_s, timeout_s
         limits = [x for x in (warn_s, timeout_s) if x > 0]
@@ -184,7 +194,9 @@ class HangMonitor:
             except Exception as e:  # noqa: BLE001 - the store is gone (launcher died) or unreachable: keep trying
                 if not self._store_error_reported:
                     self._store_error_reported = True
-                    sys.stderr.write(f"[rlspmd] rank {self.rank}: hang monitor cannot reach the job's store: {type(e).__name__}: {e}\n")
+                    sys.stderr.write(
+                        f"[rlspmd] rank {self.rank}: hang monitor cannot reach the job's store: {type(e).__name__}: {e}\n"
+                    )
                     sys.stderr.flush()
             time.sleep(self.interval)
 
@@ -192,8 +204,10 @@ class HangMonitor:
         moves = self.state.moves  # read first: a transition in between makes it one low, never a view ahead of it
         step, stage, seconds = self.state.view()
         self.beat += 1
-        self.store.set(self.key(self.rank), json.dumps({"step": step, "stage": stage, "seconds": seconds, "moves": moves,
-                                                        "beat": self.beat}))
+        self.store.set(
+            self.key(self.rank),
+            json.dumps({"step": step, "stage": stage, "seconds": seconds, "moves": moves, "beat": self.beat}),
+        )
 
     def tick(self, now: float | None = None) -> None:
         self.publish()
@@ -215,8 +229,16 @@ class HangMonitor:
             if report["beat"] != beat:
                 beat, changed = report["beat"], now
             self.heard[r] = (beat, changed)
-            views.append(RankView(r, report["step"], report["stage"], report["seconds"] + (now - changed), now - changed,
-                                  report["moves"]))
+            views.append(
+                RankView(
+                    r,
+                    report["step"],
+                    report["stage"],
+                    report["seconds"] + (now - changed),
+                    now - changed,
+                    report["moves"],
+                )
+            )
         self.last_views = views
         return views
 
@@ -229,8 +251,10 @@ class HangMonitor:
         of_step = f" of step {late.step}" if late.step is not None else ""
         head = f"rank {late.rank} has been in stage {late.stage!r}{of_step} for {late.seconds:.0f} s"
         if self.timeout_s > 0 and late.seconds >= self.timeout_s:
-            message = (f"[rlspmd] hang: {head}, longer than dist.hang_timeout_s={self.timeout_s:g}; ending the job on every "
-                       f"rank. Where the ranks are: {where(views, interval=self.interval)}")
+            message = (
+                f"[rlspmd] hang: {head}, longer than dist.hang_timeout_s={self.timeout_s:g}; ending the job on every "
+                f"rank. Where the ranks are: {where(views, interval=self.interval)}"
+            )
             self.store.set(self.abort_key, message.removeprefix("[rlspmd] "))
             self.end_job(message)
             return message
@@ -241,8 +265,10 @@ class HangMonitor:
             return None
         self.warned = (late.rank, late.stage, late.step, now)
         limit = f"; the job ends after dist.hang_timeout_s={self.timeout_s:g}" if self.timeout_s > 0 else ""
-        message = (f"[rlspmd] hang monitor: {head} (dist.hang_warn_s={self.warn_s:g}{limit}). "
-                   f"Where the ranks are: {where(views, interval=self.interval)}")
+        message = (
+            f"[rlspmd] hang monitor: {head} (dist.hang_warn_s={self.warn_s:g}{limit}). "
+            f"Where the ranks are: {where(views, interval=self.interval)}"
+        )
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
         return message

@@ -71,7 +71,9 @@ def _free_port() -> int:
 def init_distributed(cfg: DistConfig) -> Runtime:
     """Initialise ``torch.distributed`` (NCCL on CUDA, Gloo on CPU) and pick this rank's device."""
     if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+        )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent: leave when it dies
@@ -251,10 +253,14 @@ def report_failure(exc: BaseException) -> None:
         text = f"{exc}\n" if isinstance(exc, UserError) else "".join(traceback.format_exception(exc))
         sys.stderr.write(f"[rlspmd] rank {rank} failed:\n{text}")
         if _MONITOR is not None and _MONITOR.last_views:
-            sys.stderr.write(f"[rlspmd] where the ranks were at the hang monitor's last look: {where(_MONITOR.last_views, interval=_MONITOR.interval)}\n")
+            sys.stderr.write(
+                f"[rlspmd] where the ranks were at the hang monitor's last look: {where(_MONITOR.last_views, interval=_MONITOR.interval)}\n"
+            )
         sys.stderr.write("[rlspmd] ending the job on every rank.\n")
     else:
-        sys.stderr.write(f"[rlspmd] rank {rank} also failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
+        sys.stderr.write(
+            f"[rlspmd] rank {rank} also failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n"
+        )
     sys.stderr.flush()
 
 
@@ -280,8 +286,15 @@ def start_hang_monitor(cfg: DistConfig, rt: Runtime) -> HangMonitor | None:
             time.sleep(2 * _MONITOR.interval)
         os._exit(1)
 
-    _MONITOR = HangMonitor(store, rank=rt.rank, world_size=rt.world_size, warn_s=cfg.hang_warn_s,
-                           timeout_s=cfg.hang_timeout_s, prefix=job_prefix(), end_job=end_job).start()
+    _MONITOR = HangMonitor(
+        store,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        warn_s=cfg.hang_warn_s,
+        timeout_s=cfg.hang_timeout_s,
+        prefix=job_prefix(),
+        end_job=end_job,
+    ).start()
     return _MONITOR
 
 

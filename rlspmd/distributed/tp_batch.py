@@ -73,7 +73,9 @@ def all_gather_varlen(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup)
     return out
 
 
-def gather_group_rows(tensors_BL: Sequence[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list[int]]:
+def gather_group_rows(
+    tensors_BL: Sequence[torch.Tensor], group: dist.ProcessGroup
+) -> tuple[list[torch.Tensor], list[int]]:
     """The TP group's ``(B, L)`` inputs (token ids, attention mask, position ids) concatenated in group-rank order,
     each member's rows left-padded with zeros to the longest ``L`` (padding is masked out: the last columns, the
     responses, keep their place); and each member's row count."""

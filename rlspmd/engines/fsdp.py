@@ -33,7 +33,12 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -49,9 +54,13 @@ from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
 
 
 TP_PLAN = {
-    "self_attn.q_proj": ColwiseParallel, "self_attn.k_proj": ColwiseParallel, "self_attn.v_proj": ColwiseParallel,
+    "self_attn.q_proj": ColwiseParallel,
+    "self_attn.k_proj": ColwiseParallel,
+    "self_attn.v_proj": ColwiseParallel,
     "self_attn.o_proj": RowwiseParallel,
-    "mlp.gate_proj": ColwiseParallel, "mlp.up_proj": ColwiseParallel, "mlp.down_proj": RowwiseParallel,
+    "mlp.gate_proj": ColwiseParallel,
+    "mlp.up_proj": ColwiseParallel,
+    "mlp.down_proj": RowwiseParallel,
 }
 """Per decoder layer (Llama-family names): column-wise projections into the heads / MLP columns, row-wise out."""
 
@@ -62,13 +71,17 @@ def check_tp(hf_model: nn.Module, tp: int) -> None:
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     if heads % tp or kv % tp:
-        raise ValueError(f"mesh.actor_tp={tp} must divide the model's {heads} attention heads and {kv} KV heads "
-                         f"({cfg.model_type}); pick a divisor of both")
+        raise ValueError(
+            f"mesh.actor_tp={tp} must divide the model's {heads} attention heads and {kv} KV heads "
+            f"({cfg.model_type}); pick a divisor of both"
+        )
     for i, layer in enumerate(decoder_layers(hf_model)):
         missing = [name for name in TP_PLAN if not _has_submodule(layer, name)]
         if missing:
-            raise ValueError(f"mesh.actor_tp={tp}: decoder layer {i} of {type(hf_model).__name__} has no {missing} "
-                             f"(tensor parallelism knows Llama-family layers: {sorted(TP_PLAN)})")
+            raise ValueError(
+                f"mesh.actor_tp={tp}: decoder layer {i} of {type(hf_model).__name__} has no {missing} "
+                f"(tensor parallelism knows Llama-family layers: {sorted(TP_PLAN)})"
+            )
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:
@@ -96,7 +109,9 @@ class TPGroupRows:
         module.register_forward_hook(self.after, with_kwargs=True)
 
     def before(self, module, args, kwargs):
-        assert len(args) == 3, "the TP engine's module takes (input_ids_BL, attention_mask_BL, position_ids_BL) positionally"
+        assert len(args) == 3, (
+            "the TP engine's module takes (input_ids_BL, attention_mask_BL, position_ids_BL) positionally"
+        )
         args, self.rows = gather_group_rows(args, self.group)
         return tuple(args), {**kwargs, **({"counts": None} if "counts" in kwargs else {})}  # counts were this rank's
 
@@ -127,7 +142,9 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def apply_fsdp(module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device) -> None:
+def apply_fsdp(
+    module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device
+) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
@@ -202,8 +219,12 @@ class FSDPEngine:
             module.train()
             if fused_optimizer is None:
                 fused_optimizer = device.type == "cuda" and not fsdp.cpu_offload
-            self.optim = Optimizer([p for p in module.parameters() if p.requires_grad], optim, total_steps=total_optim_steps,
-                                   fused=fused_optimizer)
+            self.optim = Optimizer(
+                [p for p in module.parameters() if p.requires_grad],
+                optim,
+                total_steps=total_optim_steps,
+                fused=fused_optimizer,
+            )
         # the torch objects, which checkpoint state reads (None when frozen)
         self.optimizer = self.optim.optimizer if self.optim else None
         self.scheduler = self.optim.scheduler if self.optim else None
@@ -219,7 +240,9 @@ class FSDPEngine:
     def fused_optimizer(self) -> bool:
         return self.optim is not None and self.optim.fused
 
-    def optimizer_step(self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> UpdateStats:
+    def optimizer_step(
+        self, micro_batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor]
+    ) -> UpdateStats:
         """Accumulate gradients over ``micro_batches`` (``loss_fn(module, mb).backward()`` each), clip, step; returns
         ``grad_norm`` and ``skipped`` (1.0 when the update was skipped) as 0-dim float64 tensors on the device.
 
@@ -308,4 +331,4 @@ class FSDPEngine:
         """``full_state_dict`` of the HF model alone, under its own names (the role wrapper's prefix stripped)."""
         prefix = next(name for name, m in self.module.named_modules() if m is self.hf_model)
         prefix = f"{prefix}." if prefix else ""
-        return {k[len(prefix):]: v for k, v in self.full_state_dict().items() if k.startswith(prefix)}
+        return {k[len(prefix) :]: v for k, v in self.full_state_dict().items() if k.startswith(prefix)}

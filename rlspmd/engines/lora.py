@@ -23,7 +23,12 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from rlspmd.config import LoraConfig
 from rlspmd.engines.fsdp import FSDPEngine
@@ -63,8 +68,13 @@ class LoraEngine(FSDPEngine):
         return {"model": _adapters(model_sd), "optim": optim_sd, "lr_scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=ADAPTERS_ONLY)
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=ADAPTERS_ONLY,
+        )
         self.scheduler.load_state_dict(state["lr_scheduler"])
 
     def param_shapes(self) -> dict[str, torch.Size]:

@@ -71,8 +71,15 @@ class StageP2P:
         return self._recv(self.stage + 1)
 
 
-def gpipe_forward_backward(forward_step: Callable, data: Iterator, *, model: nn.Module, num_micro_batches: int,
-                           p2p: StageP2P, forward_only: bool = False) -> None:
+def gpipe_forward_backward(
+    forward_step: Callable,
+    data: Iterator,
+    *,
+    model: nn.Module,
+    num_micro_batches: int,
+    p2p: StageP2P,
+    forward_only: bool = False,
+) -> None:
     """All forwards, then all backwards, over ``num_micro_batches`` (every stage of the pipeline calls this)."""
     inputs, outputs = [], []
     for _ in range(num_micro_batches):

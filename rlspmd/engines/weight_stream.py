@@ -192,7 +192,9 @@ class WeightStream:
         world = 1 if self.tensor_parallel else self.mesh.size()
         self.manifest = WeightManifest(
             units=tuple(
-                UnitSpec(name, tuple(ParamSpec(n, tuple(p.shape), math.ceil(p.shape[0] / world)) for n, p in params), world)
+                UnitSpec(
+                    name, tuple(ParamSpec(n, tuple(p.shape), math.ceil(p.shape[0] / world)) for n, p in params), world
+                )
                 for name, params in self._units
             ),
             dtype=dtype,

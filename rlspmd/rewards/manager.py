@@ -119,16 +119,22 @@ class RewardManager:
         return [self._finite(v, i, infos[i], sources[i]) for i, v in enumerate(values)]
 
     def _raised(self, i: int, error: str, info: dict | None, src: str) -> str:
-        return f"reward function {self._name(src)} raised on sample {_sample_id(info, i)} (data_source={src!r}): {error}"
+        return (
+            f"reward function {self._name(src)} raised on sample {_sample_id(info, i)} (data_source={src!r}): {error}"
+        )
 
     def _timed_out(self, i: int, info: dict | None, src: str) -> None:
-        what = (f"reward function {self._name(src)} ran past reward.timeout_s={self.cfg.timeout_s:g} on sample "
-                f"{_sample_id(info, i)} (data_source={src!r}); its worker was killed")
+        what = (
+            f"reward function {self._name(src)} ran past reward.timeout_s={self.cfg.timeout_s:g} on sample "
+            f"{_sample_id(info, i)} (data_source={src!r}); its worker was killed"
+        )
         if self.cfg.timeout_policy == "error":
             raise RewardError(f"{what} (reward.timeout_policy=error)")
         self.timeouts += 1
-        sys.stderr.write(f"[rlspmd] rank {os.environ.get('RANK', '0')}: {what} and replaced; the sample scores 0 "
-                         "(reward.timeout_policy=zero)\n")
+        sys.stderr.write(
+            f"[rlspmd] rank {os.environ.get('RANK', '0')}: {what} and replaced; the sample scores 0 "
+            "(reward.timeout_policy=zero)\n"
+        )
         sys.stderr.flush()
 
     def _finite(self, value, i: int, info: dict | None, src: str) -> float:

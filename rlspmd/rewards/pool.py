@@ -74,12 +74,21 @@ class RewardPool:
     def _spawn(self) -> _Worker:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        args = [sys.executable, "-m", "rlspmd.rewards.worker", str(to_child_r), str(from_child_w), str(os.getpid()), self.spec or ""]
+        args = [
+            sys.executable,
+            "-m",
+            "rlspmd.rewards.worker",
+            str(to_child_r),
+            str(from_child_w),
+            str(os.getpid()),
+            self.spec or "",
+        ]
         # A session of its own: the stop signals meant for the rank (torchrun's SIGTERM to the rank's process group,
         # SLURM's SIGUSR1, Ctrl-C) must not kill a worker mid-step; it ends with its rank (parent-death signal, end of
         # input) or by the rank's SIGKILL.
-        proc = subprocess.Popen(args, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, close_fds=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            args, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         return _Worker(proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False))
@@ -98,7 +107,9 @@ class RewardPool:
                     try:
                         w.send.send([(s, *items[s]) for s in slots])
                     except OSError:  # it died between calls (killed from outside, out of memory)
-                        raise RewardWorkerError(f"a reward worker died (exit code {w.proc.wait()})", item=slots[0]) from None
+                        raise RewardWorkerError(
+                            f"a reward worker died (exit code {w.proc.wait()})", item=slots[0]
+                        ) from None
                     w.chunk, w.since = deque(slots), now
             deadlines = [w.since + self.timeout_s for w in self.workers if w.chunk]
             deadlines += [w.started + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
@@ -126,7 +137,9 @@ class RewardPool:
                 msg = w.recv.recv()
             except EOFError:
                 code = w.proc.wait()
-                raise RewardWorkerError(f"a reward worker died (exit code {code})", item=w.chunk[0] if w.chunk else None) from None
+                raise RewardWorkerError(
+                    f"a reward worker died (exit code {code})", item=w.chunk[0] if w.chunk else None
+                ) from None
             if msg[0] == "ready":
                 w.ready = True
             elif msg[0] == "failed":
@@ -134,7 +147,9 @@ class RewardPool:
             else:
                 slot = w.chunk.popleft()
                 assert slot == msg[1], (slot, msg[1])
-                results[slot] = Outcome("ok", value=msg[2]) if msg[0] == "ok" else Outcome("error", error=f"{msg[2]}: {msg[3]}")
+                results[slot] = (
+                    Outcome("ok", value=msg[2]) if msg[0] == "ok" else Outcome("error", error=f"{msg[2]}: {msg[3]}")
+                )
                 w.since = time.monotonic()
 
     def close(self) -> None:

@@ -21,7 +21,9 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 
 
-def overlong_penalty(lengths_B: torch.Tensor, *, max_length: int, buffer_len: int, penalty_factor: float) -> torch.Tensor:
+def overlong_penalty(
+    lengths_B: torch.Tensor, *, max_length: int, buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
     """Per-sample penalty (<= 0, float32) for response lengths ``lengths_B`` (valid tokens, EOS included)."""
     expected = max_length - buffer_len
     exceed = lengths_B.float() - expected
@@ -42,7 +44,9 @@ class OverlongShaping:
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         lengths = batch["response_mask_BR"].sum(-1)
-        penalty = overlong_penalty(lengths, max_length=self.max_length, buffer_len=self.cfg.len, penalty_factor=self.cfg.penalty_factor)
+        penalty = overlong_penalty(
+            lengths, max_length=self.max_length, buffer_len=self.cfg.len, penalty_factor=self.cfg.penalty_factor
+        )
         return batch.set(overlong_penalty_B=penalty, scores_B=batch["scores_B"] + penalty)
 
 

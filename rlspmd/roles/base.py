@@ -74,36 +74,69 @@ class UpdatePlan:
 
 
 def update_plan(
-    section: str, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int, max_tokens: int | None,
-    loss_agg_mode: str, samples_per_prompt: int, train_batch_size: int, dp: int, max_response_length: int, total_steps: int,
+    section: str,
+    *,
+    ppo_epochs: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    max_tokens: int | None,
+    loss_agg_mode: str,
+    samples_per_prompt: int,
+    train_batch_size: int,
+    dp: int,
+    max_response_length: int,
+    total_steps: int,
 ) -> UpdatePlan:
     """Sizes count prompts, as in the config, which ``rlspmd.validate`` checked (``section`` names it in the asserts)."""
     rows = mini_batch_size * samples_per_prompt
-    assert rows % dp == 0 and train_batch_size % mini_batch_size == 0, (section, rows, dp, train_batch_size, mini_batch_size)
+    assert rows % dp == 0 and train_batch_size % mini_batch_size == 0, (
+        section,
+        rows,
+        dp,
+        train_batch_size,
+        mini_batch_size,
+    )
     assert loss_agg_mode in AGG_MODES, (section, loss_agg_mode)
     per_step = ppo_epochs * (train_batch_size // mini_batch_size)
     return UpdatePlan(
-        epochs=ppo_epochs, local_mini_batch=rows // dp, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
-        loss_agg_mode=loss_agg_mode, norm_length=max_response_length, optim_steps=total_steps * per_step,
+        epochs=ppo_epochs,
+        local_mini_batch=rows // dp,
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+        loss_agg_mode=loss_agg_mode,
+        norm_length=max_response_length,
+        optim_steps=total_steps * per_step,
         single_update=per_step == 1,
     )
 
 
-def ppo_updates(engine: TrainingEngine, batch: Batch, loss_fn: Callable[[torch.nn.Module, Batch, AggArgs], torch.Tensor],
-                plan: UpdatePlan) -> Iterator[UpdateStats]:
+def ppo_updates(
+    engine: TrainingEngine,
+    batch: Batch,
+    loss_fn: Callable[[torch.nn.Module, Batch, AggArgs], torch.Tensor],
+    plan: UpdatePlan,
+) -> Iterator[UpdateStats]:
     """``plan.epochs`` passes over ``batch``, one optimiser step per mini-batch of ``plan.local_mini_batch`` rows, its
     micro-batches from ``split_micro_batches``. ``loss_fn(module, micro_batch, agg)``; yields each step's stats."""
     mesh = engine.mesh
     for _epoch in range(plan.epochs):
         for mini in batch.split(plan.local_mini_batch):
             counts = all_reduce_sum(torch.stack(local_denominators(mini["loss_mask_BR"])), mesh=mesh)
-            agg = AggArgs(mode=plan.loss_agg_mode, global_tokens=int(counts[0]), global_seqs=int(counts[1]),
-                          norm_length=plan.norm_length)
-            micro = split_micro_batches(mini, micro_batch_size=plan.micro_batch_size, max_tokens=plan.max_tokens, mesh=mesh)
+            agg = AggArgs(
+                mode=plan.loss_agg_mode,
+                global_tokens=int(counts[0]),
+                global_seqs=int(counts[1]),
+                norm_length=plan.norm_length,
+            )
+            micro = split_micro_batches(
+                mini, micro_batch_size=plan.micro_batch_size, max_tokens=plan.max_tokens, mesh=mesh
+            )
             yield engine.optimizer_step([mb for _, mb in micro], lambda module, mb: loss_fn(module, mb, agg))
 
 
-def record_updates(steps: Iterator[UpdateStats], metrics: MetricBuffer, *, prefix: str, loss_name: str, engine: TrainingEngine) -> None:
+def record_updates(
+    steps: Iterator[UpdateStats], metrics: MetricBuffer, *, prefix: str, loss_name: str, engine: TrainingEngine
+) -> None:
     """Run the update steps and record what every trained role reports: the mean gradient norm over optimiser steps,
     skipped updates, the LR; ``{prefix}/{loss_name}`` gets one count per optimiser step (the loss function records
     the values, normalised globally)."""

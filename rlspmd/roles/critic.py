@@ -28,8 +28,12 @@ class Critic:
     def values(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         R = batch["responses_BR"].shape[1]
         values_BR = forward_micro_batches(
-            batch, lambda mb: self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R),
-            micro_batch_size=self.cfg.values_micro_batch_size, max_tokens=self.cfg.values_max_tokens_per_micro_batch,
+            batch,
+            lambda mb: self.engine.module(
+                mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R
+            ),
+            micro_batch_size=self.cfg.values_micro_batch_size,
+            max_tokens=self.cfg.values_max_tokens_per_micro_batch,
             mesh=self.engine.mesh,
         )
         return batch.set(values_BR=values_BR * batch["loss_mask_BR"])

@@ -41,8 +41,14 @@ forward (one update per step), or the rollout engine (bypass mode)."""
 
 @torch.no_grad()
 def compute_logprobs(
-    module, batch: Batch, *, micro_batch_size: int, temperature: float, with_entropy: bool = False,
-    max_tokens: int | None = None, mesh: DeviceMesh | None = None,
+    module,
+    batch: Batch,
+    *,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool = False,
+    max_tokens: int | None = None,
+    mesh: DeviceMesh | None = None,
 ):
     """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch.
 
@@ -52,29 +58,53 @@ def compute_logprobs(
     return forward_micro_batches(
         batch,
         lambda mb: module(
-            mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"],
-            response_len=R, temperature=temperature, with_entropy=with_entropy,
+            mb["input_ids_BL"],
+            mb["attention_mask_BL"],
+            mb["position_ids_BL"],
+            response_len=R,
+            temperature=temperature,
+            with_entropy=with_entropy,
         ),
-        micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh,
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+        mesh=mesh,
     )
 
 
 def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuffer) -> None:
     """``rollout/logprob_gap``: mean |rollout - trainer| log-prob of the sampled tokens (stale weights show here)."""
     mask = batch["loss_mask_BR"].float()
-    metrics.mean("rollout/logprob_gap", ((batch["rollout_logprobs_BR"] - old_logprobs_BR).abs() * mask).sum(), mask.sum())
+    metrics.mean(
+        "rollout/logprob_gap", ((batch["rollout_logprobs_BR"] - old_logprobs_BR).abs() * mask).sum(), mask.sum()
+    )
 
 
 def build_policy_module(
-    model_path: str, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False, attn_kernel: str = "auto"
+    model_path: str,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    field_name: str,
+    packing: bool = False,
+    attn_kernel: str = "auto",
 ) -> CausalLMPolicy:
     attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    return CausalLMPolicy(load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name), packing=packing,
-                          attn_kernel=attn_kernel)
+    return CausalLMPolicy(
+        load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name),
+        packing=packing,
+        attn_kernel=attn_kernel,
+    )
 
 
-def policy_gradient_inputs(mb: Batch, logp_BR: torch.Tensor, mask_BR: torch.Tensor, *, old_logprobs: OldLogProbs,
-                           correction: ResolvedRolloutCorrection | None, metrics: MetricBuffer):
+def policy_gradient_inputs(
+    mb: Batch,
+    logp_BR: torch.Tensor,
+    mask_BR: torch.Tensor,
+    *,
+    old_logprobs: OldLogProbs,
+    correction: ResolvedRolloutCorrection | None,
+    metrics: MetricBuffer,
+):
     """``(old_logprobs_BR, mask_BR, weights_BR)`` for the policy loss of micro-batch ``mb``, rollout correction applied.
 
     ``logp_BR``: the update's log-probs of the sampled tokens (detached here). ``mask_BR``: the response mask.
@@ -107,9 +137,17 @@ def policy_gradient_inputs(mb: Batch, logp_BR: torch.Tensor, mask_BR: torch.Tens
 
 
 class Policy:
-    def __init__(self, cfg: ActorConfig, *, engine: TrainingEngine, plan: UpdatePlan, temperature: float,
-                 correction: ResolvedRolloutCorrection | None = None, old_logprobs: OldLogProbs = "recompute",
-                 seed: int = 0):
+    def __init__(
+        self,
+        cfg: ActorConfig,
+        *,
+        engine: TrainingEngine,
+        plan: UpdatePlan,
+        temperature: float,
+        correction: ResolvedRolloutCorrection | None = None,
+        old_logprobs: OldLogProbs = "recompute",
+        seed: int = 0,
+    ):
         """``old_logprobs``: where the old log-probs come from (the builder decided: ``update`` and ``rollout`` need one
         update per step). ``correction``: the resolved rollout correction (the trainer always has one; None trains on
         batches as given, for tools and tests). ``seed``: Clip-Cov's token draws (offset per DP rank)."""
@@ -118,13 +156,19 @@ class Policy:
         self.temperature = temperature
         self.old_logprobs, self.correction = old_logprobs, correction
         # Clip-Cov draws its tokens with a generator of its own, seeded per DP rank
-        self.loss_fn = cfg.policy_loss.build(generator=torch.Generator().manual_seed(seed + engine.mesh.get_local_rank()))
+        self.loss_fn = cfg.policy_loss.build(
+            generator=torch.Generator().manual_seed(seed + engine.mesh.get_local_rank())
+        )
 
     def log_prob(self, batch: Batch) -> torch.Tensor:
         """``(B, R)`` log-probs of the sampled tokens under the current policy (no grad)."""
         lp, _ = compute_logprobs(
-            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature,
-            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.engine.mesh,
+            self.engine.module,
+            batch,
+            micro_batch_size=self.cfg.logprob_micro_batch_size,
+            temperature=self.temperature,
+            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch,
+            mesh=self.engine.mesh,
         )
         return lp
 
@@ -146,12 +190,17 @@ class Policy:
         cfg = self.cfg
         R = mb["responses_BR"].shape[1]
         logp, entropy = module(
-            mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, temperature=self.temperature
+            mb["input_ids_BL"],
+            mb["attention_mask_BL"],
+            mb["position_ids_BL"],
+            response_len=R,
+            temperature=self.temperature,
         )
         mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()
-        old_logp, pg_mask, weights = policy_gradient_inputs(mb, logp, mask, old_logprobs=self.old_logprobs,
-                                                            correction=self.correction, metrics=metrics)
+        old_logp, pg_mask, weights = policy_gradient_inputs(
+            mb, logp, mask, old_logprobs=self.old_logprobs, correction=self.correction, metrics=metrics
+        )
         pg_loss, pg_stats = self.loss_fn(
             logp,
             old_logp,
@@ -189,8 +238,12 @@ class Reference:
         if self.offload:
             self.engine.load_params()
         lp, _ = compute_logprobs(
-            self.engine.module, batch, micro_batch_size=self.cfg.logprob_micro_batch_size, temperature=self.temperature,
-            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch, mesh=self.engine.mesh,
+            self.engine.module,
+            batch,
+            micro_batch_size=self.cfg.logprob_micro_batch_size,
+            temperature=self.temperature,
+            max_tokens=self.cfg.logprob_max_tokens_per_micro_batch,
+            mesh=self.engine.mesh,
         )
         if self.offload:
             self.engine.offload_params()
@@ -200,8 +253,11 @@ class Reference:
 def resolve_ref_offload(cfg: RefConfig, *, device: torch.device, cpu_offload: bool) -> bool:
     """``ref.offload`` where it does something: on CUDA, unless FSDP already keeps the parameters on the host."""
     if cfg.offload and (device.type != "cuda" or cpu_offload):
-        warnings.warn("ref.offload does nothing here: the reference's parameters already live in host memory "
-                      f"(device {device.type}, actor.engine.cpu_offload={cpu_offload})", stacklevel=2)
+        warnings.warn(
+            "ref.offload does nothing here: the reference's parameters already live in host memory "
+            f"(device {device.type}, actor.engine.cpu_offload={cpu_offload})",
+            stacklevel=2,
+        )
         return False
     return cfg.offload
 

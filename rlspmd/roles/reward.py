@@ -31,8 +31,12 @@ from rlspmd.roles.reward_model import RewardModel
 def component_columns(cfg: RewardConfig, *, agent: bool = False) -> list[str]:
     """The names of ``reward_components_BK``'s columns, in order (what ``GDPO.reward_weights`` weighs);
     ``agent``: multi-turn rollouts (``rollout.agent``), whose rewards are a column."""
-    return (["task_score"] + (["rm_score"] if cfg.model.path is not None else []) + (["agent"] if agent else [])
-            + [spec_name(s) for s in cfg.components])
+    return (
+        ["task_score"]
+        + (["rm_score"] if cfg.model.path is not None else [])
+        + (["agent"] if agent else [])
+        + [spec_name(s) for s in cfg.components]
+    )
 
 
 def component_manager(cfg: RewardConfig, spec: str, tokenizer) -> RewardManager:
@@ -41,15 +45,24 @@ def component_manager(cfg: RewardConfig, spec: str, tokenizer) -> RewardManager:
 
 
 class Reward:
-    def __init__(self, cfg: RewardConfig, *, rules: RewardManager, model: RewardModel | None, agent: bool = False,
-                 extra: dict[str, RewardManager] | None = None):
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        *,
+        rules: RewardManager,
+        model: RewardModel | None,
+        agent: bool = False,
+        extra: dict[str, RewardManager] | None = None,
+    ):
         """``agent``: the rollouts are multi-turn conversations whose batches carry ``agent_rewards_B``. ``extra``: the
         managers of ``reward.components`` by function name, in the config's order (``component_manager``)."""
         self.cfg, self.rules, self.model, self.agent = cfg, rules, model, agent
         self.extra = dict(extra or {})
-        self.components: tuple[tuple[str, str], ...] = (("task_scores_B", "task_score"),) + (
-            (("rm_scores_B", "rm_score"),) if model is not None else ()
-        ) + ((("agent_rewards_B", "agent"),) if agent else ())
+        self.components: tuple[tuple[str, str], ...] = (
+            (("task_scores_B", "task_score"),)
+            + ((("rm_scores_B", "rm_score"),) if model is not None else ())
+            + ((("agent_rewards_B", "agent"),) if agent else ())
+        )
         """(batch field, metric name) of the reward's parts, which the step reports as ``reward/<name>``."""
 
     def score(self, batch: Batch, metrics: MetricBuffer) -> Batch:

@@ -34,13 +34,15 @@ def render_conversations(tokenizer, prompt_messages: list[list[dict]], responses
     input_ids = torch.full((len(ids), L), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros(len(ids), L, dtype=torch.long)
     for i, x in enumerate(ids):
-        input_ids[i, L - len(x):] = torch.tensor(x)
-        mask[i, L - len(x):] = 1
+        input_ids[i, L - len(x) :] = torch.tensor(x)
+        mask[i, L - len(x) :] = 1
     return Batch({"input_ids_BL": input_ids, "attention_mask_BL": mask, "position_ids_BL": position_ids(mask)})
 
 
 class RewardModel:
-    def __init__(self, cfg: RewardModelConfig, *, engine: TrainingEngine, tokenizer, actor_tokenizer, device: torch.device):
+    def __init__(
+        self, cfg: RewardModelConfig, *, engine: TrainingEngine, tokenizer, actor_tokenizer, device: torch.device
+    ):
         """``tokenizer``: the reward model's own (its chat template renders the conversation when it differs from
         the actor's)."""
         self.cfg, self.engine, self.tokenizer, self.device = cfg, engine, tokenizer, device
@@ -55,11 +57,16 @@ class RewardModel:
     def __call__(self, batch: Batch) -> Batch:
         """Adds ``rm_scores_B`` (float32), the reward model's raw score of each sample."""
         if self.rerender:
-            inputs = render_conversations(self.tokenizer, batch["prompt_messages"], batch["response_text"]).to(self.device)
+            inputs = render_conversations(self.tokenizer, batch["prompt_messages"], batch["response_text"]).to(
+                self.device
+            )
         else:
             inputs = batch
         scores_B = forward_micro_batches(
-            inputs, lambda mb: self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"]),
-            micro_batch_size=self.cfg.micro_batch_size, max_tokens=self.cfg.max_tokens_per_micro_batch, mesh=self.engine.mesh,
+            inputs,
+            lambda mb: self.engine.module(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"]),
+            micro_batch_size=self.cfg.micro_batch_size,
+            max_tokens=self.cfg.max_tokens_per_micro_batch,
+            mesh=self.engine.mesh,
         )
         return batch.set(rm_scores_B=scores_B)

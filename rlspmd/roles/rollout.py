@@ -83,7 +83,9 @@ def put(metrics: MetricBuffer, reduced: dict[str, float]) -> None:
         metrics.max(k, v)
 
 
-def truncated(responses_BR: torch.Tensor, lengths_B: torch.Tensor, *, eos_ids: list[int], max_response_length: int) -> torch.Tensor:
+def truncated(
+    responses_BR: torch.Tensor, lengths_B: torch.Tensor, *, eos_ids: list[int], max_response_length: int
+) -> torch.Tensor:
     """Samples (``lengths_B`` tokens sampled each) that hit ``max_response_length`` without producing EOS."""
     lengths = lengths_B.long()
     R = responses_BR.shape[1]
@@ -94,9 +96,17 @@ def truncated(responses_BR: torch.Tensor, lengths_B: torch.Tensor, *, eos_ids: l
 
 def sampling_params(cfg: RolloutConfig) -> tuple[SamplingParams, SamplingParams]:
     """(training, validation) sampling parameters."""
-    train = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=cfg.n,
-                           ignore_eos=cfg.ignore_eos)
-    val = SamplingParams(temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=1)
+    train = SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_response_length,
+        n=cfg.n,
+        ignore_eos=cfg.ignore_eos,
+    )
+    val = SamplingParams(
+        temperature=cfg.val_temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=cfg.max_response_length, n=1
+    )
     return train, val
 
 
@@ -106,8 +116,14 @@ class SingleTurn:
     tool_schemas: list[dict] | None = None
     tool_names: list[str] = []
 
-    def run(self, engine: RolloutEngine, prompts: Batch, params: SamplingParams, generator: torch.Generator | None,
-            metrics: MetricBuffer) -> Batch:
+    def run(
+        self,
+        engine: RolloutEngine,
+        prompts: Batch,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        metrics: MetricBuffer,
+    ) -> Batch:
         return engine.generate(prompts, params, generator=generator)
 
     def declare(self, metrics: MetricBuffer) -> None:
@@ -117,8 +133,18 @@ class SingleTurn:
 class Rollout:
     """Generation on this rank's engine (colocated placement; the rollout ranks of a split placement)."""
 
-    def __init__(self, cfg: RolloutConfig, *, engine: RolloutEngine, weights: WeightSource, mesh, seed: int, device: torch.device,
-                 syncs_itself: bool = True, episodes: SingleTurn | AgentLoop | None = None):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        *,
+        engine: RolloutEngine,
+        weights: WeightSource,
+        mesh,
+        seed: int,
+        device: torch.device,
+        syncs_itself: bool = True,
+        episodes: SingleTurn | AgentLoop | None = None,
+    ):
         """``mesh``: the rollout role's 2-D (dp, tp) mesh. ``syncs_itself``: sync lazily when the engine has no
         current weights (colocated); in split placement the actor side orders every sync. ``episodes``: what one
         sample is, ``SingleTurn`` (default) or a multi-turn ``AgentLoop`` (the builder decides); the loop runs here,
@@ -211,7 +237,9 @@ class Rollout:
         self.episodes.declare(m)  # every rank records the same names, also one that generated nothing
         # TP peers generate the same tokens: reduce over the DP dim only (each group counted once)
         out = m.reduce(mesh=self.dp_mesh)
-        out["throughput/rollout/gen_tokens_per_s"] = out.pop("rollout/gen_tokens") / max(out["timing/rollout/gen"], 1e-9)
+        out["throughput/rollout/gen_tokens_per_s"] = out.pop("rollout/gen_tokens") / max(
+            out["timing/rollout/gen"], 1e-9
+        )
         self._stats, self._sync_stats = MetricBuffer(), {}
         return out
 
@@ -228,7 +256,9 @@ def send_prompts(prompts: Batch, *, link, rollout_ranks: list[int], device: torc
     actor rank's prompt count, which ``return_samples`` needs."""
     counts = all_gather_objects(len(prompts), mesh=link)
     plan = _plan(link, rollout_ranks, sum(counts))
-    mine = redistribute_batch(prompts if len(prompts) else None, mesh=link, sizes_in=counts, sizes_out=plan, device=device)
+    mine = redistribute_batch(
+        prompts if len(prompts) else None, mesh=link, sizes_in=counts, sizes_out=plan, device=device
+    )
     return mine, counts
 
 
@@ -237,8 +267,13 @@ def return_samples(samples: Batch, counts: list[int], *, link, device: torch.dev
     ``send_prompts`` returned). Returns this rank's samples (none on rollout ranks)."""
     back = all_gather_objects(len(samples), mesh=link)
     per_prompt = sum(back) // max(sum(counts), 1)
-    return redistribute_batch(samples if len(samples) else None, mesh=link, sizes_in=back,
-                              sizes_out=[n * per_prompt for n in counts], device=device)
+    return redistribute_batch(
+        samples if len(samples) else None,
+        mesh=link,
+        sizes_in=back,
+        sizes_out=[n * per_prompt for n in counts],
+        device=device,
+    )
 
 
 def exchange(prompts: Batch, generate, *, link, rollout_ranks: list[int], device: torch.device) -> Batch:
@@ -259,8 +294,9 @@ def staleness_metrics(batch: Batch, *, current: int, max_staleness: int, metrics
 
 
 def _versioned(batch: Batch, version: int) -> Batch:
-    return batch.set(weight_version_B=torch.full((len(batch),), version, dtype=torch.long,
-                                                 device=batch["responses_BR"].device))
+    return batch.set(
+        weight_version_B=torch.full((len(batch),), version, dtype=torch.long, device=batch["responses_BR"].device)
+    )
 
 
 class RolloutClient:
@@ -280,8 +316,17 @@ class RolloutClient:
     when trained at step t is t - 1 - v (``staleness_metrics``).
     """
 
-    def __init__(self, *, link, bridge: WeightBridge, stream: WeightStream, rollout_ranks: list[int], device: torch.device,
-                 lag: int = 0, draw: Callable[[], Batch] | None = None):
+    def __init__(
+        self,
+        *,
+        link,
+        bridge: WeightBridge,
+        stream: WeightStream,
+        rollout_ranks: list[int],
+        device: torch.device,
+        lag: int = 0,
+        draw: Callable[[], Batch] | None = None,
+    ):
         """``draw``: the next step's prompts on this rank (``Prompts.next``; collective over the actor mesh); needed
         when ``lag`` > 0."""
         assert lag == 0 or draw is not None, "a pipelined client draws the prompts that fill its pipeline"
@@ -337,7 +382,9 @@ class RolloutClient:
             self.version = version
 
     def _exchange(self, prompts: Batch) -> Batch:
-        return exchange(prompts, lambda _: Batch(), link=self.link, rollout_ranks=self.rollout_ranks, device=self.device)
+        return exchange(
+            prompts, lambda _: Batch(), link=self.link, rollout_ranks=self.rollout_ranks, device=self.device
+        )
 
     def _send_weights(self, metrics: MetricBuffer) -> None:
         t0 = time.perf_counter()

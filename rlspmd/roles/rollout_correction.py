@@ -55,23 +55,40 @@ class ResolvedRolloutCorrection:
 
     def summary(self) -> str:
         """One line for the run's log: the mode, its settings, bypass, and why."""
-        settings = {"off": "", "tis": f", tis_threshold={self.tis_threshold:g}",
-                    "mis": f", band [{self.mis_lower:g}, {self.mis_upper:g}]",
-                    "both": f", tis_threshold={self.tis_threshold:g}, band [{self.mis_lower:g}, {self.mis_upper:g}]"}
+        settings = {
+            "off": "",
+            "tis": f", tis_threshold={self.tis_threshold:g}",
+            "mis": f", band [{self.mis_lower:g}, {self.mis_upper:g}]",
+            "both": f", tis_threshold={self.tis_threshold:g}, band [{self.mis_lower:g}, {self.mis_upper:g}]",
+        }
         level = "" if self.mode == "off" else f" at {self.level} level"
         bypass = "; bypass: the rollout's log-probs are the old log-probs" if self.bypass else ""
         return f"{self.mode}{level}{settings[self.mode]}{bypass} ({self.reason})"
 
     def apply(self, train_logprobs_BT, rollout_logprobs_BT, mask_BT) -> RolloutCorrection:
         """`rollout_correction` with these settings."""
-        return rollout_correction(train_logprobs_BT, rollout_logprobs_BT, mask_BT, mode=self.mode, level=self.level,
-                                  tis_threshold=self.tis_threshold, mis_lower=self.mis_lower,
-                                  mis_upper=self.mis_upper, ratio_bound=self.ratio_bound)
+        return rollout_correction(
+            train_logprobs_BT,
+            rollout_logprobs_BT,
+            mask_BT,
+            mode=self.mode,
+            level=self.level,
+            tis_threshold=self.tis_threshold,
+            mis_lower=self.mis_lower,
+            mis_upper=self.mis_upper,
+            ratio_bound=self.ratio_bound,
+        )
 
 
-def resolve_rollout_correction(cfg: RolloutCorrectionConfig, *, engine: str, rollout_dtype: str,
-                               actor_compute_dtype: str, placement: Literal["colocated", "split"],
-                               max_staleness: int = 0) -> ResolvedRolloutCorrection:
+def resolve_rollout_correction(
+    cfg: RolloutCorrectionConfig,
+    *,
+    engine: str,
+    rollout_dtype: str,
+    actor_compute_dtype: str,
+    placement: Literal["colocated", "split"],
+    max_staleness: int = 0,
+) -> ResolvedRolloutCorrection:
     """Resolve ``mode=auto``: on (``mis``, rejection at ``cfg.level``) when the samples do not come from the trainer's
     own numerics, off when they do.
 
@@ -124,16 +141,29 @@ def resolve_rollout_correction(cfg: RolloutCorrectionConfig, *, engine: str, rol
     elif differs:
         mode, reason = "mis", f"auto -> mis at {cfg.level} level: " + ", ".join(differs) + f" ({placement})"
     else:
-        mode, reason = "off", (f"auto -> off: the native engine samples with the trainer's weights in "
-                               f"{actor_compute_dtype} ({placement})")
+        mode, reason = (
+            "off",
+            (
+                f"auto -> off: the native engine samples with the trainer's weights in "
+                f"{actor_compute_dtype} ({placement})"
+            ),
+        )
     lower, upper = cfg.band()
-    return ResolvedRolloutCorrection(mode=mode, level=cfg.level, tis_threshold=cfg.tis_threshold, mis_lower=lower,
-                                     mis_upper=upper, ratio_bound=cfg.metric_ratio_bound, bypass=cfg.bypass,
-                                     reason=reason)
+    return ResolvedRolloutCorrection(
+        mode=mode,
+        level=cfg.level,
+        tis_threshold=cfg.tis_threshold,
+        mis_lower=lower,
+        mis_upper=upper,
+        ratio_bound=cfg.metric_ratio_bound,
+        bypass=cfg.bypass,
+        reason=reason,
+    )
 
 
-def check_bypass(resolved: ResolvedRolloutCorrection, *, ppo_epochs: int, mini_batch_size: int,
-                 train_batch_size: int) -> None:
+def check_bypass(
+    resolved: ResolvedRolloutCorrection, *, ppo_epochs: int, mini_batch_size: int, train_batch_size: int
+) -> None:
     """Bypass mode (rollout log-probs as the old log-probs) needs one optimiser update per step and the correction
     on; raises a ``ValueError`` naming the fields otherwise. Does nothing when bypass is off."""
     if not resolved.bypass:
@@ -143,16 +173,19 @@ def check_bypass(resolved: ResolvedRolloutCorrection, *, ppo_epochs: int, mini_b
             f"algorithm.rollout_correction.bypass=True needs one optimiser update per step: actor.ppo_epochs=1 and "
             f"actor.mini_batch_size = data.train_batch_size, got actor.ppo_epochs={ppo_epochs}, "
             f"actor.mini_batch_size={mini_batch_size}, data.train_batch_size={train_batch_size} (later updates "
-            f"would measure their ratio against a policy that no longer exists)")
+            f"would measure their ratio against a policy that no longer exists)"
+        )
     if not resolved.enabled:
         raise ValueError(
             f"algorithm.rollout_correction.bypass=True needs the correction on, but its mode resolved to 'off' "
             f"({resolved.reason}); set algorithm.rollout_correction.mode to tis, mis or both, or turn bypass off "
-            f"(actor.reuse_update_logprobs already skips the old-log-prob pass when nothing else needs it)")
+            f"(actor.reuse_update_logprobs already skips the old-log-prob pass when nothing else needs it)"
+        )
 
 
-def record_correction_metrics(correction: RolloutCorrection, metrics: MetricBuffer, *,
-                              prefix: str = "rollout_corr/") -> None:
+def record_correction_metrics(
+    correction: RolloutCorrection, metrics: MetricBuffer, *, prefix: str = "rollout_corr/"
+) -> None:
     """Add a correction's metrics to ``metrics`` (global means, maxima and minima once reduced over ranks)."""
     for name, (total, count) in correction.means.items():
         metrics.mean(prefix + name, total, count)
@@ -175,7 +208,6 @@ class RolloutCorrectionStage:
         self.resolved = resolved
 
     def __call__(self, batch: Batch, metrics: MetricBuffer) -> Batch:
-        correction = self.resolved.apply(batch["old_logprobs_BR"], batch["rollout_logprobs_BR"],
-                                         batch["loss_mask_BR"])
+        correction = self.resolved.apply(batch["old_logprobs_BR"], batch["rollout_logprobs_BR"], batch["loss_mask_BR"])
         record_correction_metrics(correction, metrics)
         return batch.set(rollout_is_weights_BR=correction.weights_BT, loss_mask_BR=correction.mask_BT)

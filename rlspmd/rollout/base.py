@@ -42,7 +42,12 @@ class RolloutEngine(Protocol):
 
 
 def assemble_rollout(
-    batch: Batch, responses_BR: torch.Tensor, lengths_B: torch.Tensor, logprobs_BR: torch.Tensor, *, pad_id: int,
+    batch: Batch,
+    responses_BR: torch.Tensor,
+    lengths_B: torch.Tensor,
+    logprobs_BR: torch.Tensor,
+    *,
+    pad_id: int,
     loss_mask_BR: torch.Tensor | None = None,
 ) -> Batch:
     """Add the response tensors and the concatenated training layout to ``batch`` (the repeated prompts).

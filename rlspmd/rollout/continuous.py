@@ -97,9 +97,14 @@ class SlotDecoder:
         # Causal within each context; padding keys are hidden, and a padding query still sees position 0 (no NaN).
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < n[:, None, None])
         slot_t = torch.tensor(slots, device=self.device)
-        h = self._layers(ids, pos[None].expand(len(slots), S), lambda i, k, v: self._write_prefill(i, slot_t, k, v),
-                         lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                                                          enable_gqa=self.m.n_kv != self.m.n_heads))
+        h = self._layers(
+            ids,
+            pos[None].expand(len(slots), S),
+            lambda i, k, v: self._write_prefill(i, slot_t, k, v),
+            lambda i, q, k, v: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask[:, None], enable_gqa=self.m.n_kv != self.m.n_heads
+            ),
+        )
         self.lengths[slot_t] = n
         last = h[torch.arange(len(slots), device=self.device), n - 1]
         return self._logits(last)
@@ -133,8 +138,18 @@ class SlotDecoder:
         m = self.m
         h = F.embedding(ids_BS, self.base.embed_tokens.weight)
         cos, sin = self._rope(h, pos_BS)
-        return decoder_layers(self.base, h, cos, sin, n_heads=m.n_heads, n_kv=m.n_kv, head_dim=m.head_dim, eps=m.eps,
-                              write=write, attend=attend)
+        return decoder_layers(
+            self.base,
+            h,
+            cos,
+            sin,
+            n_heads=m.n_heads,
+            n_kv=m.n_kv,
+            head_dim=m.head_dim,
+            eps=m.eps,
+            write=write,
+            attend=attend,
+        )
 
     def _logits(self, h_BH: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h_BH, self.base.norm.weight, self.m.eps)
@@ -142,7 +157,9 @@ class SlotDecoder:
 
 
 @torch.inference_mode()
-def serve(decoder: SlotDecoder, source: RequestSource, params: SamplingParams, *, slots: int, eos_ids: list[int]) -> dict:
+def serve(
+    decoder: SlotDecoder, source: RequestSource, params: SamplingParams, *, slots: int, eos_ids: list[int]
+) -> dict:
     """Run requests from ``source`` until it has none left, at most ``slots`` at a time. Returns counts: decode steps,
     prefills, generated tokens, and ``idle_waits`` (times the engine had nothing to decode and waited for the source)."""
     free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot first
@@ -161,16 +178,22 @@ def serve(decoder: SlotDecoder, source: RequestSource, params: SamplingParams, *
         logits = []
         if last:
             stepping = sorted(last)
-            logits.append(decoder.step(torch.tensor(stepping, device=decoder.device),
-                                       torch.tensor([last[s] for s in stepping], device=decoder.device)))
+            logits.append(
+                decoder.step(
+                    torch.tensor(stepping, device=decoder.device),
+                    torch.tensor([last[s] for s in stepping], device=decoder.device),
+                )
+            )
             order += stepping
             stats["decode_steps"] += 1
         admitted = []
         while pending and free:
             r = pending.popleft()
             if not 0 < r.max_new_tokens or len(r.ids) + r.max_new_tokens > decoder.max_len:
-                raise ValueError(f"request {r.key}: {len(r.ids)} context + {r.max_new_tokens} new tokens do not fit the "
-                                 f"engine's {decoder.max_len}-token cache (or ask for no token)")
+                raise ValueError(
+                    f"request {r.key}: {len(r.ids)} context + {r.max_new_tokens} new tokens do not fit the "
+                    f"engine's {decoder.max_len}-token cache (or ask for no token)"
+                )
             admitted.append((free.pop(), r))
         if admitted:
             logits.append(decoder.prefill([s for s, _ in admitted], [r.ids for _, r in admitted]))

@@ -59,7 +59,9 @@ class DecodeState:
     """The static tensors of one batch size: per-layer KV caches, mask, counters and outputs. Their addresses are
     what a captured graph reads and writes; every update is in place."""
 
-    def __init__(self, B: int, P: int, T: int, *, decoder: LlamaFamilyDecoder, dtype, device, rope_table, sampled: bool):
+    def __init__(
+        self, B: int, P: int, T: int, *, decoder: LlamaFamilyDecoder, dtype, device, rope_table, sampled: bool
+    ):
         L = P + T
         shape = (B, decoder.n_kv, L, decoder.head_dim)
         self.B, self.P, self.T = B, P, T
@@ -111,8 +113,14 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def generate(
-        self, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, params: SamplingParams, *,
-        eos_ids: torch.Tensor, pad_id: int, generator: torch.Generator | None,
+        self,
+        prompt_ids_BP: torch.Tensor,
+        prompt_mask_BP: torch.Tensor,
+        params: SamplingParams,
+        *,
+        eos_ids: torch.Tensor,
+        pad_id: int,
+        generator: torch.Generator | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Same contract as ``rlspmd.rollout.native.generate_tokens``: (tokens_BR, lengths_B, logprobs_BR)."""
         B, P = prompt_ids_BP.shape
@@ -138,8 +146,9 @@ class StaticDecoder:
         if key not in self.states:
             dtype = self.weights[0].dtype
             rope = self.model.rope_table_for(P + T, device)
-            s = DecodeState(B, P, T, decoder=self.model, dtype=dtype, device=device, rope_table=rope,
-                            sampled=not rules[0].greedy)
+            s = DecodeState(
+                B, P, T, decoder=self.model, dtype=dtype, device=device, rope_table=rope, sampled=not rules[0].greedy
+            )
             graph = self._capture(s, eos_ids, rules) if self.capture and T > 1 else None
             self.states[key] = (s, graph)
         return self.states[key]
@@ -155,7 +164,9 @@ class StaticDecoder:
         torch.cuda.current_stream().wait_stream(side)
         s.rewind()
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()  # one pool for every batch size: graphs never replay concurrently
+            self.pool = (
+                torch.cuda.graph_pool_handle()
+            )  # one pool for every batch size: graphs never replay concurrently
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (NCCL's watchdog polls its events) may keep calling CUDA during
         # the capture; "global" would turn their calls into capture errors
@@ -187,8 +198,9 @@ class StaticDecoder:
         """One token for every row: what the graph captures. Device ops only, all in place."""
         m = self.model
         s.mask.index_fill_(1, s.slot, 0.0)  # the slot this step writes becomes visible
-        logits = self.step_fn(self.weights, s.k, s.v, s.tok, s.pos, s.slot, s.mask, s.cos, s.sin,
-                              m.n_heads, m.n_kv, m.head_dim, m.eps)
+        logits = self.step_fn(
+            self.weights, s.k, s.v, s.tok, s.pos, s.slot, s.mask, s.cos, s.sin, m.n_heads, m.n_kv, m.head_dim, m.eps
+        )
         self._record(s, logits, eos_ids, rules)
         s.pos.add_(1)
         s.slot.add_(1)
@@ -214,7 +226,9 @@ class StaticDecoder:
         s.t.add_(1)
 
 
-def static_decoder(hf_model: nn.Module, *, device: torch.device, cuda_graphs: bool, compile: bool) -> StaticDecoder | None:
+def static_decoder(
+    hf_model: nn.Module, *, device: torch.device, cuda_graphs: bool, compile: bool
+) -> StaticDecoder | None:
     """The static decoder the native engine uses for ``hf_model``, or None for eager decoding: CUDA graphs on CUDA
     (``rollout.cuda_graphs``), or the compiled static step anywhere (``rollout.compile_decode``); Llama-family models
     with a fixed RoPE table only."""

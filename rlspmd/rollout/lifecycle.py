@@ -42,7 +42,10 @@ class LifecycleError(RuntimeError):
 _HINTS = {
     ("generate", State.ASLEEP): "the engine is asleep: load weights and wake the KV cache first",
     ("generate", State.WEIGHTS_AWAKE): "generate between the weights wake and the KV-cache wake",
-    ("generate", State.WEIGHTS_LOADED): "the prefix cache was not reset after the weight load, and the KV cache is asleep",
+    (
+        "generate",
+        State.WEIGHTS_LOADED,
+    ): "the prefix cache was not reset after the weight load, and the KV cache is asleep",
     ("generate", State.WEIGHTS_READY): "generate between the weights wake and the KV-cache wake",
     ("generate", State.STALE): "the prefix cache was not reset after the weight load",
     ("wake_kv", State.WEIGHTS_AWAKE): "the weights were woken but not loaded (a level-2 sleep leaves garbage)",

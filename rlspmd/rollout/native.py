@@ -67,7 +67,9 @@ def generate_tokens(
     ``StaticDecoder`` runs its own loop (static shapes, CUDA graphs); the eager decoders run the loop below.
     """
     if isinstance(decoder, StaticDecoder):
-        return decoder.generate(prompt_ids_BP, prompt_mask_BP, params, eos_ids=eos_ids, pad_id=pad_id, generator=generator)
+        return decoder.generate(
+            prompt_ids_BP, prompt_mask_BP, params, eos_ids=eos_ids, pad_id=pad_id, generator=generator
+        )
     B, T = prompt_ids_BP.shape[0], params.max_new_tokens
     dev = prompt_ids_BP.device
     tokens = torch.full((B, T), pad_id, dtype=torch.long, device=dev)
@@ -112,8 +114,17 @@ def generate_tokens(
 
 
 class NativeEngine:
-    def __init__(self, weights, *, eos_ids: list[int], pad_id: int, max_batch_size: int, device: torch.device,
-                 compile_decode: bool = False, cuda_graphs: bool = True):
+    def __init__(
+        self,
+        weights,
+        *,
+        eos_ids: list[int],
+        pad_id: int,
+        max_batch_size: int,
+        device: torch.device,
+        compile_decode: bool = False,
+        cuda_graphs: bool = True,
+    ):
         """``cuda_graphs`` (``rollout.cuda_graphs``): static decoding from CUDA graphs on CUDA; ``compile_decode``
         (``rollout.compile_decode``): the static step through ``torch.compile`` (see ``rollout/cuda_graphs.py``)."""
         self.weights = weights
@@ -130,7 +141,9 @@ class NativeEngine:
         outs = []
         with self.weights.model() as hf_model:
             # The static decoder lives for this generation only: its graphs read the weights gathered for it.
-            static = static_decoder(hf_model, device=self.device, cuda_graphs=self.cuda_graphs, compile=self.compile_decode)
+            static = static_decoder(
+                hf_model, device=self.device, cuda_graphs=self.cuda_graphs, compile=self.compile_decode
+            )
             decoder = static or make_decoder(hf_model)
             for part in batch.split(self.max_batch_size):
                 outs.append(
@@ -156,8 +169,10 @@ class NativeEngine:
         slots = max(1, min(self.max_batch_size, max_requests))
         with self.weights.model() as hf_model:
             if hf_model.config.model_type not in LLAMA_FAMILY:
-                raise ValueError(f"rollout.agent: the native engine's request-level generation supports Llama-family "
-                                 f"models ({sorted(LLAMA_FAMILY)}), not model_type={hf_model.config.model_type!r}")
+                raise ValueError(
+                    f"rollout.agent: the native engine's request-level generation supports Llama-family "
+                    f"models ({sorted(LLAMA_FAMILY)}), not model_type={hf_model.config.model_type!r}"
+                )
             decoder = SlotDecoder(hf_model, slots=slots, max_len=max_len, device=self.device)
             return serve(decoder, source, params, slots=slots, eos_ids=self.eos_ids.tolist())
 

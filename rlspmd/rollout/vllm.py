@@ -42,7 +42,9 @@ from rlspmd.rollout.sampling import SamplingParams
 
 
 class VllmEngine:
-    def __init__(self, backend, *, sleeps: bool, sleep_level: int, eos_ids: list[int], pad_id: int, device: torch.device):
+    def __init__(
+        self, backend, *, sleeps: bool, sleep_level: int, eos_ids: list[int], pad_id: int, device: torch.device
+    ):
         """``backend``: a ``third_party.vllm_adapter.VllmBackend`` (or a stand-in with the same methods).
         ``sleeps``: release memory between generations (colocated); the backend is built asleep in that case,
         awake with dummy weights otherwise."""
@@ -74,7 +76,9 @@ class VllmEngine:
             return
         if self.lifecycle.state is State.ASLEEP:
             if not self.lifecycle.weights_retained:
-                raise LifecycleError("rollout engine: wake with no weights (never loaded, or dropped by a level-2 sleep): update_weights first")
+                raise LifecycleError(
+                    "rollout engine: wake with no weights (never loaded, or dropped by a level-2 sleep): update_weights first"
+                )
             self._timed("wake_s", "wake_weights", lambda: self.backend.wake_up(["weights"]))
         self._timed("wake_s", "wake_kv", lambda: self.backend.wake_up(["kv_cache"]) if self.sleeps else None)
 
@@ -95,7 +99,9 @@ class VllmEngine:
         token_ids = [row[m].tolist() for row, m in zip(ids, mask)]  # vLLM takes unpadded prompts
         seeds = None
         if not params.greedy:
-            seeds = torch.randint(0, 2**31 - 1, (len(batch),), generator=generator, device=generator.device if generator else "cpu").tolist()
+            seeds = torch.randint(
+                0, 2**31 - 1, (len(batch),), generator=generator, device=generator.device if generator else "cpu"
+            ).tolist()
         outs = self.backend.generate(token_ids, params=params, seeds=seeds, stop_token_ids=self.eos_ids)
         R = max([len(t) for t, _ in outs] + [1])
         tokens = torch.full((len(batch), R), self.pad_id, dtype=torch.long)

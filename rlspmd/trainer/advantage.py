@@ -50,8 +50,12 @@ class KLPenalizedTokenRewards:
         mask = batch["loss_mask_BR"].float()
         coef = self.controller.value
         rewards, kl = apply_kl_in_reward(
-            token_level_scores(batch["scores_B"], mask), batch["old_logprobs_BR"], batch["ref_logprobs_BR"], mask,
-            coef=coef, kind=self.kind,
+            token_level_scores(batch["scores_B"], mask),
+            batch["old_logprobs_BR"],
+            batch["ref_logprobs_BR"],
+            mask,
+            coef=coef,
+            kind=self.kind,
         )
         rows = torch.tensor(float(len(batch)), dtype=torch.float64, device=mask.device)
         totals = all_reduce_sum(torch.stack([sample_mean_kl(kl, mask).sum().double(), rows]), mesh=self.mesh)

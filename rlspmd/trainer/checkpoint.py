@@ -139,7 +139,9 @@ def check_format(path: Path, meta: dict) -> None:
             f"(python scripts/export_hf.py {path} OUT, which reads tensors only) and start a new run from OUT; to "
             "continue the run exactly, resume it with the rlspmd version that wrote it, if you trust where it came from"
         )
-    raise CheckpointError(f"checkpoint {path}: meta.json has format {found!r}; this version reads format {FORMAT_VERSION}")
+    raise CheckpointError(
+        f"checkpoint {path}: meta.json has format {found!r}; this version reads format {FORMAT_VERSION}"
+    )
 
 
 def to_json_text(value, *, what: str) -> str:
@@ -156,7 +158,9 @@ def to_json_text(value, *, what: str) -> str:
         if isinstance(v, dict):
             for k, x in v.items():
                 if not isinstance(k, str):
-                    raise TypeError(f"{what}: key {k!r} of {where or 'the top level'} is a {type(k).__name__}; only str keys survive JSON")
+                    raise TypeError(
+                        f"{what}: key {k!r} of {where or 'the top level'} is a {type(k).__name__}; only str keys survive JSON"
+                    )
                 check(x, f"{where}.{k}" if where else k)
             return
         raise TypeError(
@@ -216,9 +220,18 @@ def decode_rng_state(tensors: dict[str, torch.Tensor]) -> dict:
     has_gauss, gauss = tensors["python.gauss"].tolist()
     pos, numpy_has_gauss = tensors["numpy.pos_has_gauss"].tolist()
     state = {
-        "python": (int(tensors["python.version"]), tuple(tensors["python.words"].tolist()), gauss if has_gauss else None),
-        "numpy": ("MT19937", tensors["numpy.keys"].numpy().astype(np.uint32), pos, numpy_has_gauss,
-                  float(tensors["numpy.cached_gaussian"])),
+        "python": (
+            int(tensors["python.version"]),
+            tuple(tensors["python.words"].tolist()),
+            gauss if has_gauss else None,
+        ),
+        "numpy": (
+            "MT19937",
+            tensors["numpy.keys"].numpy().astype(np.uint32),
+            pos,
+            numpy_has_gauss,
+            float(tensors["numpy.cached_gaussian"]),
+        ),
         "torch": tensors["torch"],
     }
     cuda = sorted((int(k.split(".")[1]), v) for k, v in tensors.items() if k.startswith("cuda."))
@@ -256,9 +269,19 @@ def _metadata_globals() -> dict[tuple[str, str], object]:
     record, ``torch.Size``, dtypes, layouts and paths. Building these from pickled fields runs no code of the file's
     choosing (the classes are plain records)."""
     classes = [
-        Metadata, StorageMeta, TensorStorageMetadata, BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata,
-        dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo,
-        torch.Size, OrderedDict, PosixPath, PurePosixPath,  # StorageMeta.checkpoint_id may be a path
+        Metadata,
+        StorageMeta,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata.TensorProperties,
+        dcp_metadata.MetadataIndex,
+        dcp_metadata._MEM_FORMAT_ENCODING,
+        _StorageInfo,
+        torch.Size,
+        OrderedDict,
+        PosixPath,
+        PurePosixPath,  # StorageMeta.checkpoint_id may be a path
     ]
     allowed: dict[tuple[str, str], object] = {(c.__module__, c.__qualname__): c for c in classes}
     layouts = {}
@@ -288,7 +311,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
         with open(Path(path) / ".metadata", "rb") as f:
             md = _MetadataUnpickler(f).load()
     except Exception as e:  # noqa: BLE001 - name the file for any failure (truncated, refused global, ...)
-        raise CheckpointError(f"checkpoint {path}: cannot read the DCP metadata (.metadata): {type(e).__name__}: {e}") from None
+        raise CheckpointError(
+            f"checkpoint {path}: cannot read the DCP metadata (.metadata): {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(md, Metadata):
         raise CheckpointError(f"checkpoint {path}: .metadata holds a {type(md).__name__}, not DCP metadata")
     return md
@@ -324,16 +349,24 @@ def dcp_load(state: dict, path: Path, *, process_group=None, no_dist: bool = Fal
     with warnings.catch_warnings():
         # A single-process read is what no_dist asks for; DCP warns about it anyway.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
-                 process_group=process_group, no_dist=no_dist)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+            no_dist=no_dist,
+        )
 
 
 def saved_tensors(path: Path, *, prefix: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Shape and dtype of every tensor of checkpoint ``path`` whose key starts with ``prefix`` (removed from the keys),
     from its DCP metadata, read safely."""
     md = read_dcp_metadata(path).state_dict_metadata
-    return {k[len(prefix):]: (item.size, item.properties.dtype) for k, item in md.items()
-            if k.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+    return {
+        k[len(prefix) :]: (item.size, item.properties.dtype)
+        for k, item in md.items()
+        if k.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
 
 
 def read_checkpoint(path: str | Path, *, prefix: str = "") -> dict[str, object]:
@@ -450,7 +483,9 @@ class _DigestingStream(io.RawIOBase):
         return False
 
     def seek(self, *args):
-        raise io.UnsupportedOperation("a checkpoint file is written front to back (its digest is taken as it is written)")
+        raise io.UnsupportedOperation(
+            "a checkpoint file is written front to back (its digest is taken as it is written)"
+        )
 
     def fileno(self) -> int:
         return self.raw.fileno()
@@ -517,12 +552,20 @@ def recorded_digests(path: Path, meta: dict) -> dict[str, dict] | None:
     if found is None:
         return None
     if not isinstance(found, dict) or not isinstance(found.get("files"), dict) or not found["files"]:
-        raise CheckpointDamagedError(path, ["meta.json: its 'digests' entry is not {'algorithm': ..., 'files': {name: {size, digest}}}"])
+        raise CheckpointDamagedError(
+            path, ["meta.json: its 'digests' entry is not {'algorithm': ..., 'files': {name: {size, digest}}}"]
+        )
     if found.get("algorithm") != DIGEST:
-        raise CheckpointDamagedError(path, [f"meta.json records {found.get('algorithm')!r} digests; this version checks {DIGEST}"])
+        raise CheckpointDamagedError(
+            path, [f"meta.json records {found.get('algorithm')!r} digests; this version checks {DIGEST}"]
+        )
     for name, entry in found["files"].items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("digest"), str)):
-            raise CheckpointDamagedError(path, [f"meta.json: the record of {name!r} is not {{size, digest}}: {entry!r}"])
+        if not (
+            isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("digest"), str)
+        ):
+            raise CheckpointDamagedError(
+                path, [f"meta.json: the record of {name!r} is not {{size, digest}}: {entry!r}"]
+            )
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointDamagedError(path, [f"meta.json: {name!r} is not a file inside the checkpoint"])
     return found["files"]
@@ -597,7 +640,9 @@ class Checkpointer:
         self.rank, self.world_size = rank, world_size
         self._verified: Path | None = None  # the checkpoint ``prepare`` picked and checked
         if cfg.save_every < 0 or cfg.keep_last < 0:
-            raise ValueError(f"checkpoint.save_every={cfg.save_every} and checkpoint.keep_last={cfg.keep_last} must be >= 0")
+            raise ValueError(
+                f"checkpoint.save_every={cfg.save_every} and checkpoint.keep_last={cfg.keep_last} must be >= 0"
+            )
 
     # -- deciding ---------------------------------------------------------------------------------------
 
@@ -625,13 +670,17 @@ class Checkpointer:
         if damaged and path is None:
             raise CheckpointError(
                 f"checkpoint.resume=auto: every checkpoint in {self.field}={self.root} is damaged ("
-                + "; ".join(str(e) for e in damaged) + "). Nothing was moved or removed: restore them, resume one with "
+                + "; ".join(str(e) for e in damaged)
+                + "). Nothing was moved or removed: restore them, resume one with "
                 "--resume PATH (which still checks it), or move them aside to start afresh"
             )
         aside = on_main(lambda: self._settle(path, [e.path for e in damaged]), mesh=self.mesh)
         for e in damaged:
-            print(f"[rlspmd] rank {self.rank}: checkpoint.resume=auto: {e}; resuming from the newest intact checkpoint "
-                  f"{path.name} instead (moved {e.path.name} aside to {aside[e.path.name]})", flush=True)
+            print(
+                f"[rlspmd] rank {self.rank}: checkpoint.resume=auto: {e}; resuming from the newest intact checkpoint "
+                f"{path.name} instead (moved {e.path.name} aside to {aside[e.path.name]})",
+                flush=True,
+            )
         self._verified = path
         return path
 
@@ -690,8 +739,11 @@ class Checkpointer:
                 raise CheckpointDamagedError(path, [str(e)]) from None
             files = recorded_digests(path, meta)
             if files is None:
-                print(f"checkpoint {path} records no file digests (written before rlspmd recorded them): loading it "
-                      "without checking its files", flush=True)
+                print(
+                    f"checkpoint {path} records no file digests (written before rlspmd recorded them): loading it "
+                    "without checking its files",
+                    flush=True,
+                )
             return files
 
         files = on_main(record, mesh=self.mesh)
@@ -718,7 +770,10 @@ class Checkpointer:
         newer = [p for p in complete_checkpoints(self.root) if int(STEP_RE.match(p.name).group(1)) > step]
         for p in newer:
             p.rename(p.with_name(f"{p.name}.superseded-{stamp}"))
-            print(f"checkpoint.resume: resuming from step {step}; moved the newer {p.name} aside to {p.name}.superseded-{stamp}", flush=True)
+            print(
+                f"checkpoint.resume: resuming from step {step}; moved the newer {p.name} aside to {p.name}.superseded-{stamp}",
+                flush=True,
+            )
         if newer:
             self._write_latest()
 
@@ -740,7 +795,9 @@ class Checkpointer:
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as e:
-            raise PermissionError(f"{self.field}={self.root} is not a writable directory: {type(e).__name__}: {e}") from None
+            raise PermissionError(
+                f"{self.field}={self.root} is not a writable directory: {type(e).__name__}: {e}"
+            ) from None
 
     def due(self, step: int, *, last: bool) -> bool:
         every = self.cfg.save_every
@@ -767,7 +824,12 @@ class Checkpointer:
             dcp.save(state, storage_writer=DigestingFileSystemWriter(tmp, written), process_group=self._group())
             digests = self._gather_digests(written)
             write_files(tmp)
-            meta = {**meta, "step": step, "world_size": self.world_size, "digests": {"algorithm": DIGEST, "files": digests}}
+            meta = {
+                **meta,
+                "step": step,
+                "world_size": self.world_size,
+                "digests": {"algorithm": DIGEST, "files": digests},
+            }
             on_main(lambda: self._commit(tmp, final, meta), mesh=self.mesh)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank gets here (DCP and on_main raise
             # everywhere); DCP's CheckpointException is a BaseException
@@ -838,7 +900,7 @@ class Checkpointer:
         have_rng = broadcast_object(None if self.rank else self._rng_keys(path), mesh=self.mesh)
         state = dict(state)
         mine = f"rng.rank_{self.rank}."
-        parts = {k[len(mine):] for k in have_rng if k.startswith(mine)}
+        parts = {k[len(mine) :] for k in have_rng if k.startswith(mine)}
         if not parts:
             state.pop("rng", None)  # resuming on more ranks than wrote the checkpoint: these keep their seeds
         elif isinstance(state.get("rng"), RNGState):
@@ -860,7 +922,9 @@ class Checkpointer:
         roles = sorted({k.split(".", 1)[0] for k in saved} - {"trainer", "rng", PIPELINE})
         for role, engine_shapes in engines.items():
             if role not in roles:
-                raise CheckpointError(f"checkpoint {path} has no {role!r} state (it holds {roles}); it was written by a different kind of run")
+                raise CheckpointError(
+                    f"checkpoint {path} has no {role!r} state (it holds {roles}); it was written by a different kind of run"
+                )
             self._check_shapes(path, role, engine_shapes, saved, meta)
         unused = sorted(set(roles) - set(engines))
         if unused:
@@ -877,7 +941,7 @@ class Checkpointer:
     def _check_shapes(path: Path, role: str, shapes: dict[str, torch.Size], saved: dict, meta: dict) -> None:
         source = meta.get("models", {}).get(role, "?")
         prefix = f"{role}.model."
-        saved_model = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+        saved_model = {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}
         for name, shape in shapes.items():
             md = saved_model.get(name)
             if md is None:
@@ -914,8 +978,15 @@ def _fsync_dir(path: Path) -> None:
 # -- Hugging Face directories -------------------------------------------------------------------------------
 
 
-def write_hf_dir(hf_model, state_dict: dict[str, torch.Tensor], tokenizer, source_dir: str | Path, out: str | Path,
-                 *, dtype: torch.dtype | None = None) -> Path:
+def write_hf_dir(
+    hf_model,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer,
+    source_dir: str | Path,
+    out: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write ``config.json``, safetensors, the tokenizer and the generation config into ``out`` (one process).
 
     Written into ``out.tmp`` and renamed, so an interrupted write never leaves a half-written model.
@@ -938,8 +1009,16 @@ def write_hf_dir(hf_model, state_dict: dict[str, torch.Tensor], tokenizer, sourc
 
 MODEL_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "vocab.txt",
 )
 
 
@@ -953,7 +1032,9 @@ def copy_model_files(model_dir: str | Path, tokenizer_dir: str | Path, out: Path
                 shutil.copy(src / name, out / name)
 
 
-def save_hf_model(engine, tokenizer, source_dir: str | Path, out: str | Path, *, is_main: bool, dtype: torch.dtype | None = None) -> Path:
+def save_hf_model(
+    engine, tokenizer, source_dir: str | Path, out: str | Path, *, is_main: bool, dtype: torch.dtype | None = None
+) -> Path:
     """Gather the engine's full weights (collective) and write them as an HF directory on rank 0."""
     sd = engine.hf_state_dict()
     if is_main:

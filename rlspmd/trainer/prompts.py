@@ -17,15 +17,30 @@ from rlspmd.protocol import Batch
 
 
 class Prompts:
-    def __init__(self, cfg: DataConfig, tokenizer, *, mesh: DeviceMesh, device: torch.device, is_main: bool,
-                 prompts_per_round: int, seed: int, tools: list[dict] | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer,
+        *,
+        mesh: DeviceMesh,
+        device: torch.device,
+        is_main: bool,
+        prompts_per_round: int,
+        seed: int,
+        tools: list[dict] | None = None,
+    ):
         """Collective over ``mesh``; only rank 0 (``is_main``) reads the files. ``tools``: schemas rendered into
         every prompt (``rollout.agent``)."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.train = self.val = self.sampler = None
         if is_main:
-            kw = dict(prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length, overlong=cfg.overlong_prompts,
-                      empty=cfg.empty_prompts, tools=tools)
+            kw = dict(
+                prompt_key=cfg.prompt_key,
+                max_prompt_length=cfg.max_prompt_length,
+                overlong=cfg.overlong_prompts,
+                empty=cfg.empty_prompts,
+                tools=tools,
+            )
             self.train = PromptDataset(cfg.train_files, tokenizer, field_name="data.train_files", **kw)
             self.val = PromptDataset(cfg.val_files, tokenizer, field_name="data.val_files", **kw)
             self.sampler = EpochSampler(len(self.train), prompts_per_round, seed=seed, shuffle=cfg.shuffle)
@@ -35,8 +50,12 @@ class Prompts:
         if self.train is None:
             return None
         n_val = len(self.val) if self.cfg.max_val_samples is None else min(len(self.val), self.cfg.max_val_samples)
-        return {"train_prompts": len(self.train), "train_dropped": self.train.n_dropped, "train_empty_dropped": self.train.n_empty,
-                "val_prompts": n_val}
+        return {
+            "train_prompts": len(self.train),
+            "train_dropped": self.train.n_dropped,
+            "train_empty_dropped": self.train.n_empty,
+            "val_prompts": n_val,
+        }
 
     def next(self) -> Batch:
         """This rank's share of the next training prompts."""
@@ -46,7 +65,11 @@ class Prompts:
     def validation(self, start: int, stop: int) -> tuple[Batch, int]:
         """This rank's share of validation prompts ``[start, stop)``, padded to split evenly; ``(batch, n_pad)``
         where ``n_pad`` (known on rank 0) is the number of padding rows at the global end."""
-        batch, n_pad = self.val.batch(list(range(start, stop))).pad_to_divisor(self.mesh.size()) if self.val is not None else (None, 0)
+        batch, n_pad = (
+            self.val.batch(list(range(start, stop))).pad_to_divisor(self.mesh.size())
+            if self.val is not None
+            else (None, 0)
+        )
         return scatter_batch(batch, mesh=self.mesh, device=self.device), n_pad
 
 

@@ -57,9 +57,12 @@ class AgentMetrics:
 
     def validation(self, allv: Batch) -> dict[str, float]:
         calls = allv["agent_tool_calls_BK"]
-        return {"val/agent/tool_call_rate": float((calls.sum(-1) > 0).float().mean()),
-                "val/agent/tool_calls": float(calls.sum(-1).mean()), "val/agent/turns": float(allv["agent_turns_B"].mean()),
-                "val/agent/user_turns": float(allv["agent_user_turns_B"].mean())}
+        return {
+            "val/agent/tool_call_rate": float((calls.sum(-1) > 0).float().mean()),
+            "val/agent/tool_calls": float(calls.sum(-1).mean()),
+            "val/agent/turns": float(allv["agent_turns_B"].mean()),
+            "val/agent/user_turns": float(allv["agent_user_turns_B"].mean()),
+        }
 
 
 class NoAgentMetrics:
@@ -75,8 +78,15 @@ class NoAgentMetrics:
 
 
 class StepReport:
-    def __init__(self, *, mesh: DeviceMesh, eos_ids: list[int], max_response_length: int,
-                 components: tuple[tuple[str, str], ...], agent: AgentMetrics | NoAgentMetrics | None = None):
+    def __init__(
+        self,
+        *,
+        mesh: DeviceMesh,
+        eos_ids: list[int],
+        max_response_length: int,
+        components: tuple[tuple[str, str], ...],
+        agent: AgentMetrics | NoAgentMetrics | None = None,
+    ):
         """``components``: (batch field, metric name) of the reward's parts and shaping, reported as ``reward/<name>``.
         ``agent``: the multi-turn metrics (the builder decides; default none)."""
         self.mesh, self.eos_ids, self.max_response_length = mesh, eos_ids, max_response_length
@@ -99,7 +109,9 @@ class StepReport:
         lengths = mask.sum(-1)
         m.mean("response_length/mean", lengths.sum(), n)
         m.max("response_length/max", lengths.max())
-        clipped = truncated(batch["responses_BR"], lengths, eos_ids=self.eos_ids, max_response_length=self.max_response_length)
+        clipped = truncated(
+            batch["responses_BR"], lengths, eos_ids=self.eos_ids, max_response_length=self.max_response_length
+        )
         m.mean("response_length/clip_ratio", clipped.float().sum(), n)
         adv, valid = batch["advantages_BR"], loss_mask > 0
         m.mean("adv/mean", (adv * loss_mask).sum(), loss_mask.sum())
@@ -116,7 +128,9 @@ class StepReport:
         # generation throughput counts the model's tokens only (not tool results spliced into a multi-turn response),
         # over the engine's time when the trainer did not wait for it (asynchronous RL: the batch was generated during
         # the previous step and ``gen`` is only its hand-over)
-        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(out["timing/gen"], out["timing/rollout/gen"], 1e-9)
+        out["throughput/gen_tokens_per_s"] = out["tokens/generated"] / max(
+            out["timing/gen"], out["timing/rollout/gen"], 1e-9
+        )
         return out
 
     def sampled(self, batch: Batch, m: MetricBuffer) -> None:
@@ -129,9 +143,14 @@ class StepReport:
 
     def add_validation(self, scored: Batch, n_pad: int) -> None:
         """One validation round's scored samples (``n_pad`` padding rows at the global end), gathered to rank 0."""
-        slim = Batch({"scores_B": scored["scores_B"].cpu(), "task_scores_B": scored["task_scores_B"].cpu(),
-                      **{k: scored[k].cpu() for k in self.agent.validation_fields}},
-                     {"data_source": scored["data_source"]})
+        slim = Batch(
+            {
+                "scores_B": scored["scores_B"].cpu(),
+                "task_scores_B": scored["task_scores_B"].cpu(),
+                **{k: scored[k].cpu() for k in self.agent.validation_fields},
+            },
+            {"data_source": scored["data_source"]},
+        )
         gathered = gather_batch(slim, mesh=self.mesh)
         if gathered is not None:
             self._val.append(gathered.slice(0, len(gathered) - n_pad))
@@ -143,8 +162,11 @@ class StepReport:
             return {}
         allv = Batch.concat(results)
         scores, task = allv["scores_B"], allv["task_scores_B"]
-        metrics = {"val/acc": float((task >= 1.0).float().mean()), "val/reward": float(scores.mean()),
-                   **self.agent.validation(allv)}
+        metrics = {
+            "val/acc": float((task >= 1.0).float().mean()),
+            "val/reward": float(scores.mean()),
+            **self.agent.validation(allv),
+        }
         sources = allv["data_source"]
         for src in sorted(set(sources)):
             sel = torch.tensor([s == src for s in sources])
@@ -211,10 +233,14 @@ class RunSummary:
         lines = [f"done: {d['steps']} steps in {d['wall_s']:.0f} s"]
         if len(self.val) >= 2:
             (s0, a0), (s1, a1) = self.val[0], self.val[-1]
-            lines.append(f"validation accuracy: {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points")
+            lines.append(
+                f"validation accuracy: {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1}), {100 * (a1 - a0):+.1f} points"
+            )
         if len(self.tool_calls) >= 2:
             (s0, r0), (s1, r1) = self.tool_calls[0], self.tool_calls[-1]
-            lines.append(f"greedy tool-call rate: {r0:.3f} (step {s0}) -> {r1:.3f} (step {s1}), {100 * (r1 - r0):+.1f} points")
+            lines.append(
+                f"greedy tool-call rate: {r0:.3f} (step {s0}) -> {r1:.3f} (step {s1}), {100 * (r1 - r0):+.1f} points"
+            )
         if d["mean_step_s"]:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in d["mean_step_s"].items() if k != "step" and v >= 0.005)
             lines.append(f"seconds per step (mean after the first): {d['mean_step_s'].get('step', 0):.2f} = {parts}")

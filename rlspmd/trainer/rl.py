@@ -49,8 +49,16 @@ from rlspmd.trainer.timing import StageProbe
 
 
 class RLTrainer:
-    def __init__(self, cfg: TrainerConfig, *, roles: Roles, rt: Runtime, stop_request: StopRequest, val_batch_size: int,
-                 messages: list[str] = ()):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        *,
+        roles: Roles,
+        rt: Runtime,
+        stop_request: StopRequest,
+        val_batch_size: int,
+        messages: list[str] = (),
+    ):
         """``messages``: what the builder wants in the run's log (the attention kernel, ignored settings)."""
         self.cfg, self.roles, self.rt = cfg, roles, rt
         self.stop_request = stop_request
@@ -124,12 +132,18 @@ class RLTrainer:
         # Every rank continues at the same step (the rollout-only ranks of a split placement restore nothing).
         self.counters.step = broadcast_object(self.counters.step)
         self.logger = MetricLogger(
-            cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=self.counters.step, enabled=self.rt.is_main
+            cfg.loggers,
+            cfg.output_dir,
+            total_steps=cfg.total_steps,
+            initial_step=self.counters.step,
+            enabled=self.rt.is_main,
         )
         r.samples.open(self.logger, initial_step=self.counters.step)
         stats = r.data_stats
-        self.logger.write(f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length, "
-                          f"{stats['train_empty_dropped']} empty)")
+        self.logger.write(
+            f"train prompts: {stats['train_prompts']} (dropped {stats['train_dropped']} over data.max_prompt_length, "
+            f"{stats['train_empty_dropped']} empty)"
+        )
         for message in self.messages:
             self.logger.write(message)
         if r.resume_from is not None:
@@ -187,6 +201,7 @@ class RLTrainer:
         if skipped:
             self.counters.skipped_updates_total += sum(skipped.values())
             counts = ", ".join(f"{k}={v:g}" for k, v in skipped.items())
-            self.logger.write(f"step {step}: skipped updates with a non-finite loss or gradient norm ({counts}; trainer.nan_policy=skip)")
+            self.logger.write(
+                f"step {step}: skipped updates with a non-finite loss or gradient norm ({counts}; trainer.nan_policy=skip)"
+            )
         metrics["trainer/skipped_updates_total"] = self.counters.skipped_updates_total
-

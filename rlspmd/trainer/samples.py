@@ -50,8 +50,19 @@ def loss_spans(mask: list[int]) -> list[list[int]]:
 
 
 class SampleLog:
-    def __init__(self, cfg: SampleLogConfig, *, tokenizer, mesh: DeviceMesh, output_dir: str, eos_ids: list[int],
-                 max_response_length: int, reward_columns: list[str], tool_names: list[str] | None, val_prompts: int):
+    def __init__(
+        self,
+        cfg: SampleLogConfig,
+        *,
+        tokenizer,
+        mesh: DeviceMesh,
+        output_dir: str,
+        eos_ids: list[int],
+        max_response_length: int,
+        reward_columns: list[str],
+        tool_names: list[str] | None,
+        val_prompts: int,
+    ):
         """``mesh``: the trainer's DP mesh (the gather's group; its first rank writes). ``reward_columns``: the names of
         ``reward_components_BK``'s columns (``roles/reward.component_columns``). ``tool_names``: multi-turn rollouts'
         tools (None: single-turn samples, no agent fields). ``val_prompts``: the size of the validation set."""
@@ -72,7 +83,9 @@ class SampleLog:
             path = self.dir / f"{split}.jsonl"
             if path.exists():
                 rewind_jsonl(path, initial_step)
-        logger.write(f"sample log: {self.dir}/{{train,val}}.jsonl (read them with: python -m rlspmd.samples {self.dir.parent})")
+        logger.write(
+            f"sample log: {self.dir}/{{train,val}}.jsonl (read them with: python -m rlspmd.samples {self.dir.parent})"
+        )
 
     def train(self, batch: Batch, *, step: int) -> None:
         """The step's trained batch (collective over the DP mesh): the first rows of each rank's share, to rank 0."""
@@ -80,7 +93,9 @@ class SampleLog:
             return
         share = even_split(self.cfg.num_train, self.mesh.size())[self.mesh.get_local_rank()]
         rows = list(range(min(share, len(batch))))
-        self._write("train", step, self._rows(batch, rows, step=step, train=True), tag=lambda k, r: f"samples/train/{k}")
+        self._write(
+            "train", step, self._rows(batch, rows, step=step, train=True), tag=lambda k, r: f"samples/train/{k}"
+        )
 
     def validation(self, scored: Batch, *, step: int, start: int) -> None:
         """One validation round's scored samples, this rank's share of prompts ``[start, ...)`` (consecutive shares of
@@ -89,28 +104,50 @@ class SampleLog:
             return
         first = start + self.mesh.get_local_rank() * len(scored)
         rows = [i for i in range(len(scored)) if first + i < self.n_val]
-        self._write("val", step, self._rows(scored, rows, step=step, train=False, first=first),
-                    tag=lambda k, r: f"samples/val/{r['position']}")
+        self._write(
+            "val",
+            step,
+            self._rows(scored, rows, step=step, train=False, first=first),
+            tag=lambda k, r: f"samples/val/{r['position']}",
+        )
 
     def _rows(self, batch: Batch, rows: list[int], *, step: int, train: bool, first: int = 0) -> list[dict]:
         """The chosen rows as plain Python (one host copy of ``rows`` only); text is decoded on rank 0."""
         if not rows:
             return []
         b = batch.select(rows).to("cpu")
-        prompt_mask, response_mask, loss_mask = b["prompt_mask_BP"].bool(), b["response_mask_BR"].bool(), b["loss_mask_BR"]
+        prompt_mask, response_mask, loss_mask = (
+            b["prompt_mask_BP"].bool(),
+            b["response_mask_BR"].bool(),
+            b["loss_mask_BR"],
+        )
         lengths = response_mask.sum(-1)
-        stop = (b["agent_stop"] if "agent_stop" in b else
-                ["length" if t else "eos" for t in truncated(b["responses_BR"], lengths, eos_ids=self.eos_ids,
-                                                             max_response_length=self.max_response_length).tolist()])
+        stop = (
+            b["agent_stop"]
+            if "agent_stop" in b
+            else [
+                "length" if t else "eos"
+                for t in truncated(
+                    b["responses_BR"], lengths, eos_ids=self.eos_ids, max_response_length=self.max_response_length
+                ).tolist()
+            ]
+        )
         out = []
         for j, i in enumerate(rows):
             n = int(lengths[j])
             mask = [int(m > 0) for m in loss_mask[j, :n].tolist()]
-            rec = {"split": "train" if train else "val", "step": step, "dp_rank": self.mesh.get_local_rank(), "row": i,
-                   "uid": int(b["uid_B"][j]), "index": b["extra_info"][j].get("index"), "data_source": b["data_source"][j],
-                   "weight_version": int(b["weight_version_B"][j]) if train else step,
-                   "reward": float(b["scores_B"][j]),
-                   "rewards": dict(zip(self.reward_columns, b["reward_components_BK"][j].tolist()))}
+            rec = {
+                "split": "train" if train else "val",
+                "step": step,
+                "dp_rank": self.mesh.get_local_rank(),
+                "row": i,
+                "uid": int(b["uid_B"][j]),
+                "index": b["extra_info"][j].get("index"),
+                "data_source": b["data_source"][j],
+                "weight_version": int(b["weight_version_B"][j]) if train else step,
+                "reward": float(b["scores_B"][j]),
+                "rewards": dict(zip(self.reward_columns, b["reward_components_BK"][j].tolist())),
+            }
             if not train:
                 rec["position"] = first + i  # in the validation set, the TensorBoard tag
             if "overlong_penalty_B" in b:
@@ -121,9 +158,15 @@ class SampleLog:
             rec["stop"] = stop[j]
             rec["response_tokens"], rec["trained_tokens"] = n, sum(mask)
             if self.tool_names is not None:
-                rec["agent"] = {"turns": int(b["agent_turns_B"][j]), "user_turns": int(b["agent_user_turns_B"][j]),
-                                "tool_calls": {name: int(c) for name, c in zip(self.tool_names, b["agent_tool_calls_BK"][j].tolist())},
-                                "tool_errors": int(b["agent_tool_errors_B"][j]), "tool_timeouts": int(b["agent_tool_timeouts_B"][j])}
+                rec["agent"] = {
+                    "turns": int(b["agent_turns_B"][j]),
+                    "user_turns": int(b["agent_user_turns_B"][j]),
+                    "tool_calls": {
+                        name: int(c) for name, c in zip(self.tool_names, b["agent_tool_calls_BK"][j].tolist())
+                    },
+                    "tool_errors": int(b["agent_tool_errors_B"][j]),
+                    "tool_timeouts": int(b["agent_tool_timeouts_B"][j]),
+                }
             rec["ground_truth"] = b["ground_truth"][j]
             rec["prompt_ids"] = b["prompts_BP"][j][prompt_mask[j]].tolist()
             rec["response_ids"] = b["responses_BR"][j, :n].tolist()
@@ -146,6 +189,7 @@ class SampleLog:
 
     def _with_text(self, rec: dict) -> dict:
         """Text decoded with the special tokens (what the model saw), before the ids in the record."""
+
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -158,7 +202,13 @@ class SampleLog:
                 segments.append([1, decode(ids[s:e])])
             pos = e
         ids_part = {k: rec.pop(k) for k in ("prompt_ids", "response_ids", "loss_spans")}
-        return {**rec, "prompt": decode(ids_part["prompt_ids"]), "response": decode(ids), "segments": segments, **ids_part}
+        return {
+            **rec,
+            "prompt": decode(ids_part["prompt_ids"]),
+            "response": decode(ids),
+            "segments": segments,
+            **ids_part,
+        }
 
 
 class NoSampleLog:
@@ -191,7 +241,9 @@ def read_samples(path: Path) -> list[dict]:
 def format_sample(rec: dict, *, color: bool = False) -> str:
     """One record as text: a header (step, ids, reward and its parts, advantage, stop reason, tool calls), the prompt,
     then the response with the tokens that were not trained on marked: between ``⟦ ⟧``, or dimmed in colour."""
-    where = f"step {rec['step']} {rec['split']} · dp_rank {rec['dp_rank']} row {rec['row']} · prompt index {rec['index']}"
+    where = (
+        f"step {rec['step']} {rec['split']} · dp_rank {rec['dp_rank']} row {rec['row']} · prompt index {rec['index']}"
+    )
     where += f" ({rec['data_source']}) · group {rec['uid']} · weights v{rec['weight_version']}"
     parts = " + ".join(f"{k} {v:.4g}" for k, v in rec["rewards"].items())
     line2 = f"reward {rec['reward']:.4g} ({parts})"
@@ -202,8 +254,10 @@ def format_sample(rec: dict, *, color: bool = False) -> str:
     if "agent" in rec:
         a = rec["agent"]
         calls = ", ".join(f"{k} x{v}" for k, v in a["tool_calls"].items() if v) or "none"
-        lines.append(f"turns {a['turns']} · user turns {a['user_turns']} · tool calls: {calls} · tool errors {a['tool_errors']}"
-                     f" · timeouts {a['tool_timeouts']}")
+        lines.append(
+            f"turns {a['turns']} · user turns {a['user_turns']} · tool calls: {calls} · tool errors {a['tool_errors']}"
+            f" · timeouts {a['tool_timeouts']}"
+        )
     lines.append(f"ground truth: {rec['ground_truth']}")
     if color:
         dim, reset = "\x1b[2;36m", "\x1b[0m"

@@ -137,7 +137,9 @@ def plan_groups(kept_per_round: list[list[int]], dropped_last: list[int], *, tar
 
 
 class DynamicSampling:
-    def __init__(self, cfg: FilterGroupsConfig, *, mesh: DeviceMesh, train_batch_size: int, samples_per_prompt: int, pad_id: int):
+    def __init__(
+        self, cfg: FilterGroupsConfig, *, mesh: DeviceMesh, train_batch_size: int, samples_per_prompt: int, pad_id: int
+    ):
         gen = cfg.gen_batch_size or train_batch_size
         if gen < train_batch_size:
             raise ValueError(

@@ -30,8 +30,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlspmd.distributed.dispatch import broadcast_object, on_main
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.protocol import Batch
-from rlspmd.trainer.checkpoint import (PIPELINE, CheckpointError, Checkpointer, RNGState, TrainerState, copy_model_files, saved_tensors,
-                                      to_json_text, write_hf_dir)
+from rlspmd.trainer.checkpoint import (
+    PIPELINE,
+    CheckpointError,
+    Checkpointer,
+    RNGState,
+    TrainerState,
+    copy_model_files,
+    saved_tensors,
+    to_json_text,
+    write_hf_dir,
+)
 
 OBJECTS = "objects_json"
 """A batch's per-sample objects in a checkpoint: their JSON text as a uint8 tensor (loading it runs no code)."""
@@ -48,8 +57,10 @@ class Counters:
 def encode_batch(batch: Batch) -> dict[str, torch.Tensor]:
     """A batch as tensors only (CPU): its tensor fields, and its objects as JSON text (``decode_batch`` inverts it)."""
     text = to_json_text(batch.objects, what="an in-flight batch's per-sample objects")
-    return {**{k: v.cpu() for k, v in batch.tensors.items()},
-            OBJECTS: torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).clone()}
+    return {
+        **{k: v.cpu() for k, v in batch.tensors.items()},
+        OBJECTS: torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).clone(),
+    }
 
 
 def decode_batch(state: dict[str, torch.Tensor]) -> Batch:
@@ -86,7 +97,8 @@ class InFlightBatches(Stateful):
             raise CheckpointError(
                 f"checkpoint {path} holds the in-flight batches of {len(ranks)} actor ranks (asynchronous RL, "
                 f"trainer.max_staleness > 0), this run has {dp}: resume it on {len(ranks)} actor ranks, or with "
-                "trainer.max_staleness=0 (those batches are then dropped)")
+                "trainer.max_staleness=0 (those batches are then dropped)"
+            )
         self.layout = {k: v for k, v in saved.items() if k.startswith(self.key + ".")}
 
     def load_state_dict(self, state: dict) -> None:
@@ -97,8 +109,16 @@ class InFlightBatches(Stateful):
         self.layout = {}
 
 
-def write_model_files(ckpt: Path, *, model_path: str, tokenizer_path: str | None, save_hf: bool, tokenizer,
-                      engine: TrainingEngine, mesh: DeviceMesh) -> None:
+def write_model_files(
+    ckpt: Path,
+    *,
+    model_path: str,
+    tokenizer_path: str | None,
+    save_hf: bool,
+    tokenizer,
+    engine: TrainingEngine,
+    mesh: DeviceMesh,
+) -> None:
     """A checkpoint's ``write_files`` (RL and SFT): the model's config and tokenizer files for export, and with
     ``checkpoint.save_hf`` the actor as an HF directory (collective: every rank gathers the full weights)."""
     full = engine.hf_state_dict() if save_hf else None
@@ -112,9 +132,19 @@ def write_model_files(ckpt: Path, *, model_path: str, tokenizer_path: str | None
 
 
 class Checkpointing:
-    def __init__(self, checkpointer: Checkpointer, *, engines: dict[str, TrainingEngine], components: dict[str, Stateful],
-                 mesh: DeviceMesh, rank: int, is_main: bool, meta: dict, write_files: Callable[[Path], None],
-                 pipeline: InFlightBatches | None = None):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        *,
+        engines: dict[str, TrainingEngine],
+        components: dict[str, Stateful],
+        mesh: DeviceMesh,
+        rank: int,
+        is_main: bool,
+        meta: dict,
+        write_files: Callable[[Path], None],
+        pipeline: InFlightBatches | None = None,
+    ):
         """``engines``: the trained roles' engines by checkpoint key; ``components``: the trainer components whose
         state is saved (on rank 0 they include the data sampler, which only rank 0 holds); ``meta``: what
         ``meta.json`` records about the run; ``write_files(dir)``: model config, tokenizer, HF export (collective);
@@ -141,16 +171,24 @@ class Checkpointing:
             else None,
             mesh=self.mesh,
         )
-        meta = {**self.meta, "roles": sorted(self.engines), "trainer_components": sorted(snapshot["components"]),
-                "trainer_state": snapshot}
-        return self.checkpointer.save(counters.step, self.state(TrainerState(snapshot)), meta=meta, write_files=self.write_files)
+        meta = {
+            **self.meta,
+            "roles": sorted(self.engines),
+            "trainer_components": sorted(snapshot["components"]),
+            "trainer_state": snapshot,
+        }
+        return self.checkpointer.save(
+            counters.step, self.state(TrainerState(snapshot)), meta=meta, write_files=self.write_files
+        )
 
     def restore(self, path: Path) -> Counters:
         """Load ``path`` into the engines and components; returns the trainer's counters."""
         restored = {}
 
         def put(snapshot: dict) -> None:
-            restored["counters"] = Counters(step=int(snapshot["step"]), skipped_updates_total=float(snapshot["skipped_updates_total"]))
+            restored["counters"] = Counters(
+                step=int(snapshot["step"]), skipped_updates_total=float(snapshot["skipped_updates_total"])
+            )
             for name, component in self.components.items():
                 component.load_state_dict(snapshot["components"][name])
 
@@ -161,11 +199,16 @@ class Checkpointing:
             if not self.pipeline.layout:  # a synchronous run's checkpoint: the pipeline fills at the next step
                 state.pop(PIPELINE)
         meta = self.checkpointer.load(
-            path, state, engines={name: e.param_shapes() for name, e in self.engines.items()},
+            path,
+            state,
+            engines={name: e.param_shapes() for name, e in self.engines.items()},
             components=sorted(self.components),
         )
         if meta["world_size"] != self.mesh.size() and self.is_main:
-            print(f"checkpoint {path} was written by {meta['world_size']} ranks; resharded onto {self.mesh.size()}", flush=True)
+            print(
+                f"checkpoint {path} was written by {meta['world_size']} ranks; resharded onto {self.mesh.size()}",
+                flush=True,
+            )
         return restored["counters"]
 
 

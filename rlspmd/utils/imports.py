@@ -75,16 +75,23 @@ def load_object(spec: str, *, field_name: str, kind: Kind = "object", registered
     ``registered``: the names the field also accepts, quoted in the error for a spec that is neither one of them nor
     a ``file:Name`` spec (the caller looks registered names up first)."""
     if registered is not None and ":" not in str(spec):
-        raise ValueError(f"{field_name}={spec!r}: neither a registered name ({', '.join(sorted(registered))}) nor "
-                         f"'path/to/file.py:{_example(kind)}' / 'package.module:{_example(kind)}'")
+        raise ValueError(
+            f"{field_name}={spec!r}: neither a registered name ({', '.join(sorted(registered))}) nor "
+            f"'path/to/file.py:{_example(kind)}' / 'package.module:{_example(kind)}'"
+        )
     target, name = split_spec(spec, field_name=field_name, example=_example(kind))
     module = import_target(target, spec=spec, field_name=field_name)
     where = module.__file__ if target.endswith(".py") else target
     if not hasattr(module, name):
-        public = sorted(k for k, v in vars(module).items() if not k.startswith("_") and _fits(v, kind)
-                        and getattr(v, "__module__", module.__name__) == module.__name__)
-        raise ValueError(f"{field_name}={spec!r}: {where} has no {_NOUN[kind]} {name!r}"
-                         + (f" (it defines {public})" if public else ""))
+        public = sorted(
+            k
+            for k, v in vars(module).items()
+            if not k.startswith("_") and _fits(v, kind) and getattr(v, "__module__", module.__name__) == module.__name__
+        )
+        raise ValueError(
+            f"{field_name}={spec!r}: {where} has no {_NOUN[kind]} {name!r}"
+            + (f" (it defines {public})" if public else "")
+        )
     obj = getattr(module, name)
     if not _fits(obj, kind):
         want = "a class" if kind == "class" else "a function or other callable"

@@ -44,11 +44,26 @@ from common import emit, run_quickstart  # noqa: E402
 
 def run(args, staleness: int, out: Path) -> dict:
     _, rows, summary = run_quickstart(
-        args, out, ["--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1",
-                    "--actor.mini-batch-size", "32", "--actor.no-use-kl-loss",
-                    "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.steps),
-                    "--trainer.max-staleness", str(staleness), *args.override],
-        what=f"with max_staleness={staleness}")
+        args,
+        out,
+        [
+            "--mesh.actor-ranks",
+            "0",
+            "--mesh.rollout-ranks",
+            "1",
+            "--actor.mini-batch-size",
+            "32",
+            "--actor.no-use-kl-loss",
+            "--trainer.total-steps",
+            str(args.steps),
+            "--trainer.val-every",
+            str(args.steps),
+            "--trainer.max-staleness",
+            str(staleness),
+            *args.override,
+        ],
+        what=f"with max_staleness={staleness}",
+    )
     val = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
     train = [r for r in rows if r["step"] > 0]
     mean = summary["mean_step_s"]
@@ -76,8 +91,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--val-samples", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="sync/async pairs, run alternately; speedup is the median of the pairs' ratios")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="sync/async pairs, run alternately; speedup is the median of the pairs' ratios",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("override", nargs="*", help="more trainer overrides for both runs, after --, e.g. -- --rollout.n 4")
     args = ap.parse_args()
@@ -89,8 +108,11 @@ def main() -> None:
     speedups = [s["sec_per_step"] / a["sec_per_step"] for s, a in pairs]
     sync, asyn = pairs[0]
     result = {
-        "bench": "async_rl", "steps": args.steps, "placement": "split: actor rank 0, rollout rank 1, 1 thread each",
-        "sync": sync, "async": asyn,
+        "bench": "async_rl",
+        "steps": args.steps,
+        "placement": "split: actor rank 0, rollout rank 1, 1 thread each",
+        "sync": sync,
+        "async": asyn,
         "speedup": statistics.median(speedups),
         "speedups": speedups,
         # what perfect overlap would give: the synchronous step's two stages, run side by side

@@ -34,10 +34,21 @@ def main(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--kernels", default=",".join(KERNEL_ORDER))
-    p.add_argument("--smoke", action="store_true", help="8 samples of 10-40 tokens, 4 / 2 heads of 16, float32, 2 repeats")
+    p.add_argument(
+        "--smoke", action="store_true", help="8 samples of 10-40 tokens, 4 / 2 heads of 16, float32, 2 repeats"
+    )
     a = p.parse_args(argv)
     if a.smoke:
-        a.samples, a.min_len, a.max_len, a.heads, a.kv_heads, a.head_dim, a.dtype, a.repeats = 8, 10, 40, 4, 2, 16, "float32", 2
+        a.samples, a.min_len, a.max_len, a.heads, a.kv_heads, a.head_dim, a.dtype, a.repeats = (
+            8,
+            10,
+            40,
+            4,
+            2,
+            16,
+            "float32",
+            2,
+        )
 
     import torch
 
@@ -51,11 +62,21 @@ def main(argv=None):
     lens = torch.tensor(lengths, device=dev)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=dev)
     cu[1:] = lens.cumsum(0)
-    shape = {"samples": a.samples, "tokens": T, "lengths": [min(lengths), max(lengths)], "heads": a.heads,
-             "kv_heads": a.kv_heads, "head_dim": a.head_dim, "dtype": a.dtype, "device": str(dev)}
+    shape = {
+        "samples": a.samples,
+        "tokens": T,
+        "lengths": [min(lengths), max(lengths)],
+        "heads": a.heads,
+        "kv_heads": a.kv_heads,
+        "head_dim": a.head_dim,
+        "dtype": a.dtype,
+        "device": str(dev),
+    }
     gen = torch.Generator(device=dev).manual_seed(1)
-    q, k, v = (torch.randn(T, h, a.head_dim, device=dev, dtype=dtype, generator=gen).requires_grad_()
-               for h in (a.heads, a.kv_heads, a.kv_heads))
+    q, k, v = (
+        torch.randn(T, h, a.head_dim, device=dev, dtype=dtype, generator=gen).requires_grad_()
+        for h in (a.heads, a.kv_heads, a.kv_heads)
+    )
     grad_out = torch.randn(T, a.heads, a.head_dim, device=dev, dtype=dtype, generator=gen)
     scale = a.head_dim**-0.5
 
@@ -88,14 +109,22 @@ def main(argv=None):
             sync()
             times.append(time.perf_counter() - t0)
         ms = 1e3 * statistics.median(times)
-        result = {"bench": "attn_kernel", "kernel": kernel, "fwd_bwd_ms": ms, "fwd_bwd_ms_all": [round(1e3 * t, 3) for t in times],
-                  "first_call_s": first_call_s, "shape": shape}
+        result = {
+            "bench": "attn_kernel",
+            "kernel": kernel,
+            "fwd_bwd_ms": ms,
+            "fwd_bwd_ms_all": [round(1e3 * t, 3) for t in times],
+            "first_call_s": first_call_s,
+            "shape": shape,
+        }
         if kernel == "sdpa_loop":
             reference, ref_ms = (out, grads), ms
         elif reference is not None:
             result["speedup_vs_sdpa_loop"] = ref_ms / ms
-            result["rel_err_vs_sdpa_loop"] = {"out": rel_err(out, reference[0]),
-                                              **{f"d{n}": rel_err(x, y) for n, x, y in zip("qkv", grads, reference[1])}}
+            result["rel_err_vs_sdpa_loop"] = {
+                "out": rel_err(out, reference[0]),
+                **{f"d{n}": rel_err(x, y) for n, x, y in zip("qkv", grads, reference[1])},
+            }
         emit(result)
 
 

@@ -33,8 +33,16 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from rlspmd.trainer.checkpoint import DIGEST, DigestingFileSystemWriter, FileDigests, check_files, dcp_load  # noqa: E402
 
-Q05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-           vocab_size=8192, max_position_embeddings=1024, tie_word_embeddings=True)
+Q05 = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=8192,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
 """``configs/bench/grpo_q05.py``'s model (``scripts/bench/common.py: ensure_model`` preset ``bench-q05``)."""
 
 
@@ -91,8 +99,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     state, nbytes = actor_state(args.layers)
-    target = {"actor": {"model": {k: torch.empty_like(v) for k, v in state["actor"]["model"].items()},
-                        "optim": state["actor"]["optim"]}}  # loaded in place (the optimiser's tensors included)
+    target = {
+        "actor": {
+            "model": {k: torch.empty_like(v) for k, v in state["actor"]["model"].items()},
+            "optim": state["actor"]["optim"],
+        }
+    }  # loaded in place (the optimiser's tensors included)
     work = Path(tempfile.mkdtemp(prefix="ckpt_integrity_", dir=args.dir))
     wall: dict[str, list[float]] = {k: [] for k in ("save", "save_digest", "load", "load_verify")}
     cpu: dict[str, list[float]] = {k: [] for k in wall}
@@ -110,7 +122,7 @@ def main() -> None:
 
     try:
         for r in range(args.repeats):
-            for digests in ((False, True) if r % 2 == 0 else (True, False)):
+            for digests in (False, True) if r % 2 == 0 else (True, False):
                 ckpt = work / f"r{r}_{int(digests)}"
                 written = FileDigests(ckpt)
                 writer = DigestingFileSystemWriter(ckpt, written) if digests else dcp.FileSystemWriter(ckpt)
@@ -127,22 +139,28 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    emit({
-        "bench": "checkpoint_integrity",
-        "note": "indicative: CPU, one process, a machine shared with other jobs; loads read what the save just wrote",
-        "model": {**Q05, "num_hidden_layers": args.layers}, "digest": DIGEST, "checkpoint_bytes": nbytes,
-        "repeats": args.repeats,
-        "wall_s_median": {k: round(v, 3) for k, v in med.items()},
-        "cpu_s_median": {k: round(v, 3) for k, v in med_cpu.items()},
-        "wall_s": {k: [round(x, 3) for x in v] for k, v in wall.items()},
-        "cpu_s": {k: [round(x, 3) for x in v] for k, v in cpu.items()},
-        "save_added_s": round(med["save_digest"] - med["save"], 3),
-        "load_added_s": round(med["load_verify"] - med["load"], 3),
-        "save_added_cpu_s": round(med_cpu["save_digest"] - med_cpu["save"], 3),
-        "load_added_cpu_s": round(med_cpu["load_verify"] - med_cpu["load"], 3),
-        "hash_gb_per_s": hash_rate(),
-        "where": str(args.dir or tempfile.gettempdir()), "root": str(ROOT),
-    }, args.out)
+    emit(
+        {
+            "bench": "checkpoint_integrity",
+            "note": "indicative: CPU, one process, a machine shared with other jobs; loads read what the save just wrote",
+            "model": {**Q05, "num_hidden_layers": args.layers},
+            "digest": DIGEST,
+            "checkpoint_bytes": nbytes,
+            "repeats": args.repeats,
+            "wall_s_median": {k: round(v, 3) for k, v in med.items()},
+            "cpu_s_median": {k: round(v, 3) for k, v in med_cpu.items()},
+            "wall_s": {k: [round(x, 3) for x in v] for k, v in wall.items()},
+            "cpu_s": {k: [round(x, 3) for x in v] for k, v in cpu.items()},
+            "save_added_s": round(med["save_digest"] - med["save"], 3),
+            "load_added_s": round(med["load_verify"] - med["load"], 3),
+            "save_added_cpu_s": round(med_cpu["save_digest"] - med_cpu["save"], 3),
+            "load_added_cpu_s": round(med_cpu["load_verify"] - med_cpu["load"], 3),
+            "hash_gb_per_s": hash_rate(),
+            "where": str(args.dir or tempfile.gettempdir()),
+            "root": str(ROOT),
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -85,14 +85,43 @@ def run_quickstart(args, out: Path, extra: list[str], *, what: str) -> tuple[str
     """One ``configs/quickstart.py`` run on 2 local ranks (torchrun, one thread each, jsonl metrics, no checkpoints)
     from ``args.model`` / ``args.data`` with ``args.val_samples`` validation prompts, ``extra`` overrides on top.
     Returns its stdout, its ``metrics.jsonl`` rows and its ``summary.json``; a failed run exits naming ``what``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "rlspmd.train", "--config", "configs/quickstart.py",
-           "--actor.model.path", args.model, "--data.train-files", str(Path(args.data) / "train.parquet"),
-           "--data.val-files", str(Path(args.data) / "test.parquet"), "--data.max-val-samples", str(args.val_samples),
-           "--trainer.output-dir", str(out), "--trainer.loggers", "jsonl",
-           "--checkpoint.save-every", "0", "--checkpoint.no-save-final", *extra]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "rlspmd.train",
+        "--config",
+        "configs/quickstart.py",
+        "--actor.model.path",
+        args.model,
+        "--data.train-files",
+        str(Path(args.data) / "train.parquet"),
+        "--data.val-files",
+        str(Path(args.data) / "test.parquet"),
+        "--data.max-val-samples",
+        str(args.val_samples),
+        "--trainer.output-dir",
+        str(out),
+        "--trainer.loggers",
+        "jsonl",
+        "--checkpoint.save-every",
+        "0",
+        "--checkpoint.no-save-final",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run {what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -108,14 +137,34 @@ def ensure_model(path: str | None, *, preset: str) -> str:
     import build_tiny
 
     presets = {
-        "bench-tiny": dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=512),
-        "bench-256": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab_size=8192),
-        "bench-512": dict(hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, intermediate_size=1376, vocab_size=8192),
+        "bench-tiny": dict(
+            hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=512
+        ),
+        "bench-256": dict(
+            hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688, vocab_size=8192
+        ),
+        "bench-512": dict(
+            hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, intermediate_size=1376, vocab_size=8192
+        ),
         # GPU workloads: Qwen2.5-0.5B's and Qwen2.5-1.5B's bodies (tied embeddings) with the bench vocabulary
-        "bench-q05": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
-                          vocab_size=8192, max_position=1024),
-        "bench-q15": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960,
-                          vocab_size=8192, max_position=1024),
+        "bench-q05": dict(
+            hidden_size=896,
+            num_layers=24,
+            num_heads=14,
+            num_kv_heads=2,
+            intermediate_size=4864,
+            vocab_size=8192,
+            max_position=1024,
+        ),
+        "bench-q15": dict(
+            hidden_size=1536,
+            num_layers=28,
+            num_heads=12,
+            num_kv_heads=2,
+            intermediate_size=8960,
+            vocab_size=8192,
+            max_position=1024,
+        ),
     }
     out = ROOT / "models" / preset
     if not (out / "model.safetensors").is_file():
@@ -124,8 +173,19 @@ def ensure_model(path: str | None, *, preset: str) -> str:
 
 
 DENSE_BF16_TFLOPS = (  # (substring of torch.cuda.get_device_name(), dense bf16 tensor TFLOP/s), most specific first
-    ("GH200", 989.4), ("H200 NVL", 835.0), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4),
-    ("B200", 2250.0), ("B100", 1750.0), ("A100", 312.0), ("A10G", 70.0), ("A10", 125.0), ("L40S", 362.0), ("L4", 121.0),
+    ("GH200", 989.4),
+    ("H200 NVL", 835.0),
+    ("H200", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),
+    ("B200", 2250.0),
+    ("B100", 1750.0),
+    ("A100", 312.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
 )
 """NVIDIA's datasheet peaks without sparsity (H100/H200 SXM: 989.4). MFU is measured against these."""
 

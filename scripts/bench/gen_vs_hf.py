@@ -27,9 +27,14 @@ TOPICS = ["apples", "trains", "rivers", "numbers", "gardens", "markets", "birds"
 
 def make_prompts(tok, n: int):
     """Deterministic chat prompts (varying lengths, so the batch is left-padded like a real rollout)."""
-    texts = [f"Calculate {i * 7 % 97} + {i * 13 % 89} - {i % 10}, then tell me about {TOPICS[i % 8]}." * (1 + i % 2)
-             for i in range(n)]
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]
+    texts = [
+        f"Calculate {i * 7 % 97} + {i * 13 % 89} - {i % 10}, then tell me about {TOPICS[i % 8]}." * (1 + i % 2)
+        for i in range(n)
+    ]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        for t in texts
+    ]
     enc = tok(chats, padding=True, return_tensors="pt", add_special_tokens=False)
     return enc["input_ids"], enc["attention_mask"]
 
@@ -39,9 +44,15 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="HF model dir (default: build models/bench-256)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--sizes", default=None, help="comma-separated BATCHxNEW_TOKENS, one JSON line each (overrides --batch/--new-tokens)")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated BATCHxNEW_TOKENS, one JSON line each (overrides --batch/--new-tokens)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--modes", default=None, help="native engine modes: eager, graphs (default: eager,graphs on CUDA, eager on CPU)")
+    p.add_argument(
+        "--modes", default=None, help="native engine modes: eager, graphs (default: eager,graphs on CUDA, eager on CPU)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, batch 4, 8 tokens")
@@ -65,8 +76,17 @@ def main(argv=None):
     path = ensure_model(a.model, preset="bench-tiny" if a.tiny else "bench-256")
     tok = load_tokenizer(path, field_name="--model")
     model = load_causal_lm(path, dtype=a.dtype, attn_implementation="sdpa", field_name="--model").eval().to(dev)
-    engines = {m: NativeEngine(OwnWeights(model), eos_ids=[], pad_id=tok.pad_token_id, max_batch_size=max(b for b, _ in sizes),
-                               device=dev, cuda_graphs=m == "graphs") for m in modes}
+    engines = {
+        m: NativeEngine(
+            OwnWeights(model),
+            eos_ids=[],
+            pad_id=tok.pad_token_id,
+            max_batch_size=max(b for b, _ in sizes),
+            device=dev,
+            cuda_graphs=m == "graphs",
+        )
+        for m in modes
+    }
 
     for batch, new_tokens in sizes:
         ids, mask = (x.to(dev) for x in make_prompts(tok, batch))
@@ -80,8 +100,17 @@ def main(argv=None):
         @torch.inference_mode()
         def hf(n_new):
             torch.manual_seed(0)
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=tok.pad_token_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                pad_token_id=tok.pad_token_id,
+            )
             assert out.shape == (batch, ids.shape[1] + n_new)
 
         fns = {**{f"native_{m}": (lambda n, e=e: native(e, n)) for m, e in engines.items()}, "hf": hf}
@@ -99,17 +128,28 @@ def main(argv=None):
         for name, samples in runs.items():
             wall = statistics.median(s["wall_s"][0] for s in samples)
             cpu = statistics.median(s["cpu_s"][0] for s in samples)
-            res[name] = {"wall_s_median": wall, "cpu_s_median": cpu, "tokens_per_s": n_tokens / wall,
-                         "wall_s": [s["wall_s"][0] for s in samples]}
+            res[name] = {
+                "wall_s_median": wall,
+                "cpu_s_median": cpu,
+                "tokens_per_s": n_tokens / wall,
+                "wall_s": [s["wall_s"][0] for s in samples],
+            }
         if captures:
             res["native_graphs"]["capture_s"] = captures
         best = max((k for k in res if k.startswith("native_")), key=lambda k: res[k]["tokens_per_s"])
         emit(
             {
                 "benchmark": "gen_vs_hf",
-                "workload": {"model": path, "batch": batch, "prompt_len_padded": ids.shape[1], "new_tokens": new_tokens,
-                             "sampling": "temperature 1.0, no top-k/top-p, EOS never stops", "dtype": a.dtype,
-                             "device": str(dev), "repeats": a.repeats},
+                "workload": {
+                    "model": path,
+                    "batch": batch,
+                    "prompt_len_padded": ids.shape[1],
+                    "new_tokens": new_tokens,
+                    "sampling": "temperature 1.0, no top-k/top-p, EOS never stops",
+                    "dtype": a.dtype,
+                    "device": str(dev),
+                    "repeats": a.repeats,
+                },
                 **res,
                 "native": res[best],  # the fastest mode, under the key the CPU figures have always used
                 "native_mode": best.removeprefix("native_"),

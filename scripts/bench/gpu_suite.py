@@ -58,36 +58,126 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
         data = "data/bench/smoke_prompts.jsonl"
         model = "models/bench-tiny"
         return [
-            ("build", ["scripts/bench/grpo_workload.py", "--which", "smoke", "--data", data, "--num-prompts", "8"], 300),
+            (
+                "build",
+                ["scripts/bench/grpo_workload.py", "--which", "smoke", "--data", data, "--num-prompts", "8"],
+                300,
+            ),
             ("attention", ["scripts/bench/attn_kernels.py", "--smoke"], 300),
             ("rlspmd", ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q05.py:smoke"], 600),
-            ("trl", ["scripts/bench/trl_grpo.py", "--model", model, "--data", data, "--prompts", "4", "--generations", "2",
-                     "--new-tokens", "16", "--per-device-batch", "8", "--grad-accum", "1", "--steps", "2"], 600),
-            ("generation", ["scripts/bench/gen_vs_hf.py", "--model", model, "--sizes", "8x8,4x8", "--repeats", "1"], 300),
+            (
+                "trl",
+                [
+                    "scripts/bench/trl_grpo.py",
+                    "--model",
+                    model,
+                    "--data",
+                    data,
+                    "--prompts",
+                    "4",
+                    "--generations",
+                    "2",
+                    "--new-tokens",
+                    "16",
+                    "--per-device-batch",
+                    "8",
+                    "--grad-accum",
+                    "1",
+                    "--steps",
+                    "2",
+                ],
+                600,
+            ),
+            (
+                "generation",
+                ["scripts/bench/gen_vs_hf.py", "--model", model, "--sizes", "8x8,4x8", "--repeats", "1"],
+                300,
+            ),
             ("tests", ["scripts/bench/gpu_tests.py"], 300),
-            ("q15", ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py:smoke", "--profile-step", "0"], 600),
+            (
+                "q15",
+                ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py:smoke", "--profile-step", "0"],
+                600,
+            ),
         ]
     return [
         ("build", ["scripts/bench/grpo_workload.py", "--which", "grpo_q05", "--num-prompts", "256"], 80),
         ("attention", ["scripts/bench/attn_kernels.py"], 70),
         ("rlspmd", ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q05.py"], 110),
-        ("trl", ["scripts/bench/trl_grpo.py", "--model", "models/bench-q05", "--prompts", "32", "--generations", "8",
-                 "--new-tokens", "256", "--per-device-batch", "32", "--grad-accum", "8", "--bf16", "--steps", "3"], 100),
-        ("generation", ["scripts/bench/gen_vs_hf.py", "--model", "models/bench-q05", "--dtype", "bfloat16",
-                        "--sizes", "256x256,64x256", "--repeats", "1"], 80),
+        (
+            "trl",
+            [
+                "scripts/bench/trl_grpo.py",
+                "--model",
+                "models/bench-q05",
+                "--prompts",
+                "32",
+                "--generations",
+                "8",
+                "--new-tokens",
+                "256",
+                "--per-device-batch",
+                "32",
+                "--grad-accum",
+                "8",
+                "--bf16",
+                "--steps",
+                "3",
+            ],
+            100,
+        ),
+        (
+            "generation",
+            [
+                "scripts/bench/gen_vs_hf.py",
+                "--model",
+                "models/bench-q05",
+                "--dtype",
+                "bfloat16",
+                "--sizes",
+                "256x256,64x256",
+                "--repeats",
+                "1",
+            ],
+            80,
+        ),
         ("tests", ["scripts/bench/gpu_tests.py"], 90),
-        ("q15", ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py", "--profile-step", "0",
-                 "--build", "grpo_q15"], 120),  # its model is built inside its own time limit
+        (
+            "q15",
+            [
+                "scripts/bench/grpo_stages.py",
+                "--config",
+                "configs/bench/grpo_q15.py",
+                "--profile-step",
+                "0",
+                "--build",
+                "grpo_q15",
+            ],
+            120,
+        ),  # its model is built inside its own time limit
     ]
 
 
 def run_phase(name: str, cmd: list[str], limit_s: float, out_dir: Path) -> tuple[list[dict], dict]:
     """Run one phase; returns its JSON lines and a status record. Over ``limit_s`` the whole process group is killed."""
     t0 = time.perf_counter()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, *cmd],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=limit_s)
         timed_out = False
@@ -104,8 +194,14 @@ def run_phase(name: str, cmd: list[str], limit_s: float, out_dir: Path) -> tuple
                 lines.append(json.loads(line))
             except json.JSONDecodeError:
                 pass
-    status = {"bench": f"gpu_suite/{name}", "command": " ".join(["python", *cmd]), "seconds": round(seconds, 2),
-              "limit_s": round(limit_s, 1), "returncode": proc.returncode, "timed_out": timed_out}
+    status = {
+        "bench": f"gpu_suite/{name}",
+        "command": " ".join(["python", *cmd]),
+        "seconds": round(seconds, 2),
+        "limit_s": round(limit_s, 1),
+        "returncode": proc.returncode,
+        "timed_out": timed_out,
+    }
     if timed_out or proc.returncode != 0:
         status["output_tail"] = output[-3000:]
     return lines, status
@@ -120,28 +216,42 @@ def env_report() -> dict:
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
-    kernels = {k: kernel_problem(k, device=dev, dtype=torch.bfloat16) or "ok" for k in ("varlen", "flex", "flash_attn", "sdpa_loop")}
+    kernels = {
+        k: kernel_problem(k, device=dev, dtype=torch.bfloat16) or "ok"
+        for k in ("varlen", "flex", "flash_attn", "sdpa_loop")
+    }
     versions = {}
     for pkg in ("transformers", "trl", "datasets", "tyro", "flash_attn", "triton"):
         versions[pkg] = importlib.import_module(pkg).__version__ if importlib.util.find_spec(pkg) else None
-    return {"bench": "gpu_suite/env", "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "capability": list(torch.cuda.get_device_capability()) if cuda else None,
-            "attn_kernels_bf16": kernels, "packages": versions, "machine": machine()}
+    return {
+        "bench": "gpu_suite/env",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+        "attn_kernels_bf16": kernels,
+        "packages": versions,
+        "machine": machine(),
+    }
 
 
 def summary(lines: list[dict]) -> dict:
     """Each target with its measured value (None: not measured in this run)."""
+
     def first(pred):
         return next((x for x in lines if pred(x)), None)
 
     ours = first(lambda x: x.get("bench") == "grpo_stages" and "q15" not in x.get("config", ""))
     trl = first(lambda x: x.get("bench") == "trl_grpo" and "sec_per_step" in x)
-    gens = {(x["workload"]["batch"], x["workload"]["new_tokens"]): x for x in lines if x.get("benchmark") == "gen_vs_hf"}
+    gens = {
+        (x["workload"]["batch"], x["workload"]["new_tokens"]): x for x in lines if x.get("benchmark") == "gen_vs_hf"
+    }
     big = max(gens, default=None)
     small = min(gens, default=None)
     values = {
-        "grpo_vs_trl": trl["sec_per_step"] / ours["sec_per_step"] if ours and trl and ours.get("sec_per_step") else None,
+        "grpo_vs_trl": trl["sec_per_step"] / ours["sec_per_step"]
+        if ours and trl and ours.get("sec_per_step")
+        else None,
         "mfu_update": (ours.get("mfu") or {}).get("update") if ours else None,
         "mfu_ref": (ours.get("mfu") or {}).get("ref") if ours else None,
         "gen_tokens_per_s_256x256": gens[big]["native"]["tokens_per_s"] if big else None,
@@ -149,16 +259,23 @@ def summary(lines: list[dict]) -> dict:
         "busy_update": ((ours.get("gpu_busy") or {}).get("update") or {}).get("busy_vs_unprofiled") if ours else None,
         "busy_ref": ((ours.get("gpu_busy") or {}).get("ref") or {}).get("busy_vs_unprofiled") if ours else None,
     }
-    return {"bench": "gpu_suite/summary",
-            "targets": {k: {"value": v, "target": TARGETS[k], "met": None if v is None else v >= TARGETS[k]} for k, v in values.items()},
-            "gen_sizes": [f"{b}x{t}" for b, t in sorted(gens)]}
+    return {
+        "bench": "gpu_suite/summary",
+        "targets": {
+            k: {"value": v, "target": TARGETS[k], "met": None if v is None else v >= TARGETS[k]}
+            for k, v in values.items()
+        },
+        "gen_sizes": [f"{b}x{t}" for b, t in sorted(gens)],
+    }
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny versions of every phase (CPU is fine)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "outputs" / "gpu_suite"))
-    p.add_argument("--budget-s", type=float, default=None, help="total seconds for all phases (default 470; smoke 3600)")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="total seconds for all phases (default 470; smoke 3600)"
+    )
     p.add_argument("--skip", default="", help="comma-separated phases to leave out")
     a = p.parse_args(argv)
     budget = a.budget_s or (3600.0 if a.smoke else 470.0)

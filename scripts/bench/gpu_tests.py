@@ -34,9 +34,19 @@ def main() -> None:
                     self.failed.append(report.nodeid)
 
     outcomes = Outcomes()
-    rc = pytest.main(["-m", "gpu", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *[str(ROOT / f) for f in FILES]],
-                     plugins=[outcomes])
-    emit({"bench": "gpu_tests", "returncode": int(rc), **outcomes.counts, "failed_tests": outcomes.failed, "files": FILES})
+    rc = pytest.main(
+        ["-m", "gpu", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *[str(ROOT / f) for f in FILES]],
+        plugins=[outcomes],
+    )
+    emit(
+        {
+            "bench": "gpu_tests",
+            "returncode": int(rc),
+            **outcomes.counts,
+            "failed_tests": outcomes.failed,
+            "files": FILES,
+        }
+    )
     sys.exit(0 if int(rc) in (0, 5) else 1)  # 5: nothing collected
 
 

@@ -38,8 +38,15 @@ def weight_matrices(model) -> list:
     mats = []
     for layer in model.get_decoder().layers:
         a, m = layer.self_attn, layer.mlp
-        mats += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-                 m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
+        mats += [
+            a.q_proj.weight,
+            a.k_proj.weight,
+            a.v_proj.weight,
+            a.o_proj.weight,
+            m.gate_proj.weight,
+            m.up_proj.weight,
+            m.down_proj.weight,
+        ]
     return [w.detach() for w in mats]
 
 
@@ -50,7 +57,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-steps", type=int, default=NEW_TOKENS, help="decode steps timed (the workload has 64)")
     p.add_argument("--trl-sec-per-step", type=float, default=None, help="TRL's measured sec/step, for max_ratio")
-    p.add_argument("--rlspmd-sec-per-step", type=float, default=None, help="rlspmd's measured sec/step, for its share of the floor")
+    p.add_argument(
+        "--rlspmd-sec-per-step", type=float, default=None, help="rlspmd's measured sec/step, for its share of the floor"
+    )
     p.add_argument("--tiny", action="store_true", help="smoke run: the tiny bench model, 2 decode steps, 1 repeat")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -139,7 +148,10 @@ def main(argv=None):
     out = {}
     with torch.no_grad():
         gen_s = measure(gen, repeats=a.repeats)["wall_s_median"]
-        gen_flop = 2.0 * (PROMPTS * PROMPT_TOKENS + rows * a.decode_steps) * mat_params + 2.0 * rows * a.decode_steps * head.numel()
+        gen_flop = (
+            2.0 * (PROMPTS * PROMPT_TOKENS + rows * a.decode_steps) * mat_params
+            + 2.0 * rows * a.decode_steps * head.numel()
+        )
         for name, prompt_tokens in (("full", rows * PROMPT_TOKENS), ("shared_prefix", PROMPTS * PROMPT_TOKENS)):
             fwd, fwd_bwd, body_fwd_bwd, n_tok = train_passes(prompt_tokens)
             ref_s = measure(fwd, repeats=a.repeats)["wall_s_median"]
@@ -147,11 +159,22 @@ def main(argv=None):
             total = gen_s + ref_s + upd_s
             out[name] = {
                 "tokens": n_tok,
-                "floor_s": {"gen": round(gen_s, 6), "ref": round(ref_s, 6), "update": round(upd_s, 6), "total": round(total, 6)},
-                "gflop": {"gen": round(gen_flop / 1e9, 3), "ref": round(flops_fwd(n_tok) / 1e9, 3),
-                          "update": round(3 * flops_fwd(n_tok) / 1e9, 3)},
-                "gflops_per_s": {"gen": round(gen_flop / gen_s / 1e9, 1), "ref": round(flops_fwd(n_tok) / ref_s / 1e9, 1),
-                                 "update": round(3 * flops_fwd(n_tok) / upd_s / 1e9, 1)},
+                "floor_s": {
+                    "gen": round(gen_s, 6),
+                    "ref": round(ref_s, 6),
+                    "update": round(upd_s, 6),
+                    "total": round(total, 6),
+                },
+                "gflop": {
+                    "gen": round(gen_flop / 1e9, 3),
+                    "ref": round(flops_fwd(n_tok) / 1e9, 3),
+                    "update": round(3 * flops_fwd(n_tok) / 1e9, 3),
+                },
+                "gflops_per_s": {
+                    "gen": round(gen_flop / gen_s / 1e9, 1),
+                    "ref": round(flops_fwd(n_tok) / ref_s / 1e9, 1),
+                    "update": round(3 * flops_fwd(n_tok) / upd_s / 1e9, 1),
+                },
             }
             if name == "full":
                 body_s = measure(body_fwd_bwd, repeats=a.repeats)["wall_s_median"]
@@ -169,14 +192,29 @@ def main(argv=None):
         model.zero_grad(set_to_none=True)
 
     hf_s = measure(hf_stack, repeats=a.repeats)["wall_s_median"]
-    out["hf_decoder"] = {"fwd_bwd_s": round(hf_s, 6), "matmuls_s": round(body_s, 6), "outside_matmuls_s": round(hf_s - body_s, 6)}
-    emit({
-        "benchmark": "grpo_floor",
-        "workload": {"which": a.which, "model": path, "rows": rows, "prompt_tokens": PROMPT_TOKENS,
-                     "new_tokens": NEW_TOKENS, "decode_steps_timed": a.decode_steps, "dtype": "float32",
-                     "trl_sec_per_step": a.trl_sec_per_step, "rlspmd_sec_per_step": a.rlspmd_sec_per_step},
-        **out,
-    }, a.out)
+    out["hf_decoder"] = {
+        "fwd_bwd_s": round(hf_s, 6),
+        "matmuls_s": round(body_s, 6),
+        "outside_matmuls_s": round(hf_s - body_s, 6),
+    }
+    emit(
+        {
+            "benchmark": "grpo_floor",
+            "workload": {
+                "which": a.which,
+                "model": path,
+                "rows": rows,
+                "prompt_tokens": PROMPT_TOKENS,
+                "new_tokens": NEW_TOKENS,
+                "decode_steps_timed": a.decode_steps,
+                "dtype": "float32",
+                "trl_sec_per_step": a.trl_sec_per_step,
+                "rlspmd_sec_per_step": a.rlspmd_sec_per_step,
+            },
+            **out,
+        },
+        a.out,
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def main(argv=None):
     p.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last; 0: none)")
     p.add_argument("--partial", default=None, help="rewrite the JSON here after every step")
     p.add_argument("--output-dir", default=None, help="override trainer.output_dir")
-    p.add_argument("--build", default=None, help="build this grpo_workload.py preset (model + prompts) first, e.g. grpo_q15")
+    p.add_argument(
+        "--build", default=None, help="build this grpo_workload.py preset (model + prompts) first, e.g. grpo_q15"
+    )
     a = p.parse_args(argv)
     if a.build:
         from grpo_workload import build
@@ -56,8 +58,9 @@ def main(argv=None):
     from rlspmd.trainer.timing import StageProbe, device_synchronize
 
     cfg = load_config_file(a.config)
-    trainer_cfg = dataclasses.replace(cfg.trainer, total_steps=a.steps or cfg.trainer.total_steps,
-                                      output_dir=a.output_dir or cfg.trainer.output_dir)
+    trainer_cfg = dataclasses.replace(
+        cfg.trainer, total_steps=a.steps or cfg.trainer.total_steps, output_dir=a.output_dir or cfg.trainer.output_dir
+    )
     cfg = dataclasses.replace(cfg, trainer=trainer_cfg)
     steps = cfg.trainer.total_steps
     profile_step = steps if a.profile_step is None else a.profile_step
@@ -66,9 +69,14 @@ def main(argv=None):
     seed_everything(cfg.trainer.seed)
     meshes = RoleMeshes(ParallelDims.from_config(cfg.mesh, rt.world_size), rt.device.type, rt.rank)
     model_cfg = cfg.actor.model
-    attn_kernel = check_attn_kernel(model_cfg.attn_kernel, attn_implementation=model_cfg.attn_implementation,
-                                    packing=model_cfg.packing, device=rt.device, dtype=compute_dtype(cfg.actor.engine.param_dtype, rt.device),
-                                    field_name="actor.model.attn_kernel")
+    attn_kernel = check_attn_kernel(
+        model_cfg.attn_kernel,
+        attn_implementation=model_cfg.attn_implementation,
+        packing=model_cfg.packing,
+        device=rt.device,
+        dtype=compute_dtype(cfg.actor.engine.param_dtype, rt.device),
+        field_name="actor.model.attn_kernel",
+    )
     from rlspmd.trainer.build import build_trainer
 
     t_build = time.perf_counter()
@@ -96,6 +104,7 @@ def main(argv=None):
                     wall = time.perf_counter() - t0
                 profiled[name] = {"wall_s": wall, "kernel_s": kernel_busy_seconds(prof)}
                 return out
+
         return run
 
     # the stage methods of the built trainer, wrapped in place (see the docstring)
@@ -112,14 +121,26 @@ def main(argv=None):
         probe.peak_bytes.clear()
         with probe("step"):
             metrics = trainer.step(step)
-        per_step.append({"seconds": dict(probe.seconds), "peak_gib": {k: v / 2**30 for k, v in probe.peak_bytes.items()},
-                         "tokens": metrics["tokens/total"], "response_tokens": metrics["tokens/response"],
-                         "trainer_timing": {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")}})
-        result = {"bench": "grpo_stages", "config": a.config, "steps_done": step,
-                  "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
-                  "attn_kernel": attn_kernel, "build_s": build_s,
-                  **summarize(per_step, n_params=n_params, peak_tflops=peak_tflops, profiled=profiled,
-                              cuda=rt.device.type == "cuda")}
+        per_step.append(
+            {
+                "seconds": dict(probe.seconds),
+                "peak_gib": {k: v / 2**30 for k, v in probe.peak_bytes.items()},
+                "tokens": metrics["tokens/total"],
+                "response_tokens": metrics["tokens/response"],
+                "trainer_timing": {k.removeprefix("timing/"): v for k, v in metrics.items() if k.startswith("timing/")},
+            }
+        )
+        result = {
+            "bench": "grpo_stages",
+            "config": a.config,
+            "steps_done": step,
+            "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
+            "attn_kernel": attn_kernel,
+            "build_s": build_s,
+            **summarize(
+                per_step, n_params=n_params, peak_tflops=peak_tflops, profiled=profiled, cuda=rt.device.type == "cuda"
+            ),
+        }
         if a.partial:
             Path(a.partial).parent.mkdir(parents=True, exist_ok=True)
             Path(a.partial).write_text(json.dumps(result) + "\n")
@@ -140,7 +161,9 @@ def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None,
         "sec_per_step": median.get("step"),
         "stages_s": median,
         "stages_s_all": [s["seconds"] for s in per_step],
-        "peak_mem_gib": {k: max(s["peak_gib"].get(k, 0.0) for s in per_step) for k in stages} if per_step[0]["peak_gib"] else None,
+        "peak_mem_gib": {k: max(s["peak_gib"].get(k, 0.0) for s in per_step) for k in stages}
+        if per_step[0]["peak_gib"]
+        else None,
         "gen_tokens_per_s": steady[-1]["response_tokens"] / median["gen"] if median.get("gen") else None,
         "tflops": {k: flop[k] / median[k] / 1e12 for k in flop if median.get(k)},
         "trainer_timing_last": per_step[-1]["trainer_timing"],
@@ -148,8 +171,12 @@ def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None,
     }
     out["mfu"] = {k: v / peak_tflops for k, v in out["tflops"].items()} if peak_tflops else None
     out["gpu_busy"] = {  # on CPU the profiler runs too (the code path is tested) but there are no kernels to count
-        k: {"kernel_s": v["kernel_s"], "profiled_wall_s": v["wall_s"], "busy": v["kernel_s"] / v["wall_s"] if cuda else None,
-            "busy_vs_unprofiled": min(1.0, v["kernel_s"] / median[k]) if cuda and median.get(k) else None}
+        k: {
+            "kernel_s": v["kernel_s"],
+            "profiled_wall_s": v["wall_s"],
+            "busy": v["kernel_s"] / v["wall_s"] if cuda else None,
+            "busy_vs_unprofiled": min(1.0, v["kernel_s"] / median[k]) if cuda and median.get(k) else None,
+        }
         for k, v in profiled.items()
     } or None
     return out

@@ -28,18 +28,33 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     models = build([a.which], data=ROOT / "data" / "bench" / "prompts.jsonl", num_prompts=256, prompt_tokens=27)
-    ours = last_json([sys.executable, "-m", "rlspmd.train", "--config", f"configs/bench/{a.which}.py",
-                      "--trainer.total-steps", str(a.steps)])["summary"]
+    ours = last_json(
+        [
+            sys.executable,
+            "-m",
+            "rlspmd.train",
+            "--config",
+            f"configs/bench/{a.which}.py",
+            "--trainer.total-steps",
+            str(a.steps),
+        ]
+    )["summary"]
     trl = last_json([sys.executable, "scripts/bench/trl_grpo.py", "--model", models[a.which], "--steps", str(a.steps)])
-    emit({
-        "bench": "grpo_vs_trl",
-        "workload": a.which,
-        "rlspmd": {"sec_per_step": ours["sec_per_step"], "gen_tokens_per_sec": ours["gen_tokens_per_sec"],
-                   "stages_s": ours["mean_step_s"]},
-        "trl": {"version": trl["trl"], "sec_per_step": trl["sec_per_step"], "step_s": trl["step_s"]},
-        "ratio": trl["sec_per_step"] / ours["sec_per_step"],
-        "target": 2.0,
-    }, a.out)
+    emit(
+        {
+            "bench": "grpo_vs_trl",
+            "workload": a.which,
+            "rlspmd": {
+                "sec_per_step": ours["sec_per_step"],
+                "gen_tokens_per_sec": ours["gen_tokens_per_sec"],
+                "stages_s": ours["mean_step_s"],
+            },
+            "trl": {"version": trl["trl"], "sec_per_step": trl["sec_per_step"], "step_s": trl["step_s"]},
+            "ratio": trl["sec_per_step"] / ours["sec_per_step"],
+            "target": 2.0,
+        },
+        a.out,
+    )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ensure_model  # noqa: E402
 
-PRESETS = {"grpo_tiny": "bench-256", "grpo_small": "bench-512", "grpo_q05": "bench-q05", "grpo_q15": "bench-q15",
-           "smoke": "bench-tiny"}
+PRESETS = {
+    "grpo_tiny": "bench-256",
+    "grpo_small": "bench-512",
+    "grpo_q05": "bench-q05",
+    "grpo_q15": "bench-q15",
+    "smoke": "bench-tiny",
+}
 
 
 def prompt_of_length(tokenizer, rng: random.Random, n_tokens: int) -> tuple[str, int]:
@@ -42,7 +47,9 @@ def prompt_of_length(tokenizer, rng: random.Random, n_tokens: int) -> tuple[str,
         while True:
             expr = " ".join([str(terms[0])] + [f"{o} {t}" for o, t in zip(ops, terms[1:])])
             text = f"Calculate {expr}."
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+            )
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             if len(ids) == n_tokens:

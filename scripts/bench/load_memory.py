@@ -52,19 +52,41 @@ def write_records(rec: dict, out: str) -> None:
 def launch_workers(script: str, nproc: int, worker_args: Callable[[str], list[str]]) -> list[dict]:
     """Launcher side: ``script --worker *worker_args(out)`` on ``nproc`` local ranks (torchrun, one thread each);
     the ranks' records, as the worker's ``write_records`` left them in ``out``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     with tempfile.TemporaryDirectory() as tmp, socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
         out = Path(tmp) / "records.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                        "--master-addr", "127.0.0.1", "--master-port", str(port), script, "--worker",
-                        *worker_args(str(out))], check=True, env=env, cwd=ROOT)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                script,
+                "--worker",
+                *worker_args(str(out)),
+            ],
+            check=True,
+            env=env,
+            cwd=ROOT,
+        )
         return json.loads(out.read_text())
 
 
-def build_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, dtype: str) -> Path:
+def build_model(
+    out: Path, *, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int, dtype: str
+) -> Path:
     """A random Llama-shaped directory, written tensor by tensor (never the whole float32 model in memory)."""
     import torch
     from safetensors.torch import save_file
@@ -73,14 +95,23 @@ def build_model(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: in
     if (out / "model.safetensors").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=False,
+    )
     cfg.save_pretrained(out)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(cfg).named_parameters()}
     g = torch.Generator().manual_seed(0)
-    tensors = {n: (torch.randn(s, generator=g) * 0.02 if len(s) > 1 else torch.ones(s)).to(getattr(torch, dtype))
-               for n, s in shapes.items()}
+    tensors = {
+        n: (torch.randn(s, generator=g) * 0.02 if len(s) > 1 else torch.ones(s)).to(getattr(torch, dtype))
+        for n, s in shapes.items()
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -94,13 +125,19 @@ def worker(mode: str, model: str, out: str) -> None:
 
     rt = init_distributed(DistConfig())
     mesh = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)
-    fsdp_role_module("policy", model, model=ModelConfig(path=model), field_name="model")  # import the model's code first
+    fsdp_role_module(
+        "policy", model, model=ModelConfig(path=model), field_name="model"
+    )  # import the model's code first
     before = status_bytes("VmRSS")
     cfg = ModelConfig(path=model, sharded_load=mode == "sharded")
     module, weights = fsdp_role_module("policy", model, model=cfg, field_name="model")
     engine = FSDPEngine(module, module.hf, mesh=mesh, device=rt.device, fsdp=FSDPConfig(), optim=None, weights=weights)
-    rec = {"before": before, "peak": status_bytes("VmHWM"), "after": status_bytes("VmRSS"),
-           "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())}
+    rec = {
+        "before": before,
+        "peak": status_bytes("VmHWM"),
+        "after": status_bytes("VmRSS"),
+        "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters()),
+    }
     write_records(rec, out)
     shutdown()
 
@@ -117,13 +154,27 @@ def main() -> None:
         return worker(*args.worker)
     from common import emit
 
-    model = args.model or str(build_model(Path(args.build_dir), hidden=2048, layers=16, heads=16, kv_heads=4, inter=5632,
-                                          vocab=32000, dtype=args.file_dtype))
+    model = args.model or str(
+        build_model(
+            Path(args.build_dir),
+            hidden=2048,
+            layers=16,
+            heads=16,
+            kv_heads=4,
+            inter=5632,
+            vocab=32000,
+            dtype=args.file_dtype,
+        )
+    )
     result: dict = {"benchmark": "load_memory", "model": model, "nproc": args.nproc}
     for mode in ("full", "sharded"):
         recs = launch_workers(__file__, args.nproc, lambda out, mode=mode: [mode, model, out])
-        result[mode] = {"peak_bytes": max(r["peak"] for r in recs), "added_bytes": max(r["peak"] - r["before"] for r in recs),
-                        "before_bytes": max(r["before"] for r in recs), "local_param_bytes": max(r["local_param_bytes"] for r in recs)}
+        result[mode] = {
+            "peak_bytes": max(r["peak"] for r in recs),
+            "added_bytes": max(r["peak"] - r["before"] for r in recs),
+            "before_bytes": max(r["before"] for r in recs),
+            "local_param_bytes": max(r["local_param_bytes"] for r in recs),
+        }
     result["model_bytes"] = sum(r for r in (result["sharded"]["local_param_bytes"],)) * args.nproc
     result["ratio_peak"] = round(result["sharded"]["peak_bytes"] / result["full"]["peak_bytes"], 3)
     result["ratio_added"] = round(result["sharded"]["added_bytes"] / result["full"]["added_bytes"], 3)

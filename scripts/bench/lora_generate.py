@@ -45,8 +45,15 @@ def main(argv: list[str] | None = None) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.hidden // 64,
-                      num_key_value_heads=max(1, a.hidden // 256), intermediate_size=a.hidden * 11 // 4, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.hidden // 64,
+        num_key_value_heads=max(1, a.hidden // 256),
+        intermediate_size=a.hidden * 11 // 4,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(cfg).to(device)
     apply_lora(model, LoraConfig(rank=a.rank, alpha=2.0 * a.rank))
     with torch.no_grad():
@@ -54,8 +61,13 @@ def main(argv: list[str] | None = None) -> None:
             torch.nn.init.normal_(m.lora_B[ADAPTER].weight, std=0.02)  # a trained adapter: B != 0
     engine = NativeEngine(OwnWeights(model), eos_ids=[-1], pad_id=0, max_batch_size=a.batch, device=device)
     g = torch.Generator().manual_seed(1)
-    prompts = Batch({"prompts_BP": torch.randint(3, a.vocab, (a.batch, a.prompt_tokens), generator=g),
-                     "prompt_mask_BP": torch.ones(a.batch, a.prompt_tokens, dtype=torch.long), "uid_B": torch.arange(a.batch)})
+    prompts = Batch(
+        {
+            "prompts_BP": torch.randint(3, a.vocab, (a.batch, a.prompt_tokens), generator=g),
+            "prompt_mask_BP": torch.ones(a.batch, a.prompt_tokens, dtype=torch.long),
+            "uid_B": torch.arange(a.batch),
+        }
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, n=1)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
 
@@ -94,11 +106,24 @@ def main(argv: list[str] | None = None) -> None:
     sync()
     merge_s = time.perf_counter() - t0
     same = torch.equal(outs["merged"]["responses_BR"], outs["on_the_fly"]["responses_BR"])
-    print(json.dumps({
-        "bench": "lora_generate", "device": str(device), "hidden": a.hidden, "layers": a.layers, "rank": a.rank,
-        "batch": a.batch, "new_tokens": a.new_tokens, "on_the_fly_s": seconds["on_the_fly"], "merged_s": seconds["merged"],
-        "merge_only_s": merge_s, "speedup_merged": seconds["on_the_fly"] / seconds["merged"], "same_tokens": same,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "lora_generate",
+                "device": str(device),
+                "hidden": a.hidden,
+                "layers": a.layers,
+                "rank": a.rank,
+                "batch": a.batch,
+                "new_tokens": a.new_tokens,
+                "on_the_fly_s": seconds["on_the_fly"],
+                "merged_s": seconds["merged"],
+                "merge_only_s": merge_s,
+                "speedup_merged": seconds["on_the_fly"] / seconds["merged"],
+                "same_tokens": same,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -37,19 +37,35 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=a.heads,
-                      num_key_value_heads=a.kv_heads, intermediate_size=a.intermediate, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        intermediate_size=a.intermediate,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())
     apply_lora(model, LoraConfig(rank=a.rank, alpha=a.alpha, target_modules=a.targets))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(json.dumps({
-        "bench": "lora_share", "rank": a.rank, "targets": a.targets, "base_params": total, "adapter_params": trainable,
-        "trainable_share": trainable / total,
-        "adamw_state_bytes_full": 8 * total, "adamw_state_bytes_lora": 8 * trainable,
-        "optimizer_memory_share": trainable / total,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "lora_share",
+                "rank": a.rank,
+                "targets": a.targets,
+                "base_params": total,
+                "adapter_params": trainable,
+                "trainable_share": trainable / total,
+                "adamw_state_bytes_full": 8 * total,
+                "adamw_state_bytes_lora": 8 * trainable,
+                "optimizer_memory_share": trainable / total,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

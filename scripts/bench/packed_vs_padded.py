@@ -59,7 +59,9 @@ def main(argv=None):
     path = ensure_model(a.model, preset="bench-tiny" if a.tiny else "bench-256")
     padded = CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="--model"))
     impl = training_attn_implementation("sdpa", packing=True, field_name="--model")
-    packed = CausalLMPolicy(load_causal_lm(path, dtype="float32", attn_implementation=impl, field_name="--model"), packing=True)
+    packed = CausalLMPolicy(
+        load_causal_lm(path, dtype="float32", attn_implementation=impl, field_name="--model"), packing=True
+    )
     ids, am, pos, rm, R = make_batch(a.batch, a.prompt_len, a.min_len, a.max_len, padded.config.vocab_size)
     n_valid = rm.sum()
 
@@ -95,8 +97,14 @@ def main(argv=None):
         {
             "benchmark": "packed_vs_padded",
             "workload": {
-                "model": path, "batch": a.batch, "prompt_len": a.prompt_len, "min_len": a.min_len, "max_len": a.max_len,
-                "padded_tokens": tokens_padded, "valid_tokens": tokens_valid, "repeats": a.repeats,
+                "model": path,
+                "batch": a.batch,
+                "prompt_len": a.prompt_len,
+                "min_len": a.min_len,
+                "max_len": a.max_len,
+                "padded_tokens": tokens_padded,
+                "valid_tokens": tokens_valid,
+                "repeats": a.repeats,
                 "pass": "CausalLMPolicy.forward (log-probs + entropy, chunked head) + backward, fp32",
             },
             "max_abs_logprob_diff": float(diff),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common import emit, measure
 
-USER_FN = '''import re
+USER_FN = """import re
 
 _FINAL = re.compile(r"####\\s*(-?[\\d,]*\\.?\\d+)")
 
@@ -26,7 +26,7 @@ _FINAL = re.compile(r"####\\s*(-?[\\d,]*\\.?\\d+)")
 def score(response, ground_truth):
     found = _FINAL.findall(response)
     return float(bool(found) and found[-1].replace(",", "") == ground_truth)
-'''
+"""
 
 
 class WordTokenizer:
@@ -53,11 +53,16 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     n = args.samples
-    texts = [f"{i} + {i % 7} = {i + i % 7}. Then we add 3 to get {i + i % 7 + 3}. #### {i + i % 7 + 3}" for i in range(n)]
+    texts = [
+        f"{i} + {i % 7} = {i + i % 7}. Then we add 3 to get {i + i % 7 + 3}. #### {i + i % 7 + 3}" for i in range(n)
+    ]
     batch = Batch(
         {"responses_BR": torch.ones(n, 4, dtype=torch.long), "response_mask_BR": torch.ones(n, 4, dtype=torch.long)},
-        {"ground_truth": [str(i + i % 7 + 3) for i in range(n)], "data_source": ["arithmetic"] * n,
-         "extra_info": [{"index": i} for i in range(n)]},
+        {
+            "ground_truth": [str(i + i % 7 + 3) for i in range(n)],
+            "data_source": ["arithmetic"] * n,
+            "extra_info": [{"index": i} for i in range(n)],
+        },
     )
     tok = WordTokenizer(texts)
     fn_file = Path(tempfile.mkdtemp()) / "user_reward.py"
@@ -68,14 +73,21 @@ def main(argv=None):
         assert manager.score(batch)["task_scores_B"].sum().item() == n  # every answer is right: the work is real
         result = measure(lambda: manager.score(batch), repeats=args.repeats, warmup=2)
         manager.close()
-        return {"wall_ms_per_step": round(1000 * result["wall_s_median"], 3), "us_per_sample": round(1e6 * result["wall_s_median"] / n, 1),
-                "cpu_ms_per_step": round(1000 * result["cpu_s_median"], 3)}
+        return {
+            "wall_ms_per_step": round(1000 * result["wall_s_median"], 3),
+            "us_per_sample": round(1e6 * result["wall_s_median"] / n, 1),
+            "cpu_ms_per_step": round(1000 * result["cpu_s_median"], 3),
+        }
 
-    out = {"samples_per_step": n,
-           "builtin_rule_in_process": timed(RewardManager(RewardConfig(), tok)),
-           "user_fn_in_process": timed(RewardManager(RewardConfig(function=spec, timeout_s=None), tok))}
+    out = {
+        "samples_per_step": n,
+        "builtin_rule_in_process": timed(RewardManager(RewardConfig(), tok)),
+        "user_fn_in_process": timed(RewardManager(RewardConfig(function=spec, timeout_s=None), tok)),
+    }
     for w in args.workers:
-        out[f"user_fn_pool_{w}_workers"] = timed(RewardManager(RewardConfig(function=spec, timeout_s=60.0, num_workers=w), tok))
+        out[f"user_fn_pool_{w}_workers"] = timed(
+            RewardManager(RewardConfig(function=spec, timeout_s=60.0, num_workers=w), tok)
+        )
     emit({"benchmark": "reward_pool", **out})
 
 

@@ -40,18 +40,34 @@ RUNS = {
     "tis_token": [f"{RC}mode", "tis", f"{RC}level", "token"],
     "mis_sequence": [f"{RC}mode", "mis", f"{RC}level", "sequence"],
 }
-PER_STEP = {"train_acc": "acc/mean", "reward": "reward/mean", "response_length": "response_length/mean",
-            "kl_k3": "rollout_corr/mismatch/kl_k3", "logprob_gap": "rollout/logprob_gap",
-            "ratio_out_frac": "rollout_corr/mismatch/ratio_out_of_bound_frac",
-            "is_weight_mean": "rollout_corr/is_weight_mean", "truncated_frac": "rollout_corr/truncated_frac",
-            "masked_frac": "rollout_corr/masked_frac"}
+PER_STEP = {
+    "train_acc": "acc/mean",
+    "reward": "reward/mean",
+    "response_length": "response_length/mean",
+    "kl_k3": "rollout_corr/mismatch/kl_k3",
+    "logprob_gap": "rollout/logprob_gap",
+    "ratio_out_frac": "rollout_corr/mismatch/ratio_out_of_bound_frac",
+    "is_weight_mean": "rollout_corr/is_weight_mean",
+    "truncated_frac": "rollout_corr/truncated_frac",
+    "masked_frac": "rollout_corr/masked_frac",
+}
 
 
 def run(args, name: str, out: Path) -> dict:
     stdout, rows, summary = run_quickstart(
-        args, out, ["--rollout.dtype", "bfloat16", *RUNS[name],
-                    "--trainer.total-steps", str(args.steps), "--trainer.val-every", str(args.val_every)],
-        what=name)
+        args,
+        out,
+        [
+            "--rollout.dtype",
+            "bfloat16",
+            *RUNS[name],
+            "--trainer.total-steps",
+            str(args.steps),
+            "--trainer.val-every",
+            str(args.val_every),
+        ],
+        what=name,
+    )
     resolved = next((line for line in stdout.splitlines() if "rollout correction:" in line), "")
     train = [r for r in rows if r["step"] > 0]
     val = [[r["step"], r["val/acc"]] for r in rows if "val/acc" in r]
@@ -77,13 +93,21 @@ def main() -> None:
     load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         runs = {name: run(args, name, Path(tmp) / name) for name in args.runs}
-    result = {"bench": "rollout_correction_curves", "steps": args.steps, "rollout_dtype": "bfloat16",
-              "actor_dtype": "float32", "val_samples": args.val_samples, "runs": runs,
-              "val_rise": {k: r["val_rise"] for k, r in runs.items()},
-              "mean_kl_k3": {k: sum(r["kl_k3"]) / len(r["kl_k3"]) for k, r in runs.items()},
-              "load_avg_start": load_start}
+    result = {
+        "bench": "rollout_correction_curves",
+        "steps": args.steps,
+        "rollout_dtype": "bfloat16",
+        "actor_dtype": "float32",
+        "val_samples": args.val_samples,
+        "runs": runs,
+        "val_rise": {k: r["val_rise"] for k, r in runs.items()},
+        "mean_kl_k3": {k: sum(r["kl_k3"]) / len(r["kl_k3"]) for k, r in runs.items()},
+        "load_avg_start": load_start,
+    }
     if "off" in runs:
-        result["val_rise_minus_off_points"] = {k: 100 * (r["val_rise"] - runs["off"]["val_rise"]) for k, r in runs.items()}
+        result["val_rise_minus_off_points"] = {
+            k: 100 * (r["val_rise"] - runs["off"]["val_rise"]) for k, r in runs.items()
+        }
     emit(result, args.out)
 
 

@@ -55,9 +55,12 @@ def main(argv=None):
     out = {}
     for mode in modes:
         med = statistics.median(seconds[mode])
-        out[mode] = {"calls": len(seconds[mode]), "ms_per_call_median": round(1000 * med, 1),
-                     "ms_per_call_p90": round(1000 * statistics.quantiles(seconds[mode], n=10)[-1], 1),
-                     "calls_per_s": round(1 / med, 2)}
+        out[mode] = {
+            "calls": len(seconds[mode]),
+            "ms_per_call_median": round(1000 * med, 1),
+            "ms_per_call_p90": round(1000 * statistics.quantiles(seconds[mode], n=10)[-1], 1),
+            "calls_per_s": round(1 / med, 2),
+        }
     for n in args.threads:
         for mode in modes:
             calls = max(n * 4, 20)
@@ -65,7 +68,9 @@ def main(argv=None):
             with ThreadPoolExecutor(n) as pool:
                 list(pool.map(lambda _: one(mode), range(calls)))
             out[mode][f"calls_per_s_{n}_threads"] = round(calls / (time.perf_counter() - t0), 2)
-    out["bwrap_over_audit_hook_ms"] = round(out["bwrap"]["ms_per_call_median"] - out["audit-hook-unsafe"]["ms_per_call_median"], 1)
+    out["bwrap_over_audit_hook_ms"] = round(
+        out["bwrap"]["ms_per_call_median"] - out["audit-hook-unsafe"]["ms_per_call_median"], 1
+    )
     emit({"benchmark": "sandbox_calls", "program": CODE, **out})
 
 

@@ -28,16 +28,40 @@ def main(argv=None):
     build([a.which], data=ROOT / "data" / "bench" / "prompts.jsonl", num_prompts=256, prompt_tokens=27)
     runs = {}
     for n in (1, 2):
-        runs[n] = last_json([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                             "-m", "rlspmd.train", "--config", f"configs/bench/{a.which}.py",
-                             "--trainer.total-steps", str(a.steps), "--trainer.output-dir", f"outputs/bench/scaling_{n}"])["summary"]
-    emit({
-        "bench": "scaling",
-        "workload": a.which,
-        "ranks": {str(n): {"sec_per_step": r["sec_per_step"], "tokens_per_sec": r["tokens_per_sec"],
-                           "gen_tokens_per_sec": r["gen_tokens_per_sec"], "stages_s": r["mean_step_s"]} for n, r in runs.items()},
-        "speedup": runs[1]["sec_per_step"] / runs[2]["sec_per_step"],
-    }, a.out)
+        runs[n] = last_json(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "-m",
+                "rlspmd.train",
+                "--config",
+                f"configs/bench/{a.which}.py",
+                "--trainer.total-steps",
+                str(a.steps),
+                "--trainer.output-dir",
+                f"outputs/bench/scaling_{n}",
+            ]
+        )["summary"]
+    emit(
+        {
+            "bench": "scaling",
+            "workload": a.which,
+            "ranks": {
+                str(n): {
+                    "sec_per_step": r["sec_per_step"],
+                    "tokens_per_sec": r["tokens_per_sec"],
+                    "gen_tokens_per_sec": r["gen_tokens_per_sec"],
+                    "stages_s": r["mean_step_s"],
+                }
+                for n, r in runs.items()
+            },
+            "speedup": runs[1]["sec_per_step"] / runs[2]["sec_per_step"],
+        },
+        a.out,
+    )
 
 
 if __name__ == "__main__":

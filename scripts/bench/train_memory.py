@@ -26,8 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
-DEFAULT_CONFIGS = ["ac=0,offload=0,tp=1", "ac=1,offload=0,tp=1", "ac=0,offload=1,tp=1", "ac=1,offload=1,tp=1",
-                   "ac=0,offload=0,tp=2", "ac=1,offload=0,tp=2"]
+DEFAULT_CONFIGS = [
+    "ac=0,offload=0,tp=1",
+    "ac=1,offload=0,tp=1",
+    "ac=0,offload=1,tp=1",
+    "ac=1,offload=1,tp=1",
+    "ac=0,offload=0,tp=2",
+    "ac=1,offload=0,tp=2",
+]
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -47,11 +53,19 @@ def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
     c = parse(spec)
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(actor_tp=c["tp"]), rt.world_size), rt.device.type, rt.rank)
-    engine = build_engine("policy", model, engine=FSDPConfig(cpu_offload=bool(c["offload"])),
-                          model=ModelConfig(path=model, gradient_checkpointing=bool(c["ac"])),
-                          mesh=meshes.get("actor", DP), device=rt.device, optim=OptimConfig(lr=1e-5),
-                          gradient_checkpointing=bool(c["ac"]), field_name="model", section="actor",
-                          train_mesh=meshes.train_mesh("actor"))
+    engine = build_engine(
+        "policy",
+        model,
+        engine=FSDPConfig(cpu_offload=bool(c["offload"])),
+        model=ModelConfig(path=model, gradient_checkpointing=bool(c["ac"])),
+        mesh=meshes.get("actor", DP),
+        device=rt.device,
+        optim=OptimConfig(lr=1e-5),
+        gradient_checkpointing=bool(c["ac"]),
+        field_name="model",
+        section="actor",
+        train_mesh=meshes.train_mesh("actor"),
+    )
     vocab = engine.hf_model.config.vocab_size
     g = torch.Generator().manual_seed(rt.rank)
     ids = torch.randint(3, vocab, (rows, seq), generator=g).to(rt.device)
@@ -67,9 +81,12 @@ def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
         torch.cuda.reset_peak_memory_stats()
     before = status_bytes("VmRSS")
     engine.optimizer_step([None], loss_fn)
-    rec = {"before": before, "peak": status_bytes("VmHWM"),
-           "cuda_peak": torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else None,
-           "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())}
+    rec = {
+        "before": before,
+        "peak": status_bytes("VmHWM"),
+        "cuda_peak": torch.cuda.max_memory_allocated() if rt.device.type == "cuda" else None,
+        "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters()),
+    }
     write_records(rec, out)
     shutdown()
 
@@ -90,12 +107,23 @@ def main() -> None:
     from common import emit
     from load_memory import build_model, launch_workers
 
-    model = args.model or str(build_model(Path(args.build_dir), hidden=512, layers=8, heads=8, kv_heads=4, inter=1408,
-                                          vocab=16384, dtype="float32"))
-    result: dict = {"benchmark": "train_memory", "model": model, "nproc": args.nproc, "rows_per_rank": args.rows,
-                    "seq": args.seq, "runs": {}}
+    model = args.model or str(
+        build_model(
+            Path(args.build_dir), hidden=512, layers=8, heads=8, kv_heads=4, inter=1408, vocab=16384, dtype="float32"
+        )
+    )
+    result: dict = {
+        "benchmark": "train_memory",
+        "model": model,
+        "nproc": args.nproc,
+        "rows_per_rank": args.rows,
+        "seq": args.seq,
+        "runs": {},
+    }
     for spec in args.configs:
-        recs = launch_workers(__file__, args.nproc, lambda out, spec=spec: [spec, model, out, str(args.rows), str(args.seq)])
+        recs = launch_workers(
+            __file__, args.nproc, lambda out, spec=spec: [spec, model, out, str(args.rows), str(args.seq)]
+        )
         cuda = [r["cuda_peak"] for r in recs if r["cuda_peak"] is not None]
         result["runs"][spec] = {
             "peak_rss_bytes": max(r["peak"] for r in recs),

@@ -48,19 +48,34 @@ def main(argv=None):
     p.add_argument("--generations", type=int, default=4, help="completions per prompt (num_generations)")
     p.add_argument("--new-tokens", type=int, default=64, help="min_new_tokens = max_completion_length")
     p.add_argument("--per-device-batch", type=int, default=16, help="completions per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (= steps_per_generation)")
+    p.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per optimiser step (= steps_per_generation)"
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if a.per_device_batch * a.grad_accum != a.prompts * a.generations:
-        raise SystemExit(f"--per-device-batch x --grad-accum must be --prompts x --generations ({a.prompts * a.generations})")
-    workload = {"model": a.model, "prompts": a.prompts, "generations": a.generations, "new_tokens": a.new_tokens,
-                "per_device_batch": a.per_device_batch, "grad_accum": a.grad_accum, "bf16": a.bf16, "beta": 0.04,
-                "steps": a.steps}
+        raise SystemExit(
+            f"--per-device-batch x --grad-accum must be --prompts x --generations ({a.prompts * a.generations})"
+        )
+    workload = {
+        "model": a.model,
+        "prompts": a.prompts,
+        "generations": a.generations,
+        "new_tokens": a.new_tokens,
+        "per_device_batch": a.per_device_batch,
+        "grad_accum": a.grad_accum,
+        "bf16": a.bf16,
+        "beta": 0.04,
+        "steps": a.steps,
+    }
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
-        emit({"bench": "trl_grpo", "skipped": "trl is not installed (pip install trl==1.16.0)", "workload": workload}, a.out)
+        emit(
+            {"bench": "trl_grpo", "skipped": "trl is not installed (pip install trl==1.16.0)", "workload": workload},
+            a.out,
+        )
         return
 
     import torch
@@ -118,11 +133,17 @@ def main(argv=None):
             disable_tqdm=True,
         )
         trainer = GRPOTrainer(
-            model=model, reward_funcs=zero_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+            model=model,
+            reward_funcs=zero_reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
             callbacks=[timer],
         )
         trainer.train()
-        lengths = [m.get("completions/mean_length") for m in trainer.state.log_history if "completions/mean_length" in m]
+        lengths = [
+            m.get("completions/mean_length") for m in trainer.state.log_history if "completions/mean_length" in m
+        ]
 
     steady = timer.times[1:] or timer.times
     sec = statistics.median(steady)

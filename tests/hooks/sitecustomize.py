@@ -37,8 +37,10 @@ if _dump:
 
     def _dumping_update(self, batch, metrics):
         _calls[0] += 1
-        torch.save({"tensors": {k: v.cpu() for k, v in batch.tensors.items()}, "objects": batch.objects},
-                   os.path.join(_dump, f"rank{os.environ.get('RANK', '0')}_update{_calls[0]}.pt"))
+        torch.save(
+            {"tensors": {k: v.cpu() for k, v in batch.tensors.items()}, "objects": batch.objects},
+            os.path.join(_dump, f"rank{os.environ.get('RANK', '0')}_update{_calls[0]}.pt"),
+        )
         return _update(self, batch, metrics)
 
     Policy.update = _dumping_update

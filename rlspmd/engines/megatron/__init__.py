@@ -32,8 +32,19 @@ not overlap stages (GPipe with blocking sends): it exists to run and test the en
 """
 
 from rlspmd.engines.megatron.engine import MegatronEngine
-from rlspmd.engines.megatron.modules import MegatronModule, MegatronPolicyModule, MegatronValueModule, build_megatron_module
+from rlspmd.engines.megatron.modules import (
+    MegatronModule,
+    MegatronPolicyModule,
+    MegatronValueModule,
+    build_megatron_module,
+)
 from rlspmd.engines.megatron.weight_stream import MegatronWeightStream
 
-__all__ = ["MegatronEngine", "MegatronModule", "MegatronPolicyModule", "MegatronValueModule", "MegatronWeightStream",
-           "build_megatron_module"]
+__all__ = [
+    "MegatronEngine",
+    "MegatronModule",
+    "MegatronPolicyModule",
+    "MegatronValueModule",
+    "MegatronWeightStream",
+    "build_megatron_module",
+]

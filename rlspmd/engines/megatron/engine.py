@@ -41,7 +41,9 @@ class MegatronEngine:
     ``module``: from ``build_megatron_module`` (``modules.py``); ``mesh``: the role's mesh it was built over (the
     data's: loss counts, micro-batch counts, metrics). Frozen roles (reference) pass ``optim=None``."""
 
-    def __init__(self, module: MegatronModule, *, mesh: DeviceMesh, optim: OptimConfig | None, total_optim_steps: int = 1):
+    def __init__(
+        self, module: MegatronModule, *, mesh: DeviceMesh, optim: OptimConfig | None, total_optim_steps: int = 1
+    ):
         from third_party import megatron_adapter as ma  # lazily: megatron-core is optional (the module imported it)
 
         self.ma, self.module, self.mesh, self.device = ma, module, mesh, module.device
@@ -82,12 +84,14 @@ class MegatronEngine:
         micro = list(micro_batches)
         ones = torch.ones((), dtype=torch.int, device=self.device)
         if g.pp == 1:
+
             def forward_step(data_iterator, model):
                 loss = loss_fn(module, next(data_iterator))
                 return loss, lambda out: (out, ones, {})  # (loss, token count, logged): used as returned
 
             data = iter(micro)
         else:
+
             def forward_step(data_iterator, model):
                 rows, column = next(data_iterator)
                 hidden = stage_forward(module, rows)
@@ -101,9 +105,15 @@ class MegatronEngine:
                 return hidden, loss_func
 
             data = iter(self._pipeline_micro_batches(micro))
-        self.ma.forward_backward(forward_step, data, model=module.model, num_micro_batches=len(micro),
-                                 pg_collection=module.pg_collection, device=self.device,
-                                 pipeline_dtype=module.pipeline_dtype)
+        self.ma.forward_backward(
+            forward_step,
+            data,
+            model=module.model,
+            num_micro_batches=len(micro),
+            pg_collection=module.pg_collection,
+            device=self.device,
+            pipeline_dtype=module.pipeline_dtype,
+        )
         if g.pp > 1 and not g.last_stage:
             # Metrics are reduced over ranks by name, so every rank must record the same names: record this rank's
             # with zero weight, as a zero-weight filler micro-batch does (the values are on the last stage).
@@ -195,14 +205,19 @@ class MegatronEngine:
                 root = m.root_name(hf)
                 names.append(root)
                 model[root] = self._distributed(hf, piece)
-                optim_state[root] = {"step": st["step"].clone(),
-                                     **{k: self._distributed(hf, moments[k][i][1]) for k in moments}}
+                optim_state[root] = {
+                    "step": st["step"].clone(),
+                    **{k: self._distributed(hf, moments[k][i][1]) for k in moments},
+                }
         alias = self._tied_head_alias()
         if alias is not None and alias[1] in model:
             model[alias[0]] = model[alias[1]]
         group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"model": model, "optim": {"state": optim_state, "param_groups": [{**group, "params": names}]},
-                "lr_scheduler": self.scheduler.state_dict()}
+        return {
+            "model": model,
+            "optim": {"state": optim_state, "param_groups": [{**group, "params": names}]},
+            "lr_scheduler": self.scheduler.state_dict(),
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

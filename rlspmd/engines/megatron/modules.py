@@ -87,7 +87,7 @@ def _read_hf_tensors(model_dir: Path) -> Callable[[str], torch.Tensor]:
     prefixed = any(k.startswith("model.") for k in where)
 
     def read(name: str) -> torch.Tensor:
-        key = name if prefixed or not name.startswith("model.") else name[len("model."):]
+        key = name if prefixed or not name.startswith("model.") else name[len("model.") :]
         if key not in where:
             raise ValueError(f"{model_dir}: the safetensors have no tensor {key!r}")
         with safe_open(str(where[key]), framework="pt") as st:
@@ -112,8 +112,17 @@ class MegatronModule:
     hf_auto_class: str
     """The ``transformers`` auto class of the HF model these weights are (``hf_model``)."""
 
-    def __init__(self, model_dir: Path, *, mesh: DeviceMesh, device: torch.device, cfg: MegatronConfig, dtype: str,
-                 seed: int, field_prefix: str):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        mesh: DeviceMesh,
+        device: torch.device,
+        cfg: MegatronConfig,
+        dtype: str,
+        seed: int,
+        field_prefix: str,
+    ):
         from third_party import megatron_adapter as ma  # lazily: megatron-core is optional
 
         self.device, self.model_dir = device, model_dir
@@ -123,15 +132,25 @@ class MegatronModule:
         # A model that never reads the LM head is built tied, so no output-layer weight is allocated (on a last stage
         # without the embedding megatron allocates one anyway; it is dropped below).
         self.tied = self.tied_lm_head or not self.reads_lm_head
-        self.groups = g = model_parallel_groups(mesh, tp=cfg.tp, pp=cfg.pp, field_prefix=field_prefix,
-                                                pipeline_ends=self.tied_lm_head)
+        self.groups = g = model_parallel_groups(
+            mesh, tp=cfg.tp, pp=cfg.pp, field_prefix=field_prefix, pipeline_ends=self.tied_lm_head
+        )
         self.compute_dtype = compute_dtype(cfg.param_dtype, device)
         self.pipeline_dtype = DTYPES[dtype]
         ma.no_dropout_rng_tracker()
-        config = ma.transformer_config(self.arch, tp=g.tp, pp=g.pp, params_dtype=DTYPES[dtype], cpu=device.type == "cpu")
+        config = ma.transformer_config(
+            self.arch, tp=g.tp, pp=g.pp, params_dtype=DTYPES[dtype], cpu=device.type == "cpu"
+        )
         self.pg_collection = ma.process_groups(tp=g.tp_group, pp=g.pp_group, cp=g.cp_group, dp=g.dp_group, embd=None)
-        self.model = ma.gpt_model(config, self.arch, pg_collection=self.pg_collection, pre_process=g.first_stage,
-                                  post_process=g.last_stage, tie_embeddings=self.tied, device=device)
+        self.model = ma.gpt_model(
+            config,
+            self.arch,
+            pg_collection=self.pg_collection,
+            pre_process=g.first_stage,
+            post_process=g.last_stage,
+            tie_embeddings=self.tied,
+            device=device,
+        )
         self.p2p = StageP2P(g.pp_group, dtype=self.pipeline_dtype, device=device) if g.pp > 1 else None
         self.layers = mc.stage_layers(self.arch.num_layers, pp=g.pp, pp_rank=g.pp_rank)
         names = mc.stage_names(self.arch, self.layers, first=g.first_stage, last=g.last_stage, with_head=not self.tied)
@@ -140,7 +159,9 @@ class MegatronModule:
         elif not self.reads_lm_head and g.last_stage and not g.first_stage:
             self.model.output_layer.weight = None
         stage_params = dict(self.model.named_parameters())
-        self.params: list[tuple[str, nn.Parameter]] = [(m, stage_params[mc.local_name(m, self.layers.start)]) for m in names]
+        self.params: list[tuple[str, nn.Parameter]] = [
+            (m, stage_params[mc.local_name(m, self.layers.start)]) for m in names
+        ]
         assert len(self.params) == len(stage_params), (sorted(stage_params), names)
         self._load_hf(model_dir)
         self.params += self._build_head_params(model_dir, dtype=DTYPES[dtype], seed=seed)
@@ -201,13 +222,20 @@ class MegatronModule:
 
     def lm_head_weight(self) -> torch.Tensor:
         """This TP rank's vocabulary rows of the LM head (the embedding when tied)."""
-        return self.model.shared_embedding_or_output_weight() if self.arch.tie_embeddings else self.model.output_layer.weight
+        return (
+            self.model.shared_embedding_or_output_weight()
+            if self.arch.tie_embeddings
+            else self.model.output_layer.weight
+        )
 
     # -- names and pieces: the HF identity of each megatron tensor --
 
     @staticmethod
     def tp_sharded(megatron_name: str) -> bool:
-        return not megatron_name.startswith("value_head.") and mc.hf_shard_dim(mc.hf_names_of(megatron_name)[0]) is not None
+        return (
+            not megatron_name.startswith("value_head.")
+            and mc.hf_shard_dim(mc.hf_names_of(megatron_name)[0]) is not None
+        )
 
     def root_name(self, hf_name: str) -> str:
         """The name ``hf_name`` has in the FSDP engine's root module (``hf.`` + the HF model's name)."""
@@ -250,7 +278,9 @@ class MegatronModule:
         units: dict[str, tuple[list, int]] = {}
         for name in mc.megatron_names(self.arch, with_head=not self.tied):
             unit = self._unit_of(name)
-            stage = 0 if unit == "embed" else self.groups.pp - 1 if unit == "head" else int(unit.split(".")[1]) // per_stage
+            stage = (
+                0 if unit == "embed" else self.groups.pp - 1 if unit == "head" else int(unit.split(".")[1]) // per_stage
+            )
             units.setdefault(unit, ([], stage))[0].extend((hf, shapes[hf]) for hf in mc.hf_names_of(name))
         units["head"][0].extend(self.head_specs())
         return [(unit, specs, stage) for unit, (specs, stage) in units.items()]
@@ -278,8 +308,10 @@ class MegatronModule:
         if g.pp == 1:
             return self.wrap(member_outputs(self, stage_forward(self, rows), rows, members, pp_index=0, head=head))
         if torch.is_grad_enabled():
-            raise RuntimeError("with pipeline parallelism the module runs without autograd only (torch.no_grad()); "
-                               "training goes through optimizer_step")
+            raise RuntimeError(
+                "with pipeline parallelism the module runs without autograd only (torch.no_grad()); "
+                "training goes through optimizer_step"
+            )
         self.model.set_input_tensor(None if g.first_stage else self.p2p.recv_prev())
         hidden = stage_forward(self, rows)
         self.model.set_input_tensor(None)
@@ -288,8 +320,15 @@ class MegatronModule:
         # Every member's outputs, stage order, flat: computed on the last stage, broadcast down the pipeline.
         sizes = [self.n_out * members[j * g.tp + g.tp_rank].resp_valid_BR.numel() for j in range(g.pp)]
         if g.last_stage:
-            flat = torch.cat([o.flatten() for j in range(g.pp) for o in member_outputs(
-                self, hidden, rows, members[j * g.tp : (j + 1) * g.tp], pp_index=j, head=head)])
+            flat = torch.cat(
+                [
+                    o.flatten()
+                    for j in range(g.pp)
+                    for o in member_outputs(
+                        self, hidden, rows, members[j * g.tp : (j + 1) * g.tp], pp_index=j, head=head
+                    )
+                ]
+            )
         else:
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
         dist.broadcast(flat, group=g.pp_group, group_src=g.pp - 1)
@@ -309,8 +348,15 @@ def stage_forward(module: MegatronModule, rows: GroupRows) -> torch.Tensor:
     return hidden_WNH
 
 
-def member_outputs(module: MegatronModule, hidden_WNH: torch.Tensor, rows: GroupRows, tp_members: list[FrontPacked],
-                   *, pp_index: int, head: Head) -> tuple[torch.Tensor, ...]:
+def member_outputs(
+    module: MegatronModule,
+    hidden_WNH: torch.Tensor,
+    rows: GroupRows,
+    tp_members: list[FrontPacked],
+    *,
+    pp_index: int,
+    head: Head,
+) -> tuple[torch.Tensor, ...]:
     """``head`` on the hidden states that predict response tokens, for the rows of pipeline member ``pp_index``'s TP
     group (``tp_members``, with their response columns); returns this TP rank's member's ``(B, R)`` outputs. Under
     autograd the group's outputs carry ``SumGradOverGroup`` (``keep_own_rows`` over the member's token counts): every
@@ -345,10 +391,13 @@ class LastStageModule:
         g = self.module.groups
         mine = front_pack(input_ids_BL, attention_mask_BL, response_len)
         ran = self.rows.members[self.pp_index * g.tp + g.tp_rank].ids_BW
-        assert torch.equal(mine.ids_BW, ran), "loss_fn must call the module on its micro-batch's input_ids_BL/attention_mask_BL"
+        assert torch.equal(mine.ids_BW, ran), (
+            "loss_fn must call the module on its micro-batch's input_ids_BL/attention_mask_BL"
+        )
         tp_members = gather_front_packed(mine, g.tp_group) if g.tp > 1 else [mine]
-        outs = member_outputs(self.module, self.hidden_WNH, self.rows, tp_members, pp_index=self.pp_index,
-                              head=self.module.head(**kw))
+        outs = member_outputs(
+            self.module, self.hidden_WNH, self.rows, tp_members, pp_index=self.pp_index, head=self.module.head(**kw)
+        )
         return self.module.wrap(outs)
 
 
@@ -386,8 +435,14 @@ class MegatronPolicyModule(MegatronModule):
             weight = self.lm_head_weight()
             if self.groups.tp > 1:
                 weight = _GatherRows.apply(weight, self.groups.tp_group)
-            return chunked_logprobs(hidden_NH, weight, targets_N, temperature=temperature, chunk_size=self.logprob_chunk,
-                                    with_entropy=with_entropy)
+            return chunked_logprobs(
+                hidden_NH,
+                weight,
+                targets_N,
+                temperature=temperature,
+                chunk_size=self.logprob_chunk,
+                with_entropy=with_entropy,
+            )
 
         return logprobs
 
@@ -426,7 +481,7 @@ class MegatronValueModule(MegatronModule):
         head = self.value_head
 
         def values(hidden_NH, _targets_N):
-            return (torch.matmul(hidden_NH, head.weight[0]) + head.bias[0]).float(),
+            return ((torch.matmul(hidden_NH, head.weight[0]) + head.bias[0]).float(),)
 
         return values
 
@@ -437,13 +492,24 @@ class MegatronValueModule(MegatronModule):
 MODULES: dict[ModuleKind, type[MegatronModule]] = {"policy": MegatronPolicyModule, "value": MegatronValueModule}
 
 
-def build_megatron_module(kind: ModuleKind, model_path: str, *, mesh: DeviceMesh, device: torch.device,
-                          cfg: MegatronConfig, dtype: str = "float32", seed: int = 0,
-                          field_name: str = "actor.model.path", field_prefix: str = "actor.engine") -> MegatronModule:
+def build_megatron_module(
+    kind: ModuleKind,
+    model_path: str,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    cfg: MegatronConfig,
+    dtype: str = "float32",
+    seed: int = 0,
+    field_name: str = "actor.model.path",
+    field_prefix: str = "actor.engine",
+) -> MegatronModule:
     """A role's megatron module: ``kind`` ``policy`` (actor, reference) or ``value`` (critic; its value head seeded by
     ``seed`` unless the directory has one), parameters in ``dtype``.
 
     ``mesh``: the role's mesh (its ranks; the trainer's DP view); ``cfg``: the role's ``megatron`` section;
     ``field_name`` / ``field_prefix`` name the config fields in errors. Collective over the mesh's ranks."""
     model_dir = check_model_dir(model_path, field_name=field_name)
-    return MODULES[kind](model_dir, mesh=mesh, device=device, cfg=cfg, dtype=dtype, seed=seed, field_prefix=field_prefix)
+    return MODULES[kind](
+        model_dir, mesh=mesh, device=device, cfg=cfg, dtype=dtype, seed=seed, field_prefix=field_prefix
+    )

@@ -46,7 +46,9 @@ def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
 
 def gather_front_packed(fp: FrontPacked, group: dist.ProcessGroup) -> list[FrontPacked]:
     """Every member's ``FrontPacked`` (in group-rank order), with two all-gathers: shapes, then one padded buffer."""
-    return [FrontPacked(*m) for m in all_gather_varlen([fp.ids_BW, fp.lengths_B, fp.resp_pos_BR, fp.resp_valid_BR], group)]
+    return [
+        FrontPacked(*m) for m in all_gather_varlen([fp.ids_BW, fp.lengths_B, fp.resp_pos_BR, fp.resp_valid_BR], group)
+    ]
 
 
 @dataclass

@@ -43,8 +43,9 @@ def full_units(module: MegatronModule, dtype: torch.dtype) -> Iterator[tuple[str
         yield unit, tensors
 
 
-def _gather_tp(module: MegatronModule, params: list[tuple[str, nn.Parameter]],
-               dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+def _gather_tp(
+    module: MegatronModule, params: list[tuple[str, nn.Parameter]], dtype: torch.dtype
+) -> list[tuple[str, torch.Tensor]]:
     """The full HF tensors of this stage's ``params``: one all-gather of the cast pieces over the TP group."""
     g = module.groups
     pieces = [(hf, piece.to(dtype)) for name, p in params for hf, piece in module.hf_pieces(name, p.detach())]
@@ -75,8 +76,10 @@ class MegatronWeightStream:
         self.module, self.mesh, self.device, self.dtype = module, mesh, module.device, dtype
         units = module.global_units()
         self._stages = [stage for _, _, stage in units]
-        units = [UnitSpec(unit, tuple(ParamSpec(hf, tuple(shape), shape[0]) for hf, shape in specs), 1)
-                 for unit, specs, _ in units]
+        units = [
+            UnitSpec(unit, tuple(ParamSpec(hf, tuple(shape), shape[0]) for hf, shape in specs), 1)
+            for unit, specs, _ in units
+        ]
         self.manifest = WeightManifest(units=tuple(units), dtype=dtype)
         self.last = StreamStats()
 
