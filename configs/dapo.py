@@ -13,6 +13,7 @@ No KL term (the paper drops it). GSM8K: ``python scripts/data/gsm8k.py --input ~
 from pathlib import Path
 
 from rlspmd.config import (
+    NativeConfig,
     GRPO,
     ActorConfig,
     AlgorithmConfig,
@@ -52,7 +53,7 @@ config = Config(
         loss_agg_mode="token-mean",
         use_kl_loss=False,
     ),
-    rollout=RolloutConfig(n=16, temperature=1.0, max_response_length=1024, max_batch_size=512),
+    rollout=RolloutConfig(n=16, temperature=1.0, max_response_length=1024, engine=NativeConfig(max_batch_size=512)),
     data=DataConfig(
         train_files=["data/gsm8k/train.parquet"],
         val_files=["data/gsm8k/test.parquet"],

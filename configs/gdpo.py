@@ -18,6 +18,7 @@ GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 from pathlib import Path
 
 from rlspmd.config import (
+    NativeConfig,
     GDPO,
     ActorConfig,
     AlgorithmConfig,
@@ -54,7 +55,7 @@ config = Config(
         kl_loss_type="k3",
         kl_loss_coef=0.001,
     ),
-    rollout=RolloutConfig(n=8, temperature=1.0, max_response_length=1024, max_batch_size=512),
+    rollout=RolloutConfig(n=8, temperature=1.0, max_response_length=1024, engine=NativeConfig(max_batch_size=512)),
     data=DataConfig(
         train_files=["data/gsm8k/train.parquet"],
         val_files=["data/gsm8k/test.parquet"],

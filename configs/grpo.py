@@ -12,6 +12,7 @@ GSM8K comes from ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/g
 from pathlib import Path
 
 from rlspmd.config import (
+    NativeConfig,
     GRPO,
     ActorConfig,
     AlgorithmConfig,
@@ -39,7 +40,7 @@ config = Config(
         kl_loss_type="k3",
         kl_loss_coef=0.001,
     ),
-    rollout=RolloutConfig(n=8, temperature=1.0, max_response_length=1024, max_batch_size=512),
+    rollout=RolloutConfig(n=8, temperature=1.0, max_response_length=1024, engine=NativeConfig(max_batch_size=512)),
     data=DataConfig(
         train_files=["data/gsm8k/train.parquet"],
         val_files=["data/gsm8k/test.parquet"],

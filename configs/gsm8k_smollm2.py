@@ -11,7 +11,16 @@ checker); with a local GSM8K copy, convert it with ``scripts/data/gsm8k.py`` and
 at it instead. bf16 compute on CUDA (FSDP2 mixed precision), fp32 master weights.
 """
 
-from rlspmd.config import ActorConfig, Config, DataConfig, ModelConfig, OptimConfig, RolloutConfig, TrainerConfig
+from rlspmd.config import (
+    ActorConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    NativeConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
 
 MODEL = "~/.cache/rlspmd/smollm2-135m-instruct"  # the one field to edit for another model
 
@@ -24,7 +33,7 @@ config = Config(
         logprob_micro_batch_size=32,
         kl_loss_coef=0.001,
     ),
-    rollout=RolloutConfig(n=8, max_response_length=384, temperature=1.0, max_batch_size=512),
+    rollout=RolloutConfig(n=8, max_response_length=384, temperature=1.0, engine=NativeConfig(max_batch_size=512)),
     data=DataConfig(
         train_files=["data/gsm_symbolic/train.parquet"],
         val_files=["data/gsm_symbolic/test.parquet"],

@@ -13,6 +13,7 @@ for ``critic.warmup_steps`` before the actor starts. GSM8K: ``python scripts/dat
 from pathlib import Path
 
 from rlspmd.config import (
+    NativeConfig,
     GAE,
     ActorConfig,
     AdaptiveKL,
@@ -49,7 +50,7 @@ config = Config(
         cliprange_value=0.5,
         warmup_steps=5,
     ),
-    rollout=RolloutConfig(n=1, temperature=1.0, max_response_length=1024, max_batch_size=512),
+    rollout=RolloutConfig(n=1, temperature=1.0, max_response_length=1024, engine=NativeConfig(max_batch_size=512)),
     data=DataConfig(
         train_files=["data/gsm8k/train.parquet"],
         val_files=["data/gsm8k/test.parquet"],

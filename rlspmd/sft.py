@@ -35,7 +35,7 @@ from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.packing import check_attn_kernel
 from rlspmd.protocol import Batch, position_ids
-from rlspmd.roles.policy import build_policy_module
+from rlspmd.models.policy import build_policy_module
 from rlspmd.startup import parse_args, start
 from rlspmd.trainer.checkpoint import Checkpointer, save_hf_model
 from rlspmd.trainer.state import Checkpointing, Counters, write_model_files

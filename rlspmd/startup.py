@@ -1,7 +1,9 @@
 """The start-up every entry point shares (``rlspmd.train``, ``rlspmd.sft``): the config file and command-line
 overrides, the process groups, seeding, the role meshes and the printed layout; ``--dry-run`` ends there.
 
-``--config FILE[:NAME]``, ``--dry-run`` and ``--resume`` are read first; tyro then applies the remaining
+``--config FILE[:NAME]``, ``--dry-run`` and ``--resume`` are read first; a component named by its import path
+(``actor.policy-loss:path/to/my_losses.py:MyLoss``, ``algorithm.adv-estimator:my_pkg.estimators:MyEstimator``) is
+imported next, so that it registers itself and tyro offers it like a built-in one; tyro then applies the remaining
 ``--section.field`` overrides to the loaded config.
 """
 
@@ -16,10 +18,12 @@ import time
 
 import tyro
 
-from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file, picked_fields
+from rlspmd.components import picked_fields, picked_paths
+from rlspmd.config import Config, DistConfig, MeshConfig, load_config_file
 from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import (
     Runtime,
+    UserError,
     init_distributed,
     quiet_libraries,
     seed_everything,
@@ -44,6 +48,7 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
     if has_checkpoint and known.resume is not None:
         rest = [*rest, "--checkpoint.resume", known.resume]
     default = load_config_file(known.config, config_type) if known.config else config_type()
+    rest = import_components(rest, config_type)
     description = (
         f"{prog}: --config FILE[:NAME] (a Python file defining `config`, or the object NAME), --dry-run, "
         + ("--resume auto|none|PATH, " if has_checkpoint else "")
@@ -69,6 +74,27 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
             time.sleep(USAGE_ERROR_GRACE_S)
         raise
     return cfg, known.dry_run
+
+
+def import_components(args: list[str], config_type: type) -> list[str]:
+    """The command line with every component named by import path (``FIELD:pkg.mod:Class`` or
+    ``FIELD:path/to/file.py:Class``) imported and written by its registered name (``FIELD:name``), as tyro reads it.
+    A spec that does not import, or names a class of another kind, is an error naming the field and the spec."""
+    fields = {path.replace("_", "-"): (path, reg) for path, reg in picked_paths(config_type).items()}
+    out = []
+    for arg in args:
+        head, sep, spec = arg.partition(":")
+        picked = fields.get(head.replace("_", "-")) if sep and not arg.startswith("-") else None
+        if picked is None or ":" not in spec or spec in picked[1]:
+            out.append(arg)
+            continue
+        path, registry = picked
+        try:
+            cls = registry.resolve(spec, field_name=path)
+        except (OSError, ValueError) as e:
+            raise UserError(str(e)) from None
+        out.append(f"{head}:{cls.name}")
+    return out
 
 
 def flatten(cfg, prefix: str = "") -> dict[str, object]:

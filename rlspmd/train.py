@@ -19,7 +19,7 @@ from rlspmd.distributed.progress import progress
 from rlspmd.distributed.runtime import exit_process, shutdown, spmd_main, start_hang_monitor
 from rlspmd.config import to_dict
 from rlspmd.startup import parse_args, start
-from rlspmd.validate import check_config
+from rlspmd.validate import check_config, ignored_settings
 
 
 @spmd_main
@@ -27,10 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv)
     # Every rank, before anything loads; a dry run previews a layout, maybe before the data and model are in place.
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), check_files=not dry_run)
-    if cfg.rollout.engine == "vllm":  # vLLM's environment must be set before the first NCCL communicator
-        from third_party.vllm_adapter import prepare_environment
-
-        prepare_environment()
+    cfg.rollout.engine.prepare_process()  # e.g. vLLM's environment, set before the first NCCL communicator
     started = start(
         cfg,
         dist=cfg.dist,
@@ -50,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlspmd.trainer.build import build_trainer  # heavy imports after the cheap checks
 
     with progress.stage("startup"):
-        trainer = build_trainer(cfg, rt, meshes)
+        trainer = build_trainer(cfg, rt, meshes, warnings=ignored_settings(cfg))
     trainer.fit()
     shutdown()
 

@@ -32,14 +32,21 @@ from rlspmd.config import (
     CriticConfig,
     DataConfig,
     DistConfig,
+    FilterGroupsConfig,
+    FixedKL,
     LoraConfig,
     MeshConfig,
     OptimConfig,
+    OverlongBufferConfig,
     RewardConfig,
+    RewardModelConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
     SFTConfig,
     TrainedRoleConfig,
 )
+from rlspmd.components import Component
+from rlspmd.rollout.base import RolloutEngineConfig
 from rlspmd.distributed.runtime import UserError
 
 LOGGERS = ("console", "jsonl", "tensorboard")
@@ -134,6 +141,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     _loggers(p, "trainer.loggers", t.loggers)
     p.at_least("trainer.samples.num_train", t.samples.num_train, 0)
     p.at_least("trainer.samples.num_val", t.samples.num_val, 0)
+    for i, stage in enumerate(t.stages):
+        _component(p, f"trainer.stages[{i}]", stage)
     _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
     _bypass(p, cfg, split=split)
     _checkpoint(p, cfg.checkpoint, check_files=check_files)
@@ -197,7 +206,6 @@ def _data(p: Problems, d: DataConfig) -> None:
 def _rollout(p: Problems, r: RolloutConfig) -> None:
     p.at_least("rollout.n", r.n, 1)
     p.at_least("rollout.max_response_length", r.max_response_length, 1)
-    p.at_least("rollout.max_batch_size", r.max_batch_size, 1)
     if not r.temperature > 0:
         p.add(
             "rollout.temperature",
@@ -208,11 +216,7 @@ def _rollout(p: Problems, r: RolloutConfig) -> None:
     if not 0 < r.top_p <= 1:
         p.add("rollout.top_p", r.top_p, "must be in (0, 1]")
     p.at_least("rollout.top_k", r.top_k, 0)
-    if r.engine == "vllm":
-        if not 0 < r.vllm.gpu_memory_utilization <= 1:
-            p.add("rollout.vllm.gpu_memory_utilization", r.vllm.gpu_memory_utilization, "must be in (0, 1]")
-        p.at_least("rollout.vllm.max_num_seqs", r.vllm.max_num_seqs, 1)
-        p.optional_at_least("rollout.vllm.kv_cache_memory_bytes", r.vllm.kv_cache_memory_bytes, 1)
+    _component(p, "rollout.engine", r.engine)
 
 
 def _agent(p: Problems, ag: AgentConfig, *, ignore_eos: bool, check_files: bool) -> None:
@@ -244,28 +248,28 @@ def _actor(p: Problems, a: ActorConfig, *, train_batch_size: int, n: int, dp: in
     _trained_role(p, "actor", a, train_batch_size=train_batch_size, n=n, dp=dp)
     p.at_least("actor.logprob_micro_batch_size", a.logprob_micro_batch_size, 1)
     p.optional_at_least("actor.logprob_max_tokens_per_micro_batch", a.logprob_max_tokens_per_micro_batch, 1)
-    for name, value, why in a.policy_loss.problems():
-        p.add(f"actor.policy_loss.{name}", value, f"{why} ({a.policy_loss.name})")
+    _component(p, "actor.policy_loss", a.policy_loss)
     if a.use_kl_loss:
         p.one_of("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
         p.at_least("actor.kl_loss_coef", a.kl_loss_coef, 0)
     _optim(p, "actor.optim", a.optim)
     _packing(p, "actor.model", a.model.attn_implementation, a.model.packing)
-    _lora(p, a.lora, engine=a.engine.name)
+    _lora(p, a.lora, engine=a.engine)
 
 
 def _actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool) -> None:
-    """Tensor parallelism of the FSDP training roles (``mesh.actor_tp``; its divisibility of the ranks is a placement
-    check): the FSDP engine, no LoRA, and heads that split (read from config.json when files are checked)."""
+    """Tensor parallelism of the training roles (``mesh.actor_tp``; its divisibility of the ranks is a placement
+    check): an engine whose tensor parallelism it is (FSDP), no LoRA, and heads that split (read from config.json when
+    files are checked)."""
     tp = cfg.mesh.actor_tp
-    if cfg.actor.engine.name != "fsdp":
+    if not cfg.actor.engine.supports_mesh_tp:
         p.add(
             "mesh.actor_tp",
             tp,
             f"is the fsdp engine's tensor parallelism; actor.engine:{cfg.actor.engine.name} has its "
             "own (actor.engine.tp)",
         )
-    if with_critic and cfg.critic.engine.name != "fsdp":
+    if with_critic and not cfg.critic.engine.supports_mesh_tp:
         p.add(
             "mesh.actor_tp",
             tp,
@@ -288,7 +292,7 @@ def _actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool)
             )
 
 
-def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
+def _lora(p: Problems, lora: LoraConfig, *, engine) -> None:
     p.at_least("actor.lora.rank", lora.rank, 0)
     if not lora.enabled:
         return
@@ -298,11 +302,11 @@ def _lora(p: Problems, lora: LoraConfig, *, engine: str) -> None:
         p.add("actor.lora.dropout", lora.dropout, "must be in [0, 1)")
     if not lora.target_modules:
         p.add("actor.lora.target_modules", lora.target_modules, "must name at least one layer (or all-linear)")
-    if engine != "fsdp":
+    if not engine.supports_lora:
         p.add(
             "actor.engine",
-            engine,
-            f"actor.lora.rank={lora.rank} needs the fsdp engine (LoRA is not implemented for {engine})",
+            engine.name,
+            f"actor.lora.rank={lora.rank} needs the fsdp engine (LoRA is not implemented for {engine.name})",
         )
 
 
@@ -342,7 +346,7 @@ def _algorithm(p: Problems, alg: AlgorithmConfig, *, train_batch_size: int, n: i
 
 
 def _component(p: Problems, field: str, component) -> None:
-    """A component's own checks (an advantage estimator, a KL controller), named by where it sits."""
+    """A component's own checks (a loss, an estimator, an engine, ...), named by where it sits and which it is."""
     for name, value, why in component.problems():
         p.add(f"{field}.{name}", value, f"{why} ({component.name})")
 
@@ -466,17 +470,12 @@ def _context(p: Problems, cfg: Config, *, with_critic: bool) -> None:
                 f"{field}={path!r} (max_position_embeddings={limit} in its config.json); lower one of them so their sum "
                 f"is <= {limit}",
             )
-    if r.engine == "vllm" and r.vllm.max_model_len is not None:
-        limit = model_context(cfg.actor.model.path)
-        if limit is not None and r.vllm.max_model_len > limit:
-            p.add(
-                "rollout.vllm.max_model_len",
-                r.vllm.max_model_len,
-                f"exceeds the context of actor.model.path={cfg.actor.model.path!r} (max_position_embeddings={limit})",
-            )
+    path = cfg.actor.model.path
+    for name, value, why in r.engine.context_problems(model_path=path, model_context=model_context(path)):
+        p.add(f"rollout.engine.{name}", value, why)
 
 
-def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -> tuple[int, bool]:
+def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: RolloutEngineConfig) -> tuple[int, bool]:
     """The placements the RL trainer runs (colocated, or the rollout on ranks of its own); the actor's DP size
     (0 when the placement itself is invalid) and whether the placement is split."""
     from rlspmd.distributed.mesh import ParallelDims
@@ -506,13 +505,8 @@ def _placement(p: Problems, mesh: MeshConfig, *, world_size: int, engine: str) -
             mesh.actor_ranks,
             f"ranks {idle} of the {world_size} host no role: extend mesh.actor_ranks or mesh.rollout_ranks",
         )
-    if split and engine == "vllm":
-        p.add(
-            "rollout.engine",
-            "vllm",
-            "runs colocated only (vLLM's external_launcher builds its process groups over the "
-            "whole torch world); use rollout.engine=native for split placement",
-        )
+    if split and engine.colocated_only:
+        p.add("rollout.engine", engine.name, engine.colocated_only)
     return dims.dp_size("actor"), split
 
 
@@ -555,11 +549,11 @@ def _bypass(p: Problems, cfg: Config, *, split: bool) -> None:
         return
     import torch
 
-    from rlspmd.trainer.build import actor_compute_dtype, build_rollout_correction
     from rlspmd.roles.rollout_correction import check_bypass
+    from rlspmd.trainer.build_rollout import build_rollout_correction
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # as rlspmd.distributed.runtime picks it
-    resolved = build_rollout_correction(cfg, compute=actor_compute_dtype(cfg.actor, device), split=split)
+    resolved = build_rollout_correction(cfg, compute=cfg.actor.engine.compute_dtype(device), split=split)
     a = cfg.actor
     try:
         check_bypass(
@@ -579,8 +573,7 @@ def _trained_role(
     how the step's batch splits into them."""
     from rlspmd.algorithms import AGG_MODES
 
-    for name, value, why in section.engine.problems():
-        p.add(f"{role}.engine.{name}", value, f"{why} ({section.engine.name})")
+    _component(p, f"{role}.engine", section.engine)
     p.at_least(f"{role}.ppo_epochs", section.ppo_epochs, 1)
     p.at_least(f"{role}.mini_batch_size", section.mini_batch_size, 1)
     p.at_least(f"{role}.micro_batch_size", section.micro_batch_size, 1)
@@ -684,8 +677,12 @@ def _matches(value, hint) -> bool:
 
 
 def _type_name(hint) -> str:
-    """The annotation ``hint`` as an error message names it: ``float``, ``int or None``, ``PPOClip or GSPO or ...``,
-    ``list[str]``, ``one of ['a', 'b'] or None``."""
+    """The annotation ``hint`` as an error message names it: ``float``, ``int or None``, ``list[str]``,
+    ``one of ['a', 'b'] or None``, ``a policy loss (PPOClip, CISPO, ...)`` for a component's kind."""
+    if isinstance(hint, type) and issubclass(hint, Component) and "registry" in vars(hint):
+        reg = hint.registry
+        article = "an" if reg.kind[0] in "aeiou" else "a"
+        return f"{article} {reg.kind} ({', '.join(reg[n].__name__ for n in reg)})"
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
     if hint is type(None):
@@ -722,11 +719,17 @@ def _data_files(p: Problems, name: str, files: list[str]) -> None:
 
 
 def check_function_spec(spec: str, *, field_name: str) -> None:
-    """``path/to/file.py:fn`` or ``package.module:fn`` names a file or module that exists and binds ``fn`` at its
-    top level. Found and parsed, never imported: importing runs the user's code, which belongs to the run.
-    A module whose names cannot be known without running it (a ``*`` import, a module ``__getattr__``) passes."""
-    from rlspmd.utils.imports import split_spec  # the same spec syntax as the loader that imports it later
+    """A registered reward function's name, or ``path/to/file.py:fn`` / ``package.module:fn`` naming a file or module
+    that exists and binds ``fn`` at its top level. Found and parsed, never imported: importing runs the user's code,
+    which belongs to the run. A module whose names cannot be known without running it (a ``*`` import, a module
+    ``__getattr__``) passes."""
+    from rlspmd.rewards.rules import REWARD_FUNCTIONS
+    from rlspmd.utils.imports import load_object, split_spec  # the same spec syntax as the loader that imports it later
 
+    if spec in REWARD_FUNCTIONS:
+        return
+    if ":" not in str(spec):  # neither a name nor a path: the loader's own message, nothing imported
+        load_object(spec, field_name=field_name, kind="callable", registered=REWARD_FUNCTIONS.names())
     target, name = split_spec(spec, field_name=field_name, example="function")
     if target.endswith(".py"):
         source = Path(target).expanduser()
@@ -784,3 +787,61 @@ def _top_level_names(body: list[ast.stmt]) -> set[str]:
             for handler in node.handlers:
                 names |= _top_level_names(handler.body)
     return names
+
+
+# -- settings that do nothing --------------------------------------------------------------------------------------
+
+
+def ignored_settings(cfg: Config) -> list[str]:
+    """Settings that differ from their defaults but do nothing under the switches that gate them (warned once)."""
+    alg, out = cfg.algorithm, []
+    if not alg.adv_estimator.uses_critic and cfg.critic != CriticConfig():
+        out.append(f"critic.* is set but algorithm.adv_estimator={alg.adv_estimator.name!r} uses no critic")
+    if not alg.use_kl_in_reward and (alg.kl_ctrl != FixedKL() or alg.kl_penalty != AlgorithmConfig.kl_penalty):
+        out.append("algorithm.kl_ctrl / kl_penalty are set but algorithm.use_kl_in_reward=False")
+    if not alg.filter_groups.enable and alg.filter_groups != FilterGroupsConfig():
+        out.append("algorithm.filter_groups.* is set but algorithm.filter_groups.enable=False")
+    if not cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer != OverlongBufferConfig():
+        out.append("reward.overlong_buffer.* is set but reward.overlong_buffer.enable=False")
+    if cfg.reward.model.path is None and cfg.reward.model != RewardModelConfig():
+        out.append("reward.model.* is set but reward.model.path is None")
+    if not cfg.actor.use_kl_loss and (cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) != (
+        ActorConfig.kl_loss_coef,
+        ActorConfig.kl_loss_type,
+    ):
+        out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
+    out += _ignored_policy_loss_settings(cfg.actor)
+    est = alg.adv_estimator.name
+    if alg.adv_estimator.uses_reward_components and alg.use_kl_in_reward:
+        out.append(
+            f"algorithm.use_kl_in_reward does not reach {est}, which reads reward_components_BK, not the token "
+            "rewards (use actor.use_kl_loss)"
+        )
+    if alg.adv_estimator.uses_reward_components and cfg.reward.overlong_buffer.enable:
+        out.append(
+            f"reward.overlong_buffer does not reach {est}, which reads reward_components_BK, not the shaped score"
+        )
+    rc = alg.rollout_correction
+    if rc.mode in ("off", "mis") and rc.tis_threshold != RolloutCorrectionConfig.tis_threshold:
+        out.append(f"algorithm.rollout_correction.tis_threshold is set but mode={rc.mode!r} does not truncate")
+    if rc.mode in ("off", "tis") and (rc.mis_lower, rc.mis_upper) != (None, None):
+        out.append(f"algorithm.rollout_correction.mis_lower / mis_upper are set but mode={rc.mode!r} rejects nothing")
+    ag = cfg.rollout.agent
+    if not ag.enabled and ag != AgentConfig():
+        out.append(
+            "rollout.agent.* is set but rollout.agent has no tools, tool_config_path, interaction or "
+            "interaction_config_path"
+        )
+    if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
+        out.append("reward.agent_weight is set but rollout.agent is off")
+    return out
+
+
+def _ignored_policy_loss_settings(actor: ActorConfig) -> list[str]:
+    loss = actor.policy_loss
+    if loss.per_sequence and actor.loss_agg_mode != "seq-mean-token-mean":
+        return [
+            f"actor.loss_agg_mode={actor.loss_agg_mode!r} does not apply to the {loss.name} policy loss, which "
+            f"aggregates seq-mean-token-mean as verl does (it still applies to the KL and entropy terms)"
+        ]
+    return []

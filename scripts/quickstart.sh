@@ -13,7 +13,7 @@ NPROC=${NPROC:-2}
 ENGINE=${ENGINE:-native}
 case "$ENGINE" in
   native) engine_args=() ;;
-  vllm) engine_args=(--rollout.engine vllm --rollout.vllm.enforce-eager) ;;
+  vllm) engine_args=(rollout.engine:vllm --rollout.engine.enforce-eager) ;;
   *) echo "ENGINE=$ENGINE: must be native or vllm" >&2; exit 2 ;;
 esac
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -24,7 +24,7 @@ from rlspmd.algorithms import (
     token_level_scores,
     zero_variance_rows,
 )
-from rlspmd.config import ADVANTAGE_ESTIMATOR_TYPES
+from rlspmd.algorithms import ADVANTAGE_ESTIMATORS
 
 F64 = torch.float64
 
@@ -374,7 +374,7 @@ def test_bad_group_ids_raise():
 
 
 def test_estimator_names():
-    assert set(ADVANTAGE_ESTIMATOR_TYPES) == {
+    assert ADVANTAGE_ESTIMATORS.shipped() == {
         "gae",
         "grpo",
         "grpo_passk",

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, torchrun
-from rlspmd.config import ignored_settings, load_config_file
+from rlspmd.config import load_config_file
+from rlspmd.validate import ignored_settings
 
 RECIPES = {"clip_cov": ("grpo", "clip_cov"), "kl_cov": ("grpo", "kl_cov"), "gdpo": ("gdpo", "ppo_clip")}
 

@@ -10,7 +10,17 @@ from torch.testing import assert_close
 from loss_options import bound, components
 
 from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs, rollout_correction
-from rlspmd.config import GDPO, GSPO, ActorConfig, AlgorithmConfig, Config, RolloutCorrectionConfig, ignored_settings
+from rlspmd.config import (
+    GDPO,
+    GSPO,
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    NativeConfig,
+    RolloutCorrectionConfig,
+    VllmConfig,
+)
+from rlspmd.validate import ignored_settings
 from rlspmd.validate import config_problems
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
@@ -144,7 +154,7 @@ def test_bad_arguments_raise():
 LOSSES = components(clip_cov_ratio=1.0, clip_cov_lb=-10.0, clip_cov_ub=10.0, kl_cov_ratio=0.3)
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES.shipped()))
 @pytest.mark.parametrize("mode", sorted(AGG_MODES))
 def test_sequence_rejection_is_dropping_the_rows_and_weights_scale_them(name, mode):
     """Rejected sequences leave the loss exactly as if they had never been in the batch; the kept rows carry their
@@ -183,7 +193,12 @@ def test_sequence_rejection_is_dropping_the_rows_and_weights_scale_them(name, mo
 
 
 def resolve(cfg=None, **kw):
-    facts = {"engine": "native", "rollout_dtype": "auto", "actor_compute_dtype": "float32", "placement": "colocated"}
+    facts = {
+        "engine": NativeConfig(),
+        "rollout_dtype": "auto",
+        "actor_compute_dtype": "float32",
+        "placement": "colocated",
+    }
     return resolve_rollout_correction(cfg or RolloutCorrectionConfig(), **(facts | kw))
 
 
@@ -193,19 +208,17 @@ def test_auto_is_off_only_for_the_native_engine_in_the_actors_dtype():
     on = resolve(rollout_dtype="bfloat16")
     assert (on.mode, on.level) == ("mis", "sequence") and "bfloat16" in on.reason
     assert (on.mis_lower, on.mis_upper) == (0.999, 1.001)  # verl's geometric rejection band
-    assert resolve(engine="vllm", rollout_dtype="bfloat16", actor_compute_dtype="bfloat16").mode == "mis"
+    assert resolve(engine=VllmConfig(), rollout_dtype="bfloat16", actor_compute_dtype="bfloat16").mode == "mis"
     stale = resolve(max_staleness=1, placement="split")  # stale weights: truncation, not the narrow rejection band
     assert (stale.mode, stale.level) == ("tis", "sequence") and "1 update(s) stale" in stale.reason
-    assert resolve(engine="vllm", max_staleness=2, placement="split").mode == "tis"
-    token = resolve(RolloutCorrectionConfig(level="token"), engine="vllm")
+    assert resolve(engine=VllmConfig(), max_staleness=2, placement="split").mode == "tis"
+    token = resolve(RolloutCorrectionConfig(level="token"), engine=VllmConfig())
     assert (token.level, token.mis_lower, token.mis_upper) == ("token", 0.5, 2.0)
     # An explicit mode is kept, whatever the engine.
     assert resolve(RolloutCorrectionConfig(mode="tis")).mode == "tis"
-    assert resolve(RolloutCorrectionConfig(mode="off"), engine="vllm").mode == "off"
+    assert resolve(RolloutCorrectionConfig(mode="off"), engine=VllmConfig()).mode == "off"
     with pytest.raises(ValueError, match="actor compute dtype"):
         resolve(actor_compute_dtype="auto")
-    with pytest.raises(ValueError, match="rollout.engine='sglang'"):
-        resolve(engine="sglang")
 
 
 def test_config_validation_names_the_field():

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from conftest import dist_script, torchrun
-from rlspmd.algorithms import AGG_MODES, MICRO_BATCH_LOCAL_LOSSES, POLICY_LOSSES
-from rlspmd.config import ADVANTAGE_ESTIMATOR_TYPES
+from rlspmd.algorithms import ADVANTAGE_ESTIMATORS, AGG_MODES, POLICY_LOSSES
 
 pytestmark = pytest.mark.dist
 
@@ -58,7 +57,7 @@ def test_fsdp2_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
 def test_every_policy_loss_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
     """Each ``actor.policy_loss`` (sapo with its tau options) trains through the Policy role, rank-independently.
     Clip-Cov and KL-Cov select tokens by micro-batch statistics (as verl does), so they are left out."""
-    losses = [name for name in POLICY_LOSSES if name not in MICRO_BATCH_LOCAL_LOSSES]
+    losses = sorted(n for n in POLICY_LOSSES.shipped() if not POLICY_LOSSES[n].micro_batch_local)
     runs = {}
     for nproc, micro in [(1, 8), (2, 1)]:
         out = tmp_path / f"losses_{nproc}.pt"
@@ -102,7 +101,7 @@ def test_advantages_and_kl_controller_do_not_depend_on_world_size(tmp_path):
         out = tmp_path / f"adv{nproc}.pt"
         assert "SAMPLING OK" in torchrun([dist_script("algorithm_check.py"), str(out)], nproc).stdout
         runs[nproc] = torch.load(out)
-    assert set(runs[1]) == set(ADVANTAGE_ESTIMATOR_TYPES)
+    assert set(runs[1]) == ADVANTAGE_ESTIMATORS.shipped()
     for name, ref in runs[1].items():
         assert ref["adv"].abs().sum() > 0, name
         torch.testing.assert_close(runs[2][name]["adv"], ref["adv"], msg=lambda m: f"{name}: {m}")

@@ -5,7 +5,7 @@ import torch
 
 from conftest import dist_script, load_script, torchrun
 from rlspmd.distributed.mesh import ParallelDims
-from rlspmd.config import Config, MeshConfig, RolloutConfig
+from rlspmd.config import Config, MeshConfig, NativeConfig, RolloutConfig, VllmConfig
 from rlspmd.validate import config_problems
 
 
@@ -169,7 +169,7 @@ def test_split_placement_stops_checkpoints_and_resumes(two_step_runs, tiny_model
         assert rows[2][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), key
 
 
-def _placement_problems(world, *, engine="native", **ranks) -> list[str]:
+def _placement_problems(world, *, engine=NativeConfig(), **ranks) -> list[str]:
     """``rlspmd.validate``'s findings about the placement alone (the only check of it, run before anything loads)."""
     cfg = Config(mesh=MeshConfig(**{f"{k}_ranks": v for k, v in ranks.items()}), rollout=RolloutConfig(engine=engine))
     cfg.data.train_batch_size, cfg.actor.mini_batch_size = 60, 60  # divisible by every DP size below
@@ -181,7 +181,7 @@ def _placement_problems(world, *, engine="native", **ranks) -> list[str]:
 
 
 def test_placement_rules():
-    assert _placement_problems(4, engine="vllm") == []  # colocated
+    assert _placement_problems(4, engine=VllmConfig()) == []  # colocated
     assert _placement_problems(4, actor="0-1", rollout="2-3") == []
     dims = ParallelDims.from_config(MeshConfig(actor_ranks="0-1", rollout_ranks="2-3"), 4)
     assert (
@@ -196,7 +196,7 @@ def test_placement_rules():
     for ranks, message in bad:
         found = _placement_problems(4, **ranks)
         assert len(found) == 1 and message in found[0], (ranks, found)
-    found = _placement_problems(4, engine="vllm", actor="0-1", rollout="2-3")
+    found = _placement_problems(4, engine=VllmConfig(), actor="0-1", rollout="2-3")
     assert len(found) == 1 and "runs colocated only" in found[0], found
 
 

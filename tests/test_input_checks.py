@@ -78,7 +78,7 @@ def with_(cfg=None, **sections) -> Config:
         (with_(rollout=RolloutConfig(temperature=0.0)), ["rollout.temperature=0.0: must be > 0"]),
         (
             with_(algorithm=AlgorithmConfig(adv_estimator="ppo")),
-            ["algorithm.adv_estimator='ppo': must be GAE or GRPO or "],
+            ["algorithm.adv_estimator='ppo': must be an advantage estimator (GAE, GRPO, "],
         ),
         (
             with_(algorithm=AlgorithmConfig(adv_estimator=GAE(gamma=1.5, lam=-0.1))),
@@ -105,7 +105,7 @@ def with_(cfg=None, **sections) -> Config:
         ),
         (
             with_(algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_ctrl="adaptive")),
-            ["algorithm.kl_ctrl='adaptive': must be FixedKL or AdaptiveKL, not str"],
+            ["algorithm.kl_ctrl='adaptive': must be a KL controller (FixedKL, AdaptiveKL), not str"],
         ),
         (
             with_(algorithm=AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k9")),
@@ -113,7 +113,7 @@ def with_(cfg=None, **sections) -> Config:
         ),
         (
             with_(actor=ActorConfig(policy_loss="ppo")),
-            ["actor.policy_loss='ppo': must be PPOClip or GSPO or CISPO or SAPO"],
+            ["actor.policy_loss='ppo': must be a policy loss (PPOClip, CISPO, GPG, GSPO, SAPO, GMPO, ClipCov, KLCov"],
         ),
         (
             with_(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_c=1.0))),
@@ -188,7 +188,7 @@ def with_(cfg=None, **sections) -> Config:
         ),
         (
             with_(actor=ActorConfig(engine="megatron")),
-            ["actor.engine='megatron': must be FSDPConfig or MegatronConfig, not str"],
+            ["actor.engine='megatron': must be a training engine (FSDPConfig, MegatronConfig), not str"],
         ),
         (
             with_(actor=ActorConfig(lora=LoraConfig(rank=4)), ref=RefConfig(model_path="other")),
@@ -379,9 +379,9 @@ def test_prompt_plus_response_over_the_models_context_is_a_config_error(tmp_path
         "tool results, user turns) = 608 tokens exceeds"
         in agent[0]
     )
-    vllm = context_problems(100, 100, engine="vllm", vllm=VllmConfig(max_model_len=1024))
+    vllm = context_problems(100, 100, engine=VllmConfig(max_model_len=1024))
     assert vllm == [
-        f"rollout.vllm.max_model_len=1024: exceeds the context of actor.model.path={str(tiny_model)!r} "
+        f"rollout.engine.max_model_len=1024: exceeds the context of actor.model.path={str(tiny_model)!r} "
         "(max_position_embeddings=512)"
     ]
     # a reference of its own is checked too; a directory without the field is not

@@ -6,12 +6,13 @@ still an arrow), so the check needs nothing installed and costs milliseconds. Fl
     entry points   train, sft, startup, validate (the collector that checks a config before anything loads), samples
     trainer        the loop, the builder, checkpointing, the trainer's own stages
     roles          policy, reference, critic, reward, rollout roles; their contracts
+    config         the top-level sections, composing the components of the floors below (each beside its code)
     agent          the multi-turn agent loop, tools, interactions
     rollout        generation engines and weight sync
     engines        training engines (FSDP2, megatron), rewards, third_party adapters
     distributed    runtime, meshes, dispatch, micro-batches
     data, models
-    protocol, config, algorithms, metrics, utils
+    protocol, components (the registries), stages (a user stage's contract), algorithms, metrics, utils
 
 A module may import from its own floor or any floor below, never from above.
 """
@@ -24,12 +25,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
-    {"protocol", "config", "algorithms", "metrics", "utils"},
+    {"protocol", "components", "stages", "algorithms", "metrics", "utils"},
     {"data", "models"},
     {"distributed"},
     {"engines", "rewards", "third_party"},
     {"rollout"},
     {"agent"},
+    {"config"},
     {"roles"},
     {"trainer"},
     {"train", "sft", "startup", "validate", "samples", "__main__", ""},

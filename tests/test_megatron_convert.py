@@ -225,7 +225,8 @@ def test_front_pack_moves_valid_tokens_first():
 
 
 def test_an_engine_is_picked_by_name_with_its_own_options(capsys):
-    from rlspmd.config import FSDPConfig, MegatronConfig, ignored_settings
+    from rlspmd.config import FSDPConfig, MegatronConfig
+    from rlspmd.validate import ignored_settings
     from rlspmd.train import parse_args
 
     cfg, _ = parse_args(

@@ -212,7 +212,7 @@ def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):
 
 
 def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
-    """rollout.compile_decode: the static decoder's step through torch.compile (whole-cache attention under a mask,
+    """rollout.engine.compile_decode (native): the static decoder's step through torch.compile (whole-cache attention under a mask,
     no compaction) produces the eager engine's greedy tokens, with EOS stops, for Qwen2 (q/k/v biases) and Llama."""
     for path in (tiny_model, tiny_llama):
         tok = load_tokenizer(path, field_name="model")
@@ -247,7 +247,7 @@ def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
 
 
 def _engines(model, tok, *, eos, max_batch_size, device):
-    """The eager engine and the CUDA-graph engine (``rollout.cuda_graphs``)."""
+    """The eager engine and the CUDA-graph engine (``rollout.engine.cuda_graphs``)."""
     return tuple(
         NativeEngine(
             OwnWeights(model),

@@ -13,11 +13,12 @@ from torch.testing import assert_close
 from conftest import torchrun
 from loss_options import bound, components
 from rlspmd.algorithms import AGG_MODES, POLICY_LOSSES, AggArgs
-from rlspmd.config import ActorConfig, Config, DataConfig, RolloutConfig, RolloutCorrectionConfig
+from rlspmd.config import ActorConfig, Config, DataConfig, NativeConfig, RolloutConfig, RolloutCorrectionConfig
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import policy_gradient_inputs
-from rlspmd.trainer.build import build_rollout_correction, old_logprob_source
+from rlspmd.trainer.build_rollout import build_rollout_correction
+from rlspmd.trainer.build_models import old_logprob_source
 from rlspmd.roles.rollout_correction import RolloutCorrectionStage, resolve_rollout_correction
 
 F64 = torch.float64
@@ -45,7 +46,7 @@ def resolved(**kw):
         **({"mode": "both", "level": "token", "tis_threshold": 1.1, "mis_lower": 0.5, "mis_upper": 2.0} | kw)
     )
     return resolve_rollout_correction(
-        cfg, engine="native", rollout_dtype="bfloat16", actor_compute_dtype="float32", placement="colocated"
+        cfg, engine=NativeConfig(), rollout_dtype="bfloat16", actor_compute_dtype="float32", placement="colocated"
     )
 
 
@@ -143,7 +144,7 @@ def test_bypass_path_takes_the_rollout_log_probs_and_only_the_rejection():
     assert_close(mask, MASK) and weights is None
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES.shipped()))
 @pytest.mark.parametrize("mode", sorted(AGG_MODES))
 @pytest.mark.parametrize("source", ["update", "recompute", "rollout"])
 def test_every_policy_loss_and_aggregation_gets_the_hand_computed_correction(name, mode, source):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlspmd.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     gae,
     gdpo,
     gpg,
@@ -21,7 +22,6 @@ from rlspmd.algorithms import (
     rloo,
 )
 from rlspmd.config import (
-    ADVANTAGE_ESTIMATOR_TYPES,
     RLOO,
     AdaptiveKL,
     AlgorithmConfig,
@@ -133,7 +133,7 @@ def test_kl_in_reward_adaptive_controller_updates_and_round_trips():
 
 def advantages(estimator: str, b: Batch, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage with the estimator named ``estimator`` and those of ``options`` that it has."""
-    component = ADVANTAGE_ESTIMATOR_TYPES[estimator]
+    component = ADVANTAGE_ESTIMATORS[estimator]
     names = {f.name for f in dataclasses.fields(component)}
     b = TokenRewards()(b, MetricBuffer())
     out = AdvantageStage(component(**{k: v for k, v in options.items() if k in names}), mesh=None)(b, MetricBuffer())
@@ -160,7 +160,7 @@ def test_every_estimator_is_wired_to_its_library_function():
     }
     adv, ret = gae(tokens, values, m, gamma=0.9, lam=0.8)
     expected["gae"] = (masked_whiten(adv, m), ret)
-    assert set(expected) == set(ADVANTAGE_ESTIMATOR_TYPES)
+    assert set(expected) == ADVANTAGE_ESTIMATORS.shipped()
     for name, (want_adv, want_ret) in expected.items():
         got_adv, got_ret = advantages(
             name,
@@ -374,7 +374,8 @@ def test_bad_settings_fail_early_naming_the_field(tmp_path):
 
 
 def test_settings_that_do_nothing_are_reported():
-    from rlspmd.config import Config, CriticConfig, FilterGroupsConfig, ignored_settings
+    from rlspmd.config import Config, CriticConfig, FilterGroupsConfig
+    from rlspmd.validate import ignored_settings
     from rlspmd.config import load_config_file
     from conftest import ROOT
 

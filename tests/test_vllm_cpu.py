@@ -9,7 +9,7 @@ an FSDP2 actor, on whatever device the installed vLLM runs on. In CI that is vLL
   the same with one engine over both ranks (vLLM TP=2);
 * ``vllm_agent_check.py``: the agent loop served by vLLM (request-level ``serve``) holds the native engine's
   conversations token for token under greedy decoding;
-* a GRPO run with ``--rollout.engine vllm`` stopped at step 2 and resumed equals the uninterrupted run.
+* a GRPO run with ``rollout.engine:vllm`` stopped at step 2 and resumed equals the uninterrupted run.
 """
 
 import importlib.util
@@ -54,7 +54,7 @@ def test_vllm_run_stops_and_resumes_like_an_uninterrupted_one(tiny_model, arithm
     """4 steps == 2 steps, stop, resume for 2 more, with vLLM generating (seeded sampling on CPU included): same
     metrics, same weights and optimiser state."""
     reward = write_reward(tmp_path)
-    vllm = ["--rollout.engine", "vllm", "--rollout.vllm.enforce-eager", "--rollout.vllm.max-num-seqs", "16"]
+    vllm = ["rollout.engine:vllm", "--rollout.engine.enforce-eager", "--rollout.engine.max-num-seqs", "16"]
     reference = tmp_path / "reference"
     torchrun(rl_args(tiny_model, arithmetic_data, reference, reward=reward, extra=vllm), 2, timeout=600)
     run = tmp_path / "run"

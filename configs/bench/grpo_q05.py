@@ -16,6 +16,7 @@ Micro-batches: 32 sequences per update forward/backward (like TRL's 32 x 8 accum
 """
 
 from rlspmd.config import (
+    NativeConfig,
     ActorConfig,
     CheckpointConfig,
     Config,
@@ -57,7 +58,7 @@ def workload(
             max_response_length=new_tokens,
             temperature=1.0,
             ignore_eos=True,
-            max_batch_size=prompts * samples,
+            engine=NativeConfig(max_batch_size=prompts * samples),
         ),
         data=DataConfig(
             train_files=[data],

@@ -12,6 +12,7 @@ optimiser step. ``scripts/bench/trl_grpo.py`` runs the same workload through TRL
 """
 
 from rlspmd.config import (
+    NativeConfig,
     ActorConfig,
     CheckpointConfig,
     Config,
@@ -35,7 +36,9 @@ def workload(model: str, name: str, steps: int = 6) -> Config:
             kl_loss_coef=0.04,
             kl_loss_type="k3",
         ),
-        rollout=RolloutConfig(n=4, max_response_length=64, temperature=1.0, ignore_eos=True, max_batch_size=16),
+        rollout=RolloutConfig(
+            n=4, max_response_length=64, temperature=1.0, ignore_eos=True, engine=NativeConfig(max_batch_size=16)
+        ),
         data=DataConfig(
             train_files=["data/bench/prompts.jsonl"],
             val_files=["data/bench/prompts.jsonl"],

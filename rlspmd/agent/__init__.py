@@ -14,7 +14,7 @@ from rlspmd.agent.interaction import INTERACTIONS, InteractionSample
 from rlspmd.agent.interaction import MEMBERS as INTERACTION_MEMBERS
 from rlspmd.agent.loop import AGENT_LOOPS, STOP_REASONS, AgentLoop, check_rows
 from rlspmd.agent.parser import PARSERS, HermesParser, ParseError, ToolCall
-from rlspmd.agent.tools import Tool, ToolSample, check_arguments, check_schema, check_tool, function_schema
+from rlspmd.agent.tools import TOOLS, Tool, ToolSample, check_arguments, check_schema, check_tool, function_schema
 from rlspmd.agent.verl_config import (
     VERL_INTERACTIONS,
     VERL_TOOLS,
@@ -25,7 +25,7 @@ from rlspmd.agent.verl_config import (
     user_spec,
     verl_class_error,
 )
-from rlspmd.config import AgentConfig, CodeRunnerConfig
+from rlspmd.agent.config import AgentConfig, CodeRunnerConfig
 from rlspmd.utils.imports import load_object
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "ParseError",
     "PythonRunner",
     "STOP_REASONS",
+    "TOOLS",
     "Tool",
     "ToolCall",
     "ToolSample",
@@ -59,15 +60,10 @@ __all__ = [
 ]
 
 
-def _builtin_tools(code: CodeRunnerConfig) -> dict:
-    python = lambda: PythonRunner(
-        timeout_s=code.timeout_s,
-        memory_mb=code.memory_mb,
-        cpu_s=code.cpu_s,  # noqa: E731
-        max_output_chars=code.max_output_chars,
-        sandbox=code.sandbox,
-    )
-    return {"calculator": Calculator, "calc_gsm8k_reward": Gsm8kAnswer, "gsm8k_answer": Gsm8kAnswer, "python": python}
+def _tool_factory(cls, cfg: AgentConfig):
+    """How a tool class is built: a ``Tool`` subclass as the section configures it (``Tool.from_config``), any other
+    class with the tool's members by calling it."""
+    return (lambda: cls.from_config(cfg)) if isinstance(cls, type) and issubclass(cls, Tool) else cls
 
 
 def _instantiate(obj, *, where: str):
@@ -80,7 +76,6 @@ def _instantiate(obj, *, where: str):
 def load_tools(cfg: AgentConfig, *, field_name: str = "rollout.agent.tools") -> list:
     """The configured tools, built and checked (members, schema, unique names): ``rollout.agent.tools``, then the
     entries of ``rollout.agent.tool_config_path`` (verl's YAML)."""
-    builtin = _builtin_tools(cfg.code)
     tools, names = [], {}
 
     def add(tool, where: str) -> None:
@@ -92,20 +87,19 @@ def load_tools(cfg: AgentConfig, *, field_name: str = "rollout.agent.tools") -> 
 
     for i, spec in enumerate(cfg.tools):
         where = f"{field_name}[{i}]={spec!r}"
-        factory = builtin.get(spec) or load_object(
-            spec, field_name=f"{field_name}[{i}]", kind="class", registered=list(builtin)
-        )
-        add(_instantiate(factory, where=where), where)
+        cls = TOOLS.resolve(spec, field_name=f"{field_name}[{i}]")
+        add(_instantiate(_tool_factory(cls, cfg), where=where), where)
     if cfg.tool_config_path is not None:
         for entry in read_tool_config(cfg.tool_config_path):
-            add(_yaml_tool(entry, builtin), entry.where)
+            add(_yaml_tool(entry, cfg), entry.where)
     return tools
 
 
-def _yaml_tool(entry: Entry, builtin: dict):
+def _yaml_tool(entry: Entry, cfg: AgentConfig):
     """One verl ``tools:`` entry: an rlspmd built-in (verl's class name mapped, or a registered name) or a user class
     built with ``config`` as keyword arguments; ``tool_schema`` replaces the class's schema and names the tool."""
-    registered, factory = _entry_factory(entry, mapped=VERL_TOOLS, builtin=builtin)
+    registered, cls = _entry_class(entry, mapped=VERL_TOOLS, registry=TOOLS)
+    factory = _tool_factory(cls, cfg) if registered is not None else (lambda: cls(**entry.config))
     tool = _instantiate(factory, where=f"{entry.where} ({entry.class_name})")
     if entry.schema is not None:
         where = f"{entry.where}.tool_schema"
@@ -116,22 +110,21 @@ def _yaml_tool(entry: Entry, builtin: dict):
     return tool
 
 
-def _entry_factory(entry: Entry, *, mapped: dict[str, str], builtin: dict):
-    """``(registered name, factory)`` of a YAML entry: a built-in (verl's class name ``mapped`` to it, or its registered
-    name; it takes no ``config`` options), or a user class (``(None, lambda: Class(**config))``)."""
-    registered = mapped.get(entry.class_name, entry.class_name if entry.class_name in builtin else None)
+def _entry_class(entry: Entry, *, mapped: dict[str, str], registry):
+    """``(registered name, class)`` of a YAML entry: a built-in (verl's class name ``mapped`` to it, or its registered
+    name; it takes no ``config`` options), or a user class (``(None, Class)``, built as ``Class(**config)``)."""
+    registered = mapped.get(entry.class_name, entry.class_name if entry.class_name in registry else None)
     if registered is not None:
         if entry.config:
             raise ValueError(
                 f"{entry.where}.config: the built-in {registered!r} ({entry.class_name}) takes no options, "
                 f"got {sorted(entry.config)}"
             )
-        return registered, builtin[registered]
+        return registered, registry[registered]
     error = verl_class_error(entry, mapped=mapped)
     if error is not None:
         raise error
-    cls = load_object(user_spec(entry.class_name), field_name=f"{entry.where}.class_name", kind="class")
-    return None, lambda: cls(**entry.config)
+    return None, load_object(user_spec(entry.class_name), field_name=f"{entry.where}.class_name", kind="class")
 
 
 def _same_parameters(own: dict, given: dict, *, where: str, builtin: str) -> None:
@@ -154,9 +147,7 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
 
 def load_parser(cfg: AgentConfig, *, field_name: str = "rollout.agent.parser"):
-    cls = PARSERS.get(cfg.parser) or load_object(
-        cfg.parser, field_name=field_name, kind="class", registered=list(PARSERS)
-    )
+    cls = PARSERS.resolve(cfg.parser, field_name=field_name)
     parser = _instantiate(cls, where=f"{field_name}={cfg.parser!r}")
     if not callable(getattr(parser, "parse", None)):
         raise ValueError(f"{field_name}={cfg.parser!r}: a parser needs parse(text) -> list[ToolCall | ParseError]")
@@ -168,9 +159,7 @@ def load_interaction(cfg: AgentConfig, *, field_name: str = "rollout.agent.inter
     if cfg.interaction is None:
         return None
     where = f"{field_name}={cfg.interaction!r}"
-    cls = INTERACTIONS.get(cfg.interaction) or load_object(
-        cfg.interaction, field_name=field_name, kind="class", registered=list(INTERACTIONS)
-    )
+    cls = INTERACTIONS.resolve(cfg.interaction, field_name=field_name)
     return _check_interaction(_instantiate(cls, where=where), where=where)
 
 
@@ -203,7 +192,8 @@ def load_interactions(cfg: AgentConfig) -> dict:
 
 def _yaml_interaction(entry: Entry):
     """One verl ``interaction:`` entry: an rlspmd built-in or a user class built with ``config`` as keyword arguments."""
-    _, factory = _entry_factory(entry, mapped=VERL_INTERACTIONS, builtin=INTERACTIONS)
+    registered, cls = _entry_class(entry, mapped=VERL_INTERACTIONS, registry=INTERACTIONS)
+    factory = cls if registered is not None else (lambda: cls(**entry.config))
     return _check_interaction(_instantiate(factory, where=f"{entry.where} ({entry.class_name})"), where=entry.where)
 
 

@@ -19,7 +19,7 @@ import re
 import warnings
 
 from rlspmd.agent.sandbox import check_sandbox, run_python
-from rlspmd.agent.tools import Tool, ToolSample, function_schema
+from rlspmd.agent.tools import TOOLS, Tool, ToolSample, function_schema
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
@@ -73,6 +73,7 @@ def format_number(value: int | float) -> str:
     return str(value) if isinstance(value, int) else f"{value:.10g}"
 
 
+@TOOLS.register("calculator")
 class Calculator(Tool):
     name = "calculator"
     schema = function_schema(
@@ -97,6 +98,7 @@ def _parse_number(text: str) -> float | None:
         return None
 
 
+@TOOLS.register("calc_gsm8k_reward", "gsm8k_answer")
 class Gsm8kAnswer(Tool):
     name = "calc_gsm8k_reward"
     schema = function_schema(
@@ -124,6 +126,7 @@ class Gsm8kAnswer(Tool):
         return state["reward"]
 
 
+@TOOLS.register("python")
 class PythonRunner(Tool):
     name = "python"
     schema = function_schema(
@@ -144,6 +147,17 @@ class PythonRunner(Tool):
             )
         self.limits = dict(
             timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s, max_output_chars=max_output_chars, sandbox=sandbox
+        )
+
+    @classmethod
+    def from_config(cls, agent) -> PythonRunner:
+        c = agent.code
+        return cls(
+            timeout_s=c.timeout_s,
+            memory_mb=c.memory_mb,
+            cpu_s=c.cpu_s,
+            max_output_chars=c.max_output_chars,
+            sandbox=c.sandbox,
         )
 
     def call(self, state, arguments: dict) -> tuple[str, float, dict]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rlspmd.components import Registry
 from rlspmd.rewards.rules import extract_final_answer
 
 
@@ -31,6 +32,11 @@ class InteractionSample:
     """The row's ``extra_info.interaction_kwargs`` (empty when it has none)."""
 
 
+INTERACTIONS = Registry("interaction")
+"""Every interaction by its name (``rollout.agent.interaction``: a name here, or ``path/to/file.py:Class``)."""
+
+
+@INTERACTIONS.register("gsm8k")
 class Gsm8kInteraction:
     retry = "Your answer is wrong. Try again."
 
@@ -49,5 +55,4 @@ class Gsm8kInteraction:
         pass
 
 
-INTERACTIONS = {"gsm8k": Gsm8kInteraction}
 MEMBERS = ("start", "respond", "finish")

@@ -45,7 +45,7 @@ from rlspmd.agent.chat import ChatRenderer
 from rlspmd.agent.interaction import InteractionSample
 from rlspmd.agent.parser import ParseError, ToolCall
 from rlspmd.agent.tools import ToolSample, check_arguments
-from rlspmd.config import AgentConfig
+from rlspmd.agent.config import AgentConfig
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.rollout.base import RolloutEngine, assemble_rollout

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rlspmd.components import Registry
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -34,6 +36,11 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> list[ToolCall | ParseError]: ...
 
 
+PARSERS = Registry("tool-call parser")
+"""Every tool-call parser by its name (``rollout.agent.parser``: a name here, or ``path/to/file.py:Class``)."""
+
+
+@PARSERS.register("hermes")
 class HermesParser:
     open_tag, close_tag = "<tool_call>", "</tool_call>"
 
@@ -62,6 +69,3 @@ class HermesParser:
             except json.JSONDecodeError:
                 return ParseError(f"the arguments of {obj['name']!r} are a string that is not JSON")
         return ToolCall(obj["name"], args)
-
-
-PARSERS = {"hermes": HermesParser}

@@ -14,8 +14,8 @@ A tool is a class (subclass ``Tool``, or any class with the same members) with
   submitted answer is right; ``Tool``'s default: 0);
 * ``release(state)``: the conversation is over (free what ``create`` took).
 
-Tools are configured as ``rollout.agent.tools``: registered names (``calculator``, ``gsm8k_answer``, ``python``) or
-``path/to/file.py:Class`` / ``package.module:Class`` (``rlspmd/utils/imports.py``). ``load_tools`` builds and checks them at start-up: a class that
+Tools are configured as ``rollout.agent.tools``: names registered in ``TOOLS`` (``calculator``, ``gsm8k_answer``,
+``python``) or ``path/to/file.py:Class`` / ``package.module:Class`` (``rlspmd/components.py``). ``load_tools`` builds and checks them at start-up: a class that
 does not import, lacks a member or has an invalid schema stops the run naming the tool and the field. At run time
 nothing a model writes raises: bad arguments come back as an error message (``check_arguments``).
 
@@ -28,7 +28,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rlspmd.components import Registry
+
+if TYPE_CHECKING:
+    from rlspmd.agent.config import AgentConfig
 
 JSON_TYPES = {"string", "integer", "number", "boolean", "array", "object", "null"}
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -46,11 +51,21 @@ class ToolSample:
     """This tool's ``extra_info.tools_kwargs[name].create_kwargs`` (empty when the row names none)."""
 
 
+TOOLS = Registry("tool")
+"""Every built-in tool by its registered name (``@TOOLS.register("name")`` on the class)."""
+
+
 class Tool:
     """Base class with the defaults; a subclass sets ``name`` and ``schema`` and implements ``call``."""
 
     name: str = ""
     schema: dict = {}
+
+    @classmethod
+    def from_config(cls, agent: AgentConfig) -> Tool:
+        """The tool as the ``rollout.agent`` section configures it: a tool with options reads them here (the ``python``
+        tool its limits, ``rollout.agent.code``); the default takes none."""
+        return cls()
 
     def create(self, sample: ToolSample) -> Any:
         return None

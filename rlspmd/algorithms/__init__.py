@@ -6,8 +6,9 @@ tool / observation tokens. Where a quantity must be global (loss denominators, w
 the function takes it as an argument and the trainer does the one all-reduce that produces it (`estimators.py`
 applies the advantage estimators to a batch, with that all-reduce handed in as a function).
 
-A config string selects an implementation through the registries `POLICY_LOSSES`, `KL_ESTIMATORS`, `AGG_MODES`;
-the advantage estimators are picked by their config components (`rlspmd.config.ADVANTAGE_ESTIMATOR_TYPES`). Rollout correction (importance weights
+Policy losses, advantage estimators and KL controllers are picked by their config components, each beside its code
+and registered in its kind's registry (`POLICY_LOSSES`, `ADVANTAGE_ESTIMATORS`, `KL_CONTROLS`); a config string
+selects a KL estimator or an aggregation through `KL_ESTIMATORS`, `AGG_MODES`. Rollout correction (importance weights
 pi_train / pi_rollout, truncation and rejection, mismatch metrics) is in `rollout_correction.py`; its weights and
 mask go into any policy loss through `weights_BT` / `mask_BT`.
 """
@@ -31,17 +32,20 @@ from rlspmd.algorithms.advantages import (
     zero_variance_rows,
 )
 from rlspmd.algorithms.aggregation import AGG_MODES, AggArgs, agg_loss, local_denominators
+from rlspmd.algorithms.estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from rlspmd.algorithms.kl import (
+    KL_CONTROLS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    KLControl,
     apply_kl_in_reward,
     kl_penalty,
     sample_mean_kl,
 )
 from rlspmd.algorithms.losses import (
-    MICRO_BATCH_LOCAL_LOSSES,
     POLICY_LOSSES,
+    PolicyLoss,
     cispo,
     clip_cov,
     entropy_bonus,
@@ -61,11 +65,15 @@ from rlspmd.algorithms.rollout_correction import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "KL_CONTROLS",
+    "AdvantageEstimator",
+    "KLControl",
+    "PolicyLoss",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
     "KL_ESTIMATORS",
-    "MICRO_BATCH_LOCAL_LOSSES",
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "AggArgs",

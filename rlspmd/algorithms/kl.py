@@ -28,10 +28,14 @@ k3: the log-ratio is clamped to [-20, 20] before `exp` so that it cannot overflo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from rlspmd.components import Component, Problem, Registry
 
 
 def _k1(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
@@ -188,3 +192,61 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+# -- the controllers' config components (``algorithm.kl_ctrl``) ------------------------------------------------------
+#
+# Picked by name like the policy loss: ``algorithm.kl-ctrl:adaptive --algorithm.kl-ctrl.target-kl 0.02``.
+
+KL_CONTROLS = Registry("KL controller")
+"""Every KL controller by its name (``algorithm.kl-ctrl:NAME``)."""
+
+
+class KLControl(Component):
+    """``algorithm.kl_ctrl``: the coefficient of the in-reward KL penalty, with its options."""
+
+    registry = KL_CONTROLS
+
+    def build(self) -> FixedKLController | AdaptiveKLController:
+        """The controller (its ``value`` is the coefficient; ``update`` moves it; checkpointed by ``state_dict``)."""
+        raise NotImplementedError
+
+
+def _coef_problems(kl_coef: float) -> list[Problem]:
+    return [] if kl_coef >= 0 else [("kl_coef", kl_coef, "must be >= 0")]
+
+
+@dataclass
+class FixedKL(KLControl):
+    """The coefficient stays ``kl_coef``."""
+
+    name: ClassVar[str] = "fixed"
+    kl_coef: float = 0.001
+    """Coefficient of the per-token KL penalty in the reward (>= 0)."""
+
+    def problems(self) -> list[Problem]:
+        return _coef_problems(self.kl_coef)
+
+    def build(self):
+        return FixedKLController(self.kl_coef)
+
+
+@dataclass
+class AdaptiveKL(KLControl):
+    """The coefficient is steered toward ``target_kl`` (Ziegler et al. 2019) by the mean over samples of each sample's
+    mean KL, over the global batch."""
+
+    name: ClassVar[str] = "adaptive"
+    kl_coef: float = 0.001
+    """Initial coefficient of the per-token KL penalty in the reward (>= 0)."""
+    target_kl: float = 0.1
+    """The per-token KL the controller steers toward (> 0)."""
+    horizon: float = 10000.0
+    """Samples over which a 20% coefficient change is reached (the controller's time constant; > 0)."""
+
+    def problems(self) -> list[Problem]:
+        positive = (("target_kl", self.target_kl), ("horizon", self.horizon))
+        return _coef_problems(self.kl_coef) + [(name, v, "must be > 0") for name, v in positive if not v > 0]
+
+    def build(self):
+        return AdaptiveKLController(self.kl_coef, self.target_kl, self.horizon)

@@ -30,9 +30,78 @@ ratio criterion rejects (verl also offers k2 / k3 divergence criteria and sequen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
 
 import torch
 from torch import Tensor
+
+from rlspmd.components import Problem
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correct the policy loss for the rollout engine's probabilities differing from the trainer's.
+
+    With rho = pi_train / pi_rollout of each sampled token (``old_logprobs`` over the engine's ``rollout_logprobs``),
+    or of each sequence as the geometric mean of its token ratios: ``tis`` multiplies each token's loss by
+    min(rho, ``tis_threshold``) (truncated importance sampling), ``mis`` drops tokens or whole sequences whose rho
+    leaves [``mis_lower``, ``mis_upper``] from the loss (masked importance sampling / rejection), ``both`` does both.
+    The weights' and the mismatch's metrics (``rollout_corr/*``) are logged in every mode.
+    """
+
+    mode: Literal["auto", "off", "tis", "mis", "both"] = "auto"
+    """``auto``: ``mis`` when the rollout's numerics differ from training (the vLLM engine, a rollout dtype unlike
+    the actor's compute dtype), ``tis`` for asynchronous rollouts with stale weights (``trainer.max_staleness`` > 0:
+    an update moves the ratio far past the rejection band), ``off`` for the native engine in the actor's compute
+    dtype (it samples from the trainer's own weights and kernels). Or ``off``, ``tis``, ``mis``, ``both``
+    explicitly."""
+    level: Literal["token", "sequence"] = "sequence"
+    """The ratio per token, or per sequence as the geometric mean of its token ratios (length-normalised; verl and
+    TRL's sequence modes use the product, which drifts from 1 on long responses)."""
+    tis_threshold: float = 2.0
+    """Truncation cap of the importance weights (``tis``, ``both``); verl's default."""
+    mis_lower: float | None = None
+    """Lower end of the ratio band a token / sequence must lie in to stay (``mis``, ``both``). None: 0.999 at
+    ``sequence`` level (verl's geometric rejection preset, +-0.1%), 0.5 at ``token`` level."""
+    mis_upper: float | None = None
+    """Upper end of the band. None: 1.001 at ``sequence`` level, 2.0 at ``token`` level."""
+    metric_ratio_bound: float = 2.0
+    """c of the metric ``rollout_corr/mismatch/ratio_out_of_bound_frac``: the share of tokens whose ratio leaves
+    [1/c, c]."""
+    bypass: bool = False
+    """Use the rollout's log-probs as the old log-probs and skip the old-log-prob forward (verl's bypass mode).
+    Only with one optimiser update per step (``actor.ppo_epochs=1``, ``actor.mini_batch_size`` =
+    ``data.train_batch_size``) and the correction on: PPO's ratio is then pi_theta / pi_rollout, so its clip bounds
+    the mismatch too, and the rejection band is applied against the current policy inside the loss. Trade-off:
+    one forward fewer per step, but the clip now also spends its range on the engine mismatch."""
+
+    def problems(self) -> list[Problem]:
+        """Its own checks, collected by ``rlspmd.validate``. Every mode reads every threshold: the metrics show what
+        truncation and rejection would do even where the mode applies neither, and ``auto`` may pick either."""
+        out = [] if self.tis_threshold > 0 else [("tis_threshold", self.tis_threshold, "must be > 0")]
+        lower, upper = self.band()
+        if not 0 < lower < upper:
+            out.append(
+                (
+                    "mis_lower",
+                    self.mis_lower,
+                    f"and mis_upper={self.mis_upper} must satisfy 0 < lower < upper "
+                    f"(with the {self.level} level's defaults: {lower}, {upper})",
+                )
+            )
+        if not self.metric_ratio_bound > 1:
+            out.append(("metric_ratio_bound", self.metric_ratio_bound, "must be > 1"))
+        return out
+
+    def band(self) -> tuple[float, float]:
+        """The rejection band [mis_lower, mis_upper] with the level's defaults filled in."""
+        default_lower, default_upper = (0.999, 1.001) if self.level == "sequence" else (0.5, 2.0)
+        return (
+            default_lower if self.mis_lower is None else self.mis_lower,
+            default_upper if self.mis_upper is None else self.mis_upper,
+        )
+
 
 CORRECTION_MODES = ("off", "tis", "mis", "both")
 """What the correction applies: nothing, truncated weights, rejection (masking), or both."""

@@ -37,7 +37,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.config import MeshConfig
+
+@dataclass
+class MeshConfig:
+    actor_ranks: str = "all"
+    """Global ranks hosting the actor: ``all``, ``0-3`` or ``0,1,2``. Colocated (everything on ``all``) is the default.
+    Must include rank 0 (it reads the data and logs)."""
+    rollout_ranks: str = "all"
+    """Global ranks hosting the rollout engine: the actor's ranks (colocated, the hybrid engine) or ranks disjoint
+    from them (split placement: prompts, samples and weights move between the two meshes with collectives). The
+    reference, critic and reward model always live on the actor's ranks."""
+    rollout_tp: int = 1
+    """Tensor-parallel degree of the rollout engine (consecutive ranks form a TP group)."""
+    actor_tp: int = 1
+    """Tensor-parallel degree of the FSDP engine's training roles (actor, reference, critic, on the actor's ranks): the
+    actor's ranks form a 2-D ``(dp, tp)`` mesh, consecutive ranks a TP group; attention heads and MLP columns/rows are
+    sharded over ``tp`` (``torch.distributed.tensor.parallel``), FSDP2 shards over ``dp``. Data stays per rank: a TP
+    group runs its members' micro-batches together. Must divide the actor's ranks and the model's attention and KV
+    heads; the FSDP engine only (megatron has ``actor.engine.tp``), no ``actor.lora``, and the native rollout
+    then keeps its own copy of the weights (synced through the weight stream) instead of reading them in place."""
+
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 FOLLOWERS = ("ref", "critic", "reward")  # the RL config places them on the actor's ranks

@@ -38,15 +38,30 @@ import time
 import traceback
 from dataclasses import dataclass
 from functools import wraps
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlspmd.config import DistConfig
 from rlspmd.distributed.parent import watch_parent
 from rlspmd.distributed.progress import HangMonitor, job_prefix, where
+
+
+@dataclass
+class DistConfig:
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; auto picks NCCL when CUDA is available, Gloo otherwise."""
+    timeout_s: float = 600.0
+    """Collective timeout: a rank that waits longer than this for a dead peer fails instead of hanging."""
+    hang_warn_s: float = 300.0
+    """Rank 0 warns (naming the rank, its stage, step and seconds) when a rank has been in one stage of a step (``gen``,
+    ``reward``, ``update_actor``, ...) longer than this, and repeats every ``hang_warn_s`` while it lasts. Below
+    ``timeout_s``, so the late rank is named before a collective times out. 0 disables the warning."""
+    hang_timeout_s: float = 7200.0
+    """End the job (non-zero exit on every rank, the message naming the rank and stage) when a rank has been in one
+    stage longer than this. Far above any one stage of a healthy run (generating a long batch can take many minutes);
+    raise it for longer ones. 0 disables it."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The trainer hands every rank of a training role its own samples (data is dispatched per rank, whatever the
 engine's parallelism). Under tensor parallelism the ranks of a TP group must run the *same* forward, so both
-training engines with TP (``engines/fsdp.py`` with ``mesh.actor_tp``, ``engines/megatron``) do the same three
+training engines with TP (``engines/fsdp`` with ``mesh.actor_tp``, ``engines/megatron``) do the same three
 things per micro-batch:
 
 1. ``all_gather_varlen``: all-gather the members' integer inputs (shapes may differ: rows, padded length), two

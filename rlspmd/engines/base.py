@@ -2,7 +2,7 @@
 
 A role (policy, reference, critic, reward model; ``rlspmd/roles/``) owns one engine: the role's module sharded over
 the role's DP mesh, with an optimiser when the role trains. The roles call nothing else, so a backend that offers these
-methods (FSDP2 in ``engines/fsdp.py``; megatron-core behind the same calls) slots in without touching a role:
+methods (FSDP2 in ``engines/fsdp``; megatron-core behind the same calls) slots in without touching a role:
 
 * ``module(...)``: the role module's forward on one micro-batch (a policy returns ``(logprobs_BR, entropy_BR)``, a
   critic ``values_BR``, a reward model ``scores_B``); the engine has already applied its parallelism to it;
@@ -18,19 +18,30 @@ methods (FSDP2 in ``engines/fsdp.py``; megatron-core behind the same calls) slot
 Both engines build their optimiser with ``engines/optim.py`` and resolve their compute dtype with ``compute_dtype``.
 
 ``InPlaceEngine`` adds what the colocated native rollout engine needs to read the weights where they are (no copy).
+
+Which engine a role trains on is a config component (``TrainingEngineConfig``: ``FSDPConfig`` in ``fsdp.py``,
+``MegatronConfig`` in ``megatron/config.py``), registered in ``TRAINING_ENGINES``: its options, its checks and a
+``build`` that returns the role's engine. ``actor.engine`` / ``critic.engine`` hold one (``actor.engine:megatron
+--actor.engine.tp 2`` on the command line); a user's engine is a subclass in their own file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol, TypedDict, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from rlspmd.components import Component, Registry
 from rlspmd.models.loader import DTYPES
+
+if TYPE_CHECKING:
+    from rlspmd.engines.optim import OptimConfig
+    from rlspmd.models.loader import ModelConfig
+    from rlspmd.models.lora import LoraConfig
 
 
 def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
@@ -103,3 +114,58 @@ class TrainingEngine(Protocol):
 class InPlaceEngine(TrainingEngine, Protocol):
     def gathered_hf_model(self) -> AbstractContextManager[nn.Module]:
         """The full Hugging Face model, its parameters gathered in place for the duration (no copy)."""
+
+
+# -- the engine a role trains on: a config component ------------------------------------------------------------------
+
+ModuleKind = Literal["policy", "value", "scorer"]
+"""What a role's module computes: a causal LM's log-probs (``policy``: actor, reference), per-token values
+(``value``: critic) or one score per sequence (``scorer``: a reward model, frozen)."""
+
+TRAINING_ENGINES = Registry("training engine")
+"""Every training engine by its name (``actor.engine:NAME``)."""
+
+
+class TrainingEngineConfig(Component):
+    """``actor.engine`` / ``critic.engine``: a training backend with its options (the dataclass fields of a subclass).
+
+    Traits the rest of the run reads: ``supports_lora`` (``actor.lora``), ``supports_mesh_tp`` (``mesh.actor_tp``
+    is this engine's tensor parallelism), ``lends_weights`` (a colocated native rollout engine reads the gathered
+    weights in place: an ``InPlaceEngine``)."""
+
+    registry = TRAINING_ENGINES
+    supports_lora: ClassVar[bool] = False
+    supports_mesh_tp: ClassVar[bool] = False
+    lends_weights: ClassVar[bool] = False
+    param_dtype: str = "auto"
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the role's forwards on ``device``."""
+        return compute_dtype(self.param_dtype, device)
+
+    def params_on_host(self) -> bool:
+        """Whether the sharded parameters live in host memory (a frozen role's offload then has nothing to do)."""
+        return False
+
+    def build(
+        self,
+        kind: ModuleKind,
+        model_path: str,
+        *,
+        model: ModelConfig,
+        mesh: DeviceMesh,
+        device: torch.device,
+        optim: OptimConfig | None,
+        total_optim_steps: int = 1,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        field_name: str,
+        section: str,
+        lora: LoraConfig | None = None,
+        train_mesh: DeviceMesh | None = None,
+    ) -> TrainingEngine:
+        """A role's model on this engine. ``kind``: what the module computes; ``optim=None``: frozen; ``field_name``
+        and ``section`` name the config fields in errors (``actor.model.path``, ``actor``); ``lora``: a policy training
+        LoRA adapters only (engines with ``supports_lora``); ``train_mesh``: the ``(dp, tp)`` mesh of
+        ``mesh.actor_tp`` > 1 (engines with ``supports_mesh_tp``). Collective over ``mesh``."""
+        raise NotImplementedError

@@ -1,4 +1,4 @@
-"""The optimiser of a trained role, one component for both engines (``engines/fsdp.py``, ``engines/megatron``): AdamW
+"""The optimiser of a trained role, one component for both engines (``engines/fsdp``, ``engines/megatron``): AdamW
 from ``OptimConfig``, its LR schedule (warmup, then constant / cosine / linear decay) and gradient clipping's rule.
 
 The engine computes the global gradient norm, because that depends on how it lays the parameters out (FSDP2 shards
@@ -11,11 +11,31 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from rlspmd.config import OptimConfig
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to ``lr`` over this many optimiser steps."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Schedule after warmup; cosine/linear decay to ``min_lr_ratio * lr`` at ``total_optim_steps``."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of ``lr`` for decaying schedules."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (<= 0 disables clipping)."""
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:

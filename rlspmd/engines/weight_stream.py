@@ -181,7 +181,7 @@ class WeightStream:
     """The actor engine's weights, gathered unit by unit in ``dtype``; iterate it on every rank of the actor mesh."""
 
     def __init__(self, engine, *, dtype: torch.dtype, lora_scaling: float | None = None):
-        """``lora_scaling``: the engine trains LoRA adapters (``engines/lora.py``); hand out merged weights."""
+        """``lora_scaling``: the engine trains LoRA adapters (``engines/fsdp/lora.py``); hand out merged weights."""
         self.hf_model = engine.hf_model
         self.mesh = engine.mesh
         self.device = engine.device

@@ -14,14 +14,50 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny"
+    """Local Hugging Face model directory (config.json, *.safetensors, tokenizer files)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; defaults to ``path``."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of the (master) parameters. Keep float32 for training; compute dtype is set by FSDP mixed precision."""
+    attn_implementation: str = "sdpa"
+    """Transformers attention implementation for training forwards (``sdpa``, ``eager``, ``flash_attention_2``)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (activation checkpointing): less activation
+    memory for about one more forward of compute. Gradients are unchanged."""
+    packing: bool = True
+    """Remove padding: run each micro-batch's valid tokens as one packed sequence with per-sample boundaries (the
+    attention kernel is ``attn_kernel``). Same results as the padded forward, less compute. Needs
+    ``attn_implementation`` ``sdpa`` or ``flash_attention_2``."""
+    attn_kernel: Literal["auto", "flash_attn", "varlen", "flex", "sdpa_loop"] = "auto"
+    """Packed attention kernel (``packing`` with ``attn_implementation=sdpa``): ``flash_attn`` (flash-attn's varlen
+    kernel; CUDA, bf16/fp16, needs the package), ``varlen`` (torch's ``varlen_attn``, FlashAttention-2 in libtorch;
+    CUDA sm80+, bf16/fp16), ``flex`` (compiled FlexAttention with a document-causal block mask; CUDA), ``sdpa_loop``
+    (one SDPA call per sample; any device). ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the
+    device and compute dtype, else sdpa_loop (what CPU uses). One that cannot run here stops the run at start-up."""
+    sharded_load: bool = True
+    """Build the model on the meta device, apply the parallelism, then read only this rank's slices of the safetensors
+    files (peak host memory per rank: its shards plus one slice, not the whole model). Keys are matched by name; False
+    loads the whole model on every rank with ``from_pretrained`` and shards it (for ``*.bin`` checkpoints, or
+    architectures whose checkpoints need transformers' key conversions)."""
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the config's spelling)."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
 

@@ -21,12 +21,35 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from rlspmd.config import LoraConfig
+
+
+@dataclass
+class LoraConfig:
+    """LoRA fine-tuning of the policy through ``peft`` (``rank`` > 0): only the adapters train, are sharded with the
+    model and have optimiser state; the reference is the base model (the adapters switched off: no second copy of the
+    weights); the rollout generates with the adapters merged; checkpoints hold the adapters and their optimiser
+    state; ``scripts/export_hf.py`` writes a merged model and the peft adapter."""
+
+    rank: int = 0
+    """Adapter rank r; 0 trains every weight (no LoRA)."""
+    alpha: float = 16.0
+    """Scaling numerator: an adapter adds ``alpha / rank * B A x`` to its layer's output."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in every actor forward that runs in training mode (the log-prob passes of the
+    update included, so keep 0 for exact PPO ratios)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Layers that get adapters, by name suffix (``q_proj``, ``v_proj``, ...), or ``all-linear`` (peft: every linear
+    layer except the LM head)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 ADAPTER = "default"
 """peft's adapter name: the one adapter a policy trains."""

@@ -20,8 +20,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
-from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
+from rlspmd.models.packing import (
+    TokenCounts,
+    pack,
+    packed_hidden_states,
+    packed_kernel,
+    training_attn_implementation,
+)
 
 
 def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -77,3 +84,19 @@ class CausalLMPolicy(nn.Module):
                                        packed.input_ids_1T[0].index_select(0, targets_N), **kw)
         return packed.scatter_responses(lp_N), packed.scatter_responses(ent_N)
 
+
+def build_policy_module(
+    model_path: str,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    field_name: str,
+    packing: bool = False,
+    attn_kernel: str = "auto",
+) -> CausalLMPolicy:
+    attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    return CausalLMPolicy(
+        load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name),
+        packing=packing,
+        attn_kernel=attn_kernel,
+    )

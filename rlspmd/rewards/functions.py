@@ -9,14 +9,13 @@ import functools
 import inspect
 from collections.abc import Callable
 
-from rlspmd.rewards.rules import rule_for
-from rlspmd.utils.imports import load_object
+from rlspmd.rewards.rules import REWARD_FUNCTIONS, rule_for
 
 
 def load_function(spec: str, *, field_name: str = "reward.function") -> Callable:
-    """``path/to/file.py:fn`` or ``package.module:fn`` -> the function (imports, and so runs, its module; errors name
-    the field, the spec and the file: ``rlspmd/utils/imports.py``)."""
-    return load_object(spec, field_name=field_name, kind="callable")
+    """A registered name (``gsm8k``, ...) or ``path/to/file.py:fn`` / ``package.module:fn`` -> the function (imports,
+    and so runs, its module; errors name the field, the spec and the file: ``rlspmd/utils/imports.py``)."""
+    return REWARD_FUNCTIONS.resolve(spec, field_name=field_name)
 
 
 def function_name(fn: Callable) -> str:

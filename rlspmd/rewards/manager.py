@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from rlspmd.config import RewardConfig
+from rlspmd.rewards.config import RewardConfig
 from rlspmd.protocol import Batch
 from rlspmd.rewards.functions import call_reward, function_name, load_function, resolve, spec_name
 from rlspmd.rewards.pool import RewardPool, RewardWorkerError

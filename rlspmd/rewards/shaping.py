@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rlspmd.config import OverlongBufferConfig
+from rlspmd.rewards.config import OverlongBufferConfig
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 

@@ -8,7 +8,7 @@ builder (``trainer/build.py``) is the one place that decides which implementatio
 
 **The update loop** (``ppo_updates``): PPO epochs × mini-batches × micro-batches, one optimiser step per mini-batch.
 Loss normalisation is global: before each mini-batch the valid-token and sequence counts are summed over the DP mesh,
-every micro-batch loss is divided by those global counts, and gradients are summed over ranks (``engines/fsdp.py``).
+every micro-batch loss is divided by those global counts, and gradients are summed over ranks (``engines/fsdp``).
 The gradient therefore does not depend on how the mini-batch is split over ranks or micro-batches.
 """
 

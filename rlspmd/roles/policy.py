@@ -26,9 +26,6 @@ from rlspmd.algorithms import AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.metrics import MetricBuffer
-from rlspmd.models.loader import load_causal_lm
-from rlspmd.models.packing import training_attn_implementation
-from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
 from rlspmd.distributed.micro_batches import forward_micro_batches
@@ -76,23 +73,6 @@ def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuff
     mask = batch["loss_mask_BR"].float()
     metrics.mean(
         "rollout/logprob_gap", ((batch["rollout_logprobs_BR"] - old_logprobs_BR).abs() * mask).sum(), mask.sum()
-    )
-
-
-def build_policy_module(
-    model_path: str,
-    *,
-    dtype: str,
-    attn_implementation: str,
-    field_name: str,
-    packing: bool = False,
-    attn_kernel: str = "auto",
-) -> CausalLMPolicy:
-    attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    return CausalLMPolicy(
-        load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name),
-        packing=packing,
-        attn_kernel=attn_kernel,
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rlspmd.rollout.base import RolloutEngineConfig
 from rlspmd.algorithms.rollout_correction import RolloutCorrection, rollout_correction
 from rlspmd.config import RolloutCorrectionConfig
 from rlspmd.metrics import MetricBuffer
@@ -83,7 +84,7 @@ class ResolvedRolloutCorrection:
 def resolve_rollout_correction(
     cfg: RolloutCorrectionConfig,
     *,
-    engine: str,
+    engine: RolloutEngineConfig,
     rollout_dtype: str,
     actor_compute_dtype: str,
     placement: Literal["colocated", "split"],
@@ -92,8 +93,8 @@ def resolve_rollout_correction(
     """Resolve ``mode=auto``: on (``mis``, rejection at ``cfg.level``) when the samples do not come from the trainer's
     own numerics, off when they do.
 
-    The samples come from the trainer's numerics when the engine is ``native`` (torch, the trainer's kernels and
-    sampling from the same logits), its weights are in the actor's compute dtype (the colocated engine then reads
+    The samples come from the trainer's numerics when the engine samples with the trainer's kernels (its ``kernels``
+    trait is None: the native engine, torch, sampling from the same logits), its weights are in the actor's compute dtype (the colocated engine then reads
     the actor's gathered weights in place; a split engine receives a bit-identical copy after every update) and
     they are current (``max_staleness`` 0). Anything else (``vllm``, a rollout dtype unlike the actor's, weights
     up to ``max_staleness`` updates old) makes pi_rollout differ from pi_train, and auto switches the correction on:
@@ -104,7 +105,7 @@ def resolve_rollout_correction(
 
     Args:
         cfg: the ``algorithm.rollout_correction`` section.
-        engine: ``rollout.engine`` (``native`` or ``vllm``).
+        engine: ``rollout.engine``, the engine component (its ``kernels`` trait says how its numerics differ).
         rollout_dtype: the rollout engine's weight dtype, resolved (``rollout.dtype``; ``auto`` means the actor's
             compute dtype and is accepted as such).
         actor_compute_dtype: the actor's FSDP compute dtype, resolved (``float32``, ``bfloat16`` or ``float16``).
@@ -118,16 +119,14 @@ def resolve_rollout_correction(
         rollout_dtype = actor_compute_dtype
     if rollout_dtype not in _DTYPES:
         raise ValueError(f"rollout.dtype={rollout_dtype!r} is not one of {('auto',) + _DTYPES}")
-    if engine not in ("native", "vllm"):
-        raise ValueError(f"rollout.engine={engine!r} is not one of ('native', 'vllm')")
     if placement not in ("colocated", "split"):
         raise ValueError(f"placement {placement!r} is not one of ('colocated', 'split')")
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
 
     differs = []
-    if engine != "native":
-        differs.append(f"the {engine} engine's kernels")
+    if engine.kernels is not None:
+        differs.append(engine.kernels)
     if rollout_dtype != actor_compute_dtype:
         differs.append(f"rollout dtype {rollout_dtype} vs the actor's {actor_compute_dtype}")
     if max_staleness > 0:
@@ -144,7 +143,7 @@ def resolve_rollout_correction(
         mode, reason = (
             "off",
             (
-                f"auto -> off: the native engine samples with the trainer's weights in "
+                f"auto -> off: the {engine.name} engine samples with the trainer's weights in "
                 f"{actor_compute_dtype} ({placement})"
             ),
         )

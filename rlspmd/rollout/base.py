@@ -3,15 +3,22 @@
 An engine takes a Batch of left-padded prompts (``prompts_BP``, ``prompt_mask_BP`` plus per-sample
 objects) and returns ``n`` samples per prompt, consecutive, with the training layout of
 ``rlspmd.protocol`` (``input_ids_BL = prompts_BP ++ responses_BR``).
+
+Which engine a run uses is a config component (``RolloutEngineConfig``: ``NativeConfig`` in ``native.py``,
+``VllmConfig`` in ``vllm.py``), registered in ``ROLLOUT_ENGINES``: its options, its checks, what it supports and a
+``build`` that returns the rank's engine. ``rollout.engine`` holds one (``rollout.engine:vllm
+--rollout.engine.max-num-seqs 64`` on the command line); a user's engine is a subclass in their own file. Nothing
+outside an engine's own component compares its name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
+from rlspmd.components import Component, Problem, Registry
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.rollout.continuous import RequestSource
 from rlspmd.rollout.sampling import SamplingParams
@@ -39,6 +46,53 @@ class RolloutEngine(Protocol):
         """Request-level generation for the agent loop: run ``source``'s requests (each a conversation's next turn),
         at most ``max_requests`` at a time and ``max_len`` tokens per sequence, until it has none left; returns
         counts (decode steps, prefills, tokens, idle waits)."""
+
+
+ROLLOUT_ENGINES = Registry("rollout engine")
+"""Every rollout engine by its name (``rollout.engine:NAME``)."""
+
+
+class RolloutEngineConfig(Component):
+    """``rollout.engine``: a generation engine with its options (the dataclass fields of a subclass).
+
+    Traits the rest of the run reads: ``reads_in_place``, colocated with an actor whose engine lends its weights
+    (``lends_weights``) and in the actor's compute dtype, it reads them where they are instead of a streamed copy;
+    ``kernels`` is None when the engine samples with the trainer's own kernels (rollout correction's ``auto`` then
+    stays off for it), else how its numerics differ (the reason logged when ``auto`` switches the correction on);
+    ``colocated_only`` is None when the engine also runs on ranks of its own (split placement), else why not."""
+
+    registry = ROLLOUT_ENGINES
+    reads_in_place: ClassVar[bool] = False
+    kernels: ClassVar[str | None] = None
+    colocated_only: ClassVar[str | None] = None
+
+    def prepare_process(self) -> None:
+        """Process-wide settings the engine needs before the first collective (every rank, at start-up)."""
+
+    def context_problems(self, *, model_path: str, model_context: int | None) -> list[Problem]:
+        """Checks against the context length of the model at ``model_path`` (``max_position_embeddings``; None:
+        unknown)."""
+        return []
+
+    def build(
+        self,
+        *,
+        weights,
+        model_path: str,
+        dtype: torch.dtype,
+        sleeps: bool,
+        tp: int,
+        seed: int,
+        eos_ids: list[int],
+        pad_id: int,
+        device: torch.device,
+        max_model_len: int,
+    ) -> RolloutEngine:
+        """This rank's engine. ``weights``: where they come from (``rollout/weights.py``: in place, streamed, bridged);
+        ``dtype``: the rollout's weight dtype; ``sleeps``: colocated, release memory between generations; ``tp``: the
+        rollout's tensor-parallel degree; ``seed``: this rank's; ``max_model_len``: prompt + response tokens.
+        Collective where the engine's construction is (vLLM's spans the world)."""
+        raise NotImplementedError
 
 
 def assemble_rollout(

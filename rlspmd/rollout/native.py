@@ -5,7 +5,7 @@ The engine reads its model from ``weights``: the actor's own parameters gathered
 weight sync is free), or ``OwnWeights``, a private copy (split placement, or a rollout dtype different from
 training) that ``update_weights`` loads from the weight stream, the same stream the vLLM engine loads.
 
-Decoding: on CUDA (``rollout.cuda_graphs``, Llama-family models) a static KV cache and a decode step replayed
+Decoding: on CUDA (``rollout.engine.cuda_graphs` (native)`, Llama-family models) a static KV cache and a decode step replayed
 from CUDA graphs, sampling on the device and no host sync per token (``rlspmd/rollout/cuda_graphs.py``). Elsewhere
 (CPU, other architectures) the eager decoder, where finished rows stop costing compute: once a quarter of the active
 rows have produced EOS they are dropped from the batch and the KV cache is compacted (compacting at every EOS would
@@ -16,16 +16,65 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from rlspmd.components import Problem
 from rlspmd.models.decoder import LLAMA_FAMILY, make_decoder
+from rlspmd.models.loader import dtype_name, load_causal_lm
 from rlspmd.protocol import Batch
-from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.base import RolloutEngineConfig, assemble_rollout
 from rlspmd.rollout.continuous import RequestSource, SlotDecoder, serve
 from rlspmd.rollout.cuda_graphs import StaticDecoder, static_decoder
 from rlspmd.rollout.sampling import SamplingParams, sample_next
+
+
+@dataclass
+class NativeConfig(RolloutEngineConfig):
+    """The native engine (the default): torch-only batched sampling with a KV cache, on CPU and GPU; colocated with an
+    FSDP2 actor it reads the gathered weights in place (no copy, no sync)."""
+
+    name: ClassVar[str] = "native"
+    reads_in_place: ClassVar[bool] = True
+    max_batch_size: int = 256
+    """Most sequences the native engine decodes at once on one rank."""
+    compile_decode: bool = False
+    """Run the static-shape decode step (``cuda_graphs``' step: it attends over the whole preallocated KV cache under a
+    mask, finished rows stay in the batch) through ``torch.compile`` (Llama-family models); with ``cuda_graphs`` on
+    CUDA the compiled step is what the graphs capture. The first generations pay the compile time. Same tokens as the
+    eager step (tested on CPU). On a 2-core CPU it is no faster than eager (measured 1.11 s vs 1.02 s per 64 x 128
+    generation)."""
+    cuda_graphs: bool = True
+    """On CUDA (Llama-family models with a static RoPE table): a static KV cache, the decode step (model, sampling and
+    bookkeeping, no host sync) captured in one CUDA graph per batch size and replayed for every token, finished rows
+    checked every 16 tokens, prefill as one forward. Graphs are captured at the start of each generation, while the
+    weights are gathered in place, and released at its end. Same greedy tokens as eager decoding (tested on CPU for
+    the uncaptured step; the captured graphs by a ``gpu``-marked test, not yet run on a GPU). No effect on CPU or for
+    other architectures (they decode eagerly). False: eager decoding."""
+
+    def problems(self) -> list[Problem]:
+        return [] if self.max_batch_size >= 1 else [("max_batch_size", self.max_batch_size, "must be >= 1")]
+
+    def build(self, *, weights, model_path, dtype, sleeps, tp, seed, eos_ids, pad_id, device, max_model_len):
+        """Reads ``weights`` in place when they are ``InPlaceWeights``, else keeps a private copy loaded from disk and
+        replaced at the first sync."""
+        if not weights.in_place:
+            model = load_causal_lm(
+                model_path, dtype=dtype_name(dtype), attn_implementation="sdpa", field_name="actor.model.path"
+            )
+            weights = OwnWeights(model.to(device))
+        return NativeEngine(
+            weights,
+            eos_ids=eos_ids,
+            pad_id=pad_id,
+            max_batch_size=self.max_batch_size,
+            device=device,
+            compile_decode=self.compile_decode,
+            cuda_graphs=self.cuda_graphs,
+        )
 
 
 class OwnWeights:
@@ -125,8 +174,8 @@ class NativeEngine:
         compile_decode: bool = False,
         cuda_graphs: bool = True,
     ):
-        """``cuda_graphs`` (``rollout.cuda_graphs``): static decoding from CUDA graphs on CUDA; ``compile_decode``
-        (``rollout.compile_decode``): the static step through ``torch.compile`` (see ``rollout/cuda_graphs.py``)."""
+        """``cuda_graphs`` (``rollout.engine.cuda_graphs` (native)`): static decoding from CUDA graphs on CUDA; ``compile_decode``
+        (``rollout.engine.compile_decode` (native)`): the static step through ``torch.compile`` (see ``rollout/cuda_graphs.py``)."""
         self.weights = weights
         self.compile_decode = compile_decode
         self.cuda_graphs = cuda_graphs
@@ -164,7 +213,7 @@ class NativeEngine:
 
     def serve(self, source: RequestSource, params: SamplingParams, *, max_len: int, max_requests: int) -> dict:
         """Request-level generation (``rollout/continuous.py``): continuous batching of ``source``'s requests over a
-        slotted KV cache of ``max_len`` positions, at most ``rollout.max_batch_size`` at a time (fewer when
+        slotted KV cache of ``max_len`` positions, at most ``rollout.engine.max_batch_size`` at a time (fewer when
         ``max_requests``, the most that can be in flight, is smaller). Eager Llama-family decoding."""
         slots = max(1, min(self.max_batch_size, max_requests))
         with self.weights.model() as hf_model:

@@ -32,13 +32,88 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
+from rlspmd.components import Problem
 from rlspmd.protocol import Batch
-from rlspmd.rollout.base import assemble_rollout
+from rlspmd.rollout.base import RolloutEngineConfig, assemble_rollout
 from rlspmd.rollout.lifecycle import Lifecycle, LifecycleError, State
 from rlspmd.rollout.sampling import SamplingParams
+
+
+@dataclass
+class VllmConfig(RolloutEngineConfig):
+    """The ``vllm`` engine (``rollout.engine:vllm``; needs the vllm extra on CUDA, or vLLM's CPU build): one
+    in-process vLLM engine per rank, its TP group a sub-mesh of the rollout mesh, weights loaded in place every
+    step, KV cache and weights released while training runs (sleep mode, on CUDA)."""
+
+    name: ClassVar[str] = "vllm"
+    kernels: ClassVar[str | None] = "the vllm engine's kernels"
+    colocated_only: ClassVar[str | None] = (
+        "runs colocated only (vLLM's external_launcher builds its process groups over the whole torch world); use "
+        "rollout.engine:native for split placement"
+    )
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU's memory vLLM may take (weights + KV cache + activations), checked against free memory
+    when the engine is built: colocated with training, leave room for the actor."""
+    kv_cache_memory_bytes: int | None = None
+    """Pin the KV cache size per GPU in bytes instead of deriving it from ``gpu_memory_utilization``."""
+    max_model_len: int | None = None
+    """Longest prompt + response; None = ``data.max_prompt_length + rollout.max_response_length``."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM schedules at once."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower decode, faster start, less memory)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes (the n samples of a prompt). Reset after every weight load."""
+    sleep_level: Literal[1, 2] = 2
+    """Colocated only: 2 discards weights and KV cache between generations (weights re-streamed before the next
+    one); 1 keeps a CPU copy of the weights (host memory = model size / TP per rank)."""
+
+    def problems(self) -> list[Problem]:
+        out = []
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]"))
+        if self.max_num_seqs < 1:
+            out.append(("max_num_seqs", self.max_num_seqs, "must be >= 1"))
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            out.append(("kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be >= 1, or None (off)"))
+        return out
+
+    def context_problems(self, *, model_path: str, model_context: int | None) -> list[Problem]:
+        if self.max_model_len is None or model_context is None or self.max_model_len <= model_context:
+            return []
+        why = f"exceeds the context of actor.model.path={model_path!r} (max_position_embeddings={model_context})"
+        return [("max_model_len", self.max_model_len, why)]
+
+    def prepare_process(self) -> None:
+        from third_party.vllm_adapter import prepare_environment  # vLLM's environment, before the first NCCL group
+
+        prepare_environment()
+
+    def build(self, *, weights, model_path, dtype, sleeps, tp, seed, eos_ids, pad_id, device, max_model_len):
+        """In-process, dummy weights until the first sync."""
+        from third_party.vllm_adapter import VllmBackend
+
+        backend = VllmBackend(
+            model_path,
+            tensor_parallel_size=tp,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=self.max_model_len or max_model_len,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=self.enable_prefix_caching,
+            sleeps=sleeps,
+        )
+        return VllmEngine(
+            backend, sleeps=sleeps, sleep_level=self.sleep_level, eos_ids=eos_ids, pad_id=pad_id, device=device
+        )
 
 
 class VllmEngine:

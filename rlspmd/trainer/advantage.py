@@ -18,7 +18,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.algorithms import apply_kl_in_reward, sample_mean_kl, token_level_scores
-from rlspmd.config import AdvantageEstimator, AlgorithmConfig
+from rlspmd.algorithms.estimators import AdvantageEstimator
+from rlspmd.config import AlgorithmConfig
 from rlspmd.distributed.dispatch import all_reduce_sum
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch

@@ -85,6 +85,7 @@ class RLTrainer:
         r, m, t = self.roles, MetricBuffer(), StageProbe(self.rt.device, step=step)
         with t("step"):
             batch = r.sampling.collect(lambda round: self.rollout_round(step, round, m, t), m)
+            batch = r.stages("scored", batch, m)  # the user's own stages (trainer.stages): none by default
             with t("ref"):
                 batch = r.ref.log_prob(batch, m)
             with t("old_log_prob"):
@@ -94,6 +95,7 @@ class RLTrainer:
             with t("adv"):
                 batch = r.token_rewards(batch, m)
                 batch = r.advantage(batch, m)
+                batch = r.stages("advantaged", batch, m)
                 # Rollout correction with recomputed old log-probs: weights and rejected tokens for the updates (after
                 # the advantages, whose group statistics see every sample). Otherwise the loss computes it.
                 batch = r.correction(batch, m)

@@ -11,6 +11,7 @@ from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage
 from rlspmd.roles.reward import NoReward, Reward
 from rlspmd.roles.rollout import RolloutRole
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, RolloutCorrectionStage
+from rlspmd.stages import StagePoints
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import NoReport, StepReport
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
@@ -49,3 +50,5 @@ class Roles:
     """The training forwards' attention kernel (``model.attn_kernel`` resolved for this device), for the run log."""
     rollout_correction: ResolvedRolloutCorrection
     """``algorithm.rollout_correction`` resolved for this run (its mode and why), for the run log."""
+    stages: StagePoints
+    """The user's own stages (``trainer.stages``), by point of the step."""

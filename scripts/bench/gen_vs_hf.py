@@ -9,7 +9,7 @@ Both sample with temperature 1.0 (no top-k/top-p: HF's default top_k=50 is switc
 batch of chat prompts, with EOS never stopping a row (``min_new_tokens = max_new_tokens`` for HF, no stop ids for the
 native engine), so both produce exactly ``batch x new_tokens`` tokens. The native engine runs exactly as the rollout
 runs it: ``NativeEngine.generate`` on the HF model's parameters (read in place), in each of ``--modes``: ``eager``
-(the eager decoder) and, on CUDA, ``graphs`` (``rollout.cuda_graphs``: static KV cache and CUDA-graph replay; the
+(the eager decoder) and, on CUDA, ``graphs`` (``rollout.engine.cuda_graphs``: static KV cache and CUDA-graph replay; the
 capture is paid inside every generation, as in training, and reported as ``capture_s``). One JSON line per
 ``--sizes`` entry (``BATCHxNEW_TOKENS``); its ``ratio`` is the fastest native mode's tokens/s over HF's (medians over
 ``--repeats`` interleaved runs, after one short warm-up run of each).

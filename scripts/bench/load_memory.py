@@ -121,7 +121,7 @@ def worker(mode: str, model: str, out: str) -> None:
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, shutdown
     from rlspmd.engines.fsdp import FSDPEngine
-    from rlspmd.trainer.build import fsdp_role_module
+    from rlspmd.engines.fsdp import fsdp_role_module
 
     rt = init_distributed(DistConfig())
     mesh = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)

@@ -48,15 +48,13 @@ def worker(spec: str, model: str, out: str, rows: int, seq: int) -> None:
     from rlspmd.config import DistConfig, FSDPConfig, MeshConfig, ModelConfig, OptimConfig
     from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, shutdown
-    from rlspmd.trainer.build import build_engine
 
     c = parse(spec)
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(ParallelDims.from_config(MeshConfig(actor_tp=c["tp"]), rt.world_size), rt.device.type, rt.rank)
-    engine = build_engine(
+    engine = FSDPConfig(cpu_offload=bool(c["offload"])).build(
         "policy",
         model,
-        engine=FSDPConfig(cpu_offload=bool(c["offload"])),
         model=ModelConfig(path=model, gradient_checkpointing=bool(c["ac"])),
         mesh=meshes.get("actor", DP),
         device=rt.device,

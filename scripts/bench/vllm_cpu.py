@@ -10,7 +10,7 @@ in the process: the reference forward and a policy update (forward + backward + 
 built first" (``third_party/vllm_adapter.ProcessState`` restores what its start changes). Last, whole GRPO steps:
 ``configs/bench/grpo_tiny.py`` (the fixed benchmark workload, ``scripts/bench/grpo_workload.py``: 16 sequences of 64
 sampled tokens, reference + old log-prob forwards, one update) under ``torchrun`` on ``--grpo-ranks`` ranks with
-``--rollout.engine native`` and ``vllm``, runs alternating ``--repeats`` times; per engine the best run's median step
+``rollout.engine:native`` and ``rollout.engine:vllm``, runs alternating ``--repeats`` times; per engine the best run's median step
 seconds and its mean seconds per stage (``--grpo-steps 0`` skips this phase).
 
 Models: ``tiny`` (``scripts/models/build_tiny.py``), ``smollm2`` (SmolLM2-135M-Instruct converted from its PyPI
@@ -169,7 +169,7 @@ def worker_stages(path: Path, batch: int, with_vllm: bool, repeats: int) -> dict
 def grpo_run(engine: str, *, steps: int, ranks: int) -> dict:
     """One torchrun of the fixed GRPO workload with ``engine``; its summary line (median step s, stage means)."""
     out_dir = Path(tempfile.mkdtemp(prefix=f"grpo_{engine}_"))
-    extra = ["--rollout.engine", "vllm", "--rollout.vllm.enforce-eager"] if engine == "vllm" else []
+    extra = ["rollout.engine:vllm", "--rollout.engine.enforce-eager"] if engine == "vllm" else []
     summary = last_json(
         [
             sys.executable,

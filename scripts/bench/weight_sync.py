@@ -104,12 +104,12 @@ def worker(args) -> None:
     from rlspmd.engines.base import compute_dtype
     from rlspmd.models.loader import eos_token_ids, load_tokenizer
     from rlspmd.metrics import MetricBuffer
-    from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
+    from rlspmd.trainer.build_models import actor_plan, build_policy
+    from rlspmd.rollout.base import ROLLOUT_ENGINES
+    from rlspmd.trainer.build_rollout import build_rollout
 
-    if args.engine == "vllm":
-        from third_party.vllm_adapter import prepare_environment
-
-        prepare_environment()
+    engine = ROLLOUT_ENGINES[args.engine]()
+    engine.prepare_process()
     rt = init_distributed(DistConfig())
     meshes = RoleMeshes(
         ParallelDims.from_config(
@@ -127,7 +127,7 @@ def worker(args) -> None:
             actor_cfg, samples_per_prompt=1, train_batch_size=n_actor, dp=n_actor, max_response_length=16, total_steps=1
         )
         policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
-    cfg = RolloutConfig(engine=args.engine, dtype=args.rollout_dtype, max_response_length=16)
+    cfg = RolloutConfig(engine=engine, dtype=args.rollout_dtype, max_response_length=16)
     rollout = build_rollout(
         cfg,
         meshes=meshes,

@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-from rlspmd.config import ADVANTAGE_ESTIMATOR_TYPES, AdaptiveKL, AlgorithmConfig, DistConfig, FilterGroupsConfig, MeshConfig
+from rlspmd.algorithms import ADVANTAGE_ESTIMATORS
+from rlspmd.config import AdaptiveKL, AlgorithmConfig, DistConfig, FilterGroupsConfig, MeshConfig
 from rlspmd.distributed.dispatch import all_gather_objects, gather_batch
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
@@ -97,7 +98,8 @@ def main():
     full = global_batch()
     rows = len(full) // w
     results = {}
-    for name, component in sorted(ADVANTAGE_ESTIMATOR_TYPES.items()):
+    for name in sorted(ADVANTAGE_ESTIMATORS.shipped()):
+        component = ADVANTAGE_ESTIMATORS[name]
         options = {"gamma": 0.95, "lam": 0.9}
         estimator = component(**{f.name: options[f.name] for f in dataclasses.fields(component) if f.name in options})
         cfg = AlgorithmConfig(adv_estimator=estimator, use_kl_in_reward=True, kl_penalty="k3",

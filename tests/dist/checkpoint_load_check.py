@@ -19,7 +19,7 @@ from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown,
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.roles.policy import compute_logprobs
-from rlspmd.trainer.build import actor_plan, build_policy
+from rlspmd.trainer.build_models import actor_plan, build_policy
 from rlspmd.trainer.checkpoint import Checkpointer
 
 TEXTS = ["Calculate 12 + 30.", "Calculate 7 - 3 + 45.", "Calculate 99 - 9."]

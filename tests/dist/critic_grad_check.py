@@ -15,7 +15,7 @@ from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.metrics import MetricBuffer
-from rlspmd.trainer.build import build_critic, critic_plan
+from rlspmd.trainer.build_models import build_critic, critic_plan
 
 B, P, R, N_SAMPLES = 8, 6, 10, 4
 

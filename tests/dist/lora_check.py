@@ -31,7 +31,7 @@ from rlspmd.protocol import Batch
 from rlspmd.rollout.native import NativeEngine, OwnWeights
 from rlspmd.rollout.sampling import SamplingParams
 from rlspmd.rollout.weights import InPlaceWeights
-from rlspmd.trainer.build import actor_plan, build_policy, build_reference
+from rlspmd.trainer.build_models import actor_plan, build_policy, build_reference
 
 B, P, R = 8, 6, 10
 

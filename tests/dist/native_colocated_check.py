@@ -14,7 +14,7 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.rollout.native import NativeEngine, OwnWeights
 from rlspmd.rollout.weights import InPlaceWeights
 from rlspmd.rollout.sampling import SamplingParams
-from rlspmd.trainer.build import actor_plan, build_policy
+from rlspmd.trainer.build_models import actor_plan, build_policy
 
 
 @spmd_main

@@ -12,12 +12,13 @@ import sys
 
 import torch
 
-from rlspmd.config import GSPO, POLICY_LOSS_TYPES, SAPO, ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
+from rlspmd.algorithms import POLICY_LOSSES
+from rlspmd.config import GSPO, SAPO, ActorConfig, DistConfig, MeshConfig, ModelConfig, OptimConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.protocol import Batch
 from rlspmd.metrics import MetricBuffer
-from rlspmd.trainer.build import actor_plan, build_policy
+from rlspmd.trainer.build_models import actor_plan, build_policy
 
 B, P, R, N_SAMPLES = 8, 6, 10, 4
 
@@ -66,7 +67,7 @@ def main():
             mini_batch_size=B // N_SAMPLES,
             micro_batch_size=micro,
             loss_agg_mode=mode,
-            policy_loss=SPECIAL.get(loss) or POLICY_LOSS_TYPES[loss](),
+            policy_loss=SPECIAL.get(loss) or POLICY_LOSSES[loss](),
             use_kl_loss=True,
             kl_loss_coef=0.1,
             entropy_coef=0.01,

@@ -19,7 +19,7 @@ from rlspmd.config import DistConfig, FSDPConfig, MeshConfig, ModelConfig
 from rlspmd.distributed.mesh import DP, ParallelDims, RoleMeshes
 from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown, spmd_main
 from rlspmd.engines.fsdp import FSDPEngine
-from rlspmd.trainer.build import fsdp_role_module
+from rlspmd.engines.fsdp import fsdp_role_module
 
 
 def status_bytes(field: str) -> int:

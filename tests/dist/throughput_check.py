@@ -24,7 +24,7 @@ from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown,
 from rlspmd.protocol import Batch
 from rlspmd.metrics import MetricBuffer
 from rlspmd.roles.policy import compute_logprobs
-from rlspmd.trainer.build import actor_plan, build_policy, build_reference
+from rlspmd.trainer.build_models import actor_plan, build_policy, build_reference
 
 B, P, R, N_SAMPLES = 8, 6, 10, 4
 # Rank 0's rows are long, rank 1's short, so balancing has to move samples.

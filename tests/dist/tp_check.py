@@ -7,7 +7,7 @@ usage: tp_check.py MODE OUT_DIR MODEL_DIR
 * ``parallel`` (4 ranks, ``actor_tp=2``: a 2 dp x 2 tp mesh, ranks {0,1} and {2,3} are TP groups), each rank with its
   own quarter of the batch, as the trainer dispatches it.
 
-Both build the engines as the trainer does (``trainer/build.py: build_engine``: meta-device model, sharded load from
+Both build the engines as the trainer does (``FSDPConfig.build``: meta-device model, sharded load from
 the safetensors, activation checkpointing on, float32) and record, under HF names and as full tensors: the policy's
 log-probs and entropy, one PPO update's global loss, gradient norm, gradients (as the optimiser saw them, clipped)
 and parameters after the step, and the critic's values. ``parallel`` also records the weight stream (every rank's
@@ -31,7 +31,6 @@ from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown,
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.roles.policy import compute_logprobs
-from rlspmd.trainer.build import build_engine
 
 from batches import TEMPERATURE, B, R, global_batch, policy_loss  # tests/dist, the script's directory, is on sys.path
 # eps 1e-4: AdamW's first step divides by |g|, which turns float rounding of near-zero gradient entries into
@@ -42,9 +41,9 @@ FP32 = FSDPConfig(param_dtype="float32")
 
 def engine(kind: str, model_dir: str, *, mesh, train_mesh, optim, sharded_load: bool = True):
     model = ModelConfig(path=model_dir, gradient_checkpointing=True, sharded_load=sharded_load)
-    return build_engine(kind, model_dir, engine=FP32, model=model, mesh=mesh, device=torch.device("cpu"), optim=optim,
-                        total_optim_steps=4, gradient_checkpointing=True, seed=7, field_name="m", section="actor",
-                        train_mesh=train_mesh)
+    return FP32.build(kind, model_dir, model=model, mesh=mesh, device=torch.device("cpu"), optim=optim,
+                      total_optim_steps=4, gradient_checkpointing=True, seed=7, field_name="m", section="actor",
+                      train_mesh=train_mesh)
 
 
 def full(t) -> torch.Tensor:

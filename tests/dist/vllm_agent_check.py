@@ -21,6 +21,7 @@ from rlspmd.config import (
     MeshConfig,
     ModelConfig,
     RolloutConfig,
+    NativeConfig,
     VllmConfig,
 )
 from rlspmd.data.prompts import PromptDataset
@@ -35,7 +36,8 @@ from rlspmd.engines.base import compute_dtype
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.roles.policy import compute_logprobs
-from rlspmd.trainer.build import actor_plan, build_episodes, build_policy, build_rollout
+from rlspmd.trainer.build_models import actor_plan, build_policy
+from rlspmd.trainer.build_rollout import build_episodes, build_rollout
 from third_party.vllm_adapter import prepare_environment
 
 
@@ -51,14 +53,14 @@ def main():
     plan = actor_plan(actor_cfg, samples_per_prompt=1, train_batch_size=rt.world_size, dp=rt.world_size, max_response_length=160,
                       total_steps=1)
     policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
-    cfg = RolloutConfig(engine="vllm", n=1, max_response_length=160, val_temperature=0.0, agent=AgentConfig(tools=["calculator"]),
-                        vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=16))
+    cfg = RolloutConfig(engine=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=True, max_num_seqs=16), n=1,
+                        max_response_length=160, val_temperature=0.0, agent=AgentConfig(tools=["calculator"]))
     eos_ids = eos_token_ids(model_dir, tok)
     episodes = build_episodes(cfg, tokenizer=tok, eos_ids=eos_ids, pad_id=tok.pad_token_id, model_field="model")
     kw = {"meshes": meshes, "policy": policy, "model_path": model_dir, "compute": compute_dtype(actor_cfg.engine.param_dtype, rt.device),
           "eos_ids": eos_ids, "pad_id": tok.pad_token_id, "device": rt.device, "seed": 0, "max_prompt_length": 128,
           "episodes": episodes}
-    native = build_rollout(dataclasses.replace(cfg, engine="native"), **kw)
+    native = build_rollout(dataclasses.replace(cfg, engine=NativeConfig()), **kw)
     rollout = build_rollout(cfg, **kw)
     ds = PromptDataset([data], tok, prompt_key="prompt", max_prompt_length=128, tools=episodes.tool_schemas)
     prompts = ds.batch(list(range(8))).to(rt.device)

@@ -51,7 +51,8 @@ from rlspmd.rollout.lifecycle import LifecycleError
 from rlspmd.rollout.native import NativeEngine
 from rlspmd.rollout.sampling import SamplingParams
 from rlspmd.rollout.weights import InPlaceWeights
-from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
+from rlspmd.trainer.build_models import actor_plan, build_policy
+from rlspmd.trainer.build_rollout import build_rollout
 from rlspmd.roles.rollout_correction import record_correction_metrics
 from third_party.vllm_adapter import ProcessState, prepare_environment
 
@@ -129,8 +130,8 @@ def main():
     torch.manual_seed(1234)
     expected_draw = torch.rand(3)
     torch.manual_seed(1234)
-    cfg = RolloutConfig(engine="vllm", n=1, max_response_length=R, val_temperature=0.0,
-                        vllm=VllmConfig(enforce_eager=True, max_num_seqs=64, sleep_level=1))
+    cfg = RolloutConfig(engine=VllmConfig(enforce_eager=True, max_num_seqs=64, sleep_level=1), n=1, max_response_length=R,
+                        val_temperature=0.0)
     rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute=compute, eos_ids=eos_ids,
                             pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
     after = ProcessState.capture()
@@ -236,7 +237,7 @@ def correction_for_vllm(compute: torch.dtype):
     from rlspmd.roles.rollout_correction import resolve_rollout_correction
 
     name = str(compute).removeprefix("torch.")
-    return resolve_rollout_correction(RolloutCorrectionConfig(), engine="vllm", rollout_dtype=name, actor_compute_dtype=name,
+    return resolve_rollout_correction(RolloutCorrectionConfig(), engine=VllmConfig(), rollout_dtype=name, actor_compute_dtype=name,
                                       placement="colocated")
 
 

@@ -20,7 +20,8 @@ from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.metrics import MetricBuffer
 from rlspmd.roles.policy import compute_logprobs
-from rlspmd.trainer.build import actor_plan, build_policy, build_rollout
+from rlspmd.trainer.build_models import actor_plan, build_policy
+from rlspmd.trainer.build_rollout import build_rollout
 from third_party.vllm_adapter import VllmBackend, prepare_environment
 
 GiB = 2**30
@@ -48,8 +49,8 @@ def main():
     policy = build_policy(actor_cfg, mesh=meshes.get("actor", DP), device=rt.device, plan=plan, temperature=1.0)
     torch.cuda.synchronize()
     used_before = VllmBackend.memory_in_use()
-    cfg = RolloutConfig(engine="vllm", n=1, max_response_length=32, val_temperature=0.0,
-                        vllm=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=False))
+    cfg = RolloutConfig(engine=VllmConfig(gpu_memory_utilization=0.3, enforce_eager=False), n=1, max_response_length=32,
+                        val_temperature=0.0)
     rollout = build_rollout(cfg, meshes=meshes, policy=policy, model_path=model_dir, compute=compute_dtype(actor_cfg.engine.param_dtype, rt.device),
                             eos_ids=eos_token_ids(model_dir, tok), pad_id=tok.pad_token_id, device=rt.device, seed=0, max_prompt_length=64)
     used_asleep0 = VllmBackend.memory_in_use()

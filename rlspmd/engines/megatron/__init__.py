@@ -31,6 +31,7 @@ computed with the full vocabulary on every TP rank (no vocab-parallel cross entr
 not overlap stages (GPipe with blocking sends): it exists to run and test the engine on CPU.
 """
 
+from rlspmd.engines.megatron.config import MegatronConfig
 from rlspmd.engines.megatron.engine import MegatronEngine
 from rlspmd.engines.megatron.modules import (
     MegatronModule,
@@ -41,6 +42,7 @@ from rlspmd.engines.megatron.modules import (
 from rlspmd.engines.megatron.weight_stream import MegatronWeightStream
 
 __all__ = [
+    "MegatronConfig",
     "MegatronEngine",
     "MegatronModule",
     "MegatronPolicyModule",

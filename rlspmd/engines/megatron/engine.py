@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from rlspmd.config import OptimConfig
+from rlspmd.engines.optim import OptimConfig
 from rlspmd.distributed.micro_batches import zero_weight_copy
 from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.megatron.modules import LastStageModule, MegatronModule, ZeroOutputs, stage_forward

@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,6 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from rlspmd.config import MegatronConfig
 from rlspmd.distributed.mesh import model_parallel_groups
 from rlspmd.distributed.tp_batch import keep_own_rows
 from rlspmd.engines.base import compute_dtype
@@ -44,6 +43,14 @@ from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
 from rlspmd.models.value import value_head
 
 ModuleKind = Literal["policy", "value"]
+
+
+class MegatronLayout(Protocol):
+    """What a module reads of its engine's config (``MegatronConfig``): the parallel layout and the compute dtype."""
+
+    tp: int
+    pp: int
+    param_dtype: str
 
 
 # -- autograd pieces for tensor parallelism (the output-gradient sum is distributed/tp_batch.py's) -----------------
@@ -118,7 +125,7 @@ class MegatronModule:
         *,
         mesh: DeviceMesh,
         device: torch.device,
-        cfg: MegatronConfig,
+        cfg: MegatronLayout,
         dtype: str,
         seed: int,
         field_prefix: str,
@@ -498,7 +505,7 @@ def build_megatron_module(
     *,
     mesh: DeviceMesh,
     device: torch.device,
-    cfg: MegatronConfig,
+    cfg: MegatronLayout,
     dtype: str = "float32",
     seed: int = 0,
     field_name: str = "actor.model.path",

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -44,13 +45,21 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from rlspmd.config import FSDPConfig, OptimConfig
 from rlspmd.distributed.tp_batch import gather_group_rows, keep_own_rows
 from rlspmd.engines.base import UpdateStats, compute_dtype
-from rlspmd.engines.optim import Optimizer
+from rlspmd.engines.optim import OptimConfig, Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
+
+
+class FSDPOptions(Protocol):
+    """What the engine reads of its config (``FSDPConfig``, ``config.py``): the sharding and mixed-precision options."""
+
+    param_dtype: str
+    reduce_dtype: str
+    reshard_after_forward: bool
+    cpu_offload: bool
 
 
 TP_PLAN = {
@@ -143,7 +152,7 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
 
 
 def apply_fsdp(
-    module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device
+    module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPOptions, device: torch.device
 ) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
@@ -181,7 +190,7 @@ class FSDPEngine:
         *,
         mesh: DeviceMesh,
         device: torch.device,
-        fsdp: FSDPConfig,
+        fsdp: FSDPOptions,
         optim: OptimConfig | None = None,
         total_optim_steps: int = 1,
         gradient_checkpointing: bool = False,

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rlspmd.config import LoraConfig
-from rlspmd.engines.fsdp import FSDPEngine
+from rlspmd.models.lora import LoraConfig
+from rlspmd.engines.fsdp.engine import FSDPEngine
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.lora import adapters_disabled, is_adapter, merge_in_place, merge_lora, scaling
 

@@ -1,0 +1,117 @@
+"""The FSDP2 engine's config component (``actor.engine:fsdp``, the default): its options and its ``build``, which
+makes a role's module (meta-device and sharded-loaded, or loaded whole) and hands it to ``FSDPEngine``
+(``engine.py``), or to ``LoraEngine`` (``lora.py``) for a policy training LoRA adapters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.engines.base import ModuleKind, TrainingEngine, TrainingEngineConfig
+from rlspmd.engines.fsdp.engine import FSDPEngine
+from rlspmd.engines.fsdp.lora import LoraEngine
+from rlspmd.engines.optim import OptimConfig
+from rlspmd.models.loader import ModelConfig
+from rlspmd.models.lora import LoraConfig, apply_lora, initial_adapters
+from rlspmd.models.policy import build_policy_module
+from rlspmd.models.sharded_load import WeightPlan, meta_policy_module, meta_sequence_scorer, meta_value_model
+from rlspmd.models.value import load_sequence_scorer, load_value_model
+
+
+@dataclass
+class FSDPConfig(TrainingEngineConfig):
+    """The FSDP2 engine: ``fully_shard`` on each decoder layer, then the root; every feature (LoRA, ``mesh.actor_tp``,
+    CPU offload, packing). ``SFTConfig.fsdp`` is one too."""
+
+    name: ClassVar[str] = "fsdp"
+    supports_lora: ClassVar[bool] = True
+    supports_mesh_tp: ClassVar[bool] = True
+    lends_weights: ClassVar[bool] = True
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of unsharded parameters. ``auto``: bfloat16 on CUDA, float32 on CPU."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduce-scatter."""
+    reshard_after_forward: bool = True
+    """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
+
+    def params_on_host(self) -> bool:
+        return self.cpu_offload
+
+    def build(
+        self,
+        kind: ModuleKind,
+        model_path: str,
+        *,
+        model: ModelConfig,
+        mesh: DeviceMesh,
+        device: torch.device,
+        optim: OptimConfig | None,
+        total_optim_steps: int = 1,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        field_name: str,
+        section: str,
+        lora: LoraConfig | None = None,
+        train_mesh: DeviceMesh | None = None,
+    ) -> TrainingEngine:
+        lora = lora if lora is not None and lora.enabled else None
+        module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
+        kw = dict(
+            mesh=mesh,
+            device=device,
+            fsdp=self,
+            optim=optim,
+            total_optim_steps=total_optim_steps,
+            gradient_checkpointing=gradient_checkpointing,
+            weights=weights,
+        )
+        if train_mesh is not None:
+            kw["train_mesh"] = train_mesh
+        if lora is not None:
+            return LoraEngine(module, module.hf, lora=lora, **kw)
+        return FSDPEngine(module, module.hf, **kw)
+
+
+def fsdp_role_module(
+    kind: ModuleKind,
+    model_path: str,
+    *,
+    model: ModelConfig,
+    seed: int = 0,
+    field_name: str,
+    lora: LoraConfig | None = None,
+) -> tuple[nn.Module, WeightPlan | None]:
+    """A role module for the FSDP engine: built on the meta device with the plan of where its weights come from
+    (``model.sharded_load``: the engine parallelises it, then each rank reads its slices), or loaded whole (None).
+    ``lora``: a policy with LoRA adapters (initialised from ``seed``)."""
+    kw = dict(
+        dtype=model.dtype,
+        attn_implementation=model.attn_implementation,
+        field_name=field_name,
+        packing=model.packing,
+        attn_kernel=model.attn_kernel,
+    )
+    if model.sharded_load:
+        if kind == "policy":
+            return meta_policy_module(model_path, lora=lora, seed=seed, **kw)
+        return (
+            meta_value_model(model_path, seed=seed, **kw) if kind == "value" else meta_sequence_scorer(model_path, **kw)
+        )
+    if kind == "policy":
+        module = build_policy_module(model_path, **kw)
+        if lora is not None and lora.enabled:
+            apply_lora(module.hf, lora)
+            with torch.no_grad():
+                params = dict(module.named_parameters())
+                for name, value in initial_adapters(module, seed=seed).items():
+                    params[name].copy_(value)
+        return module, None
+    return (
+        load_value_model(model_path, seed=seed, **kw) if kind == "value" else load_sequence_scorer(model_path, **kw)
+    ), None
