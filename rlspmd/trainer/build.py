@@ -87,7 +87,7 @@ from rlspmd.roles.rollout_correction import (
 )
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
-from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
+from rlspmd.trainer.checkpoint import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
 
 
 @dataclass(frozen=True)
