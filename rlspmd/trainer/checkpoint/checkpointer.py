@@ -212,7 +212,7 @@ class Checkpointer:
 
         Before reading any shard it checks that the checkpoint fits this run: its format, the same roles, trainer
         components, and every engine's parameter names and shapes (a clear error names the first mismatch).
-        Nothing read runs code (see the module docstring). A ``resume`` stage of this rank's progress.
+        Nothing read runs code (``safe_load.py``). A ``resume`` stage of this rank's progress.
         """
         with progress.stage("resume"):
             return self._load(path, state, engines=engines, components=components)
