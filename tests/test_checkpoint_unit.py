@@ -5,6 +5,7 @@ when due, save and stop) that RL and SFT share."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 from pathlib import Path
 
@@ -13,7 +14,14 @@ import torch
 
 from rlspmd.config import CheckpointConfig, Config, SFTConfig
 from rlspmd.distributed.runtime import StopRequest
-from rlspmd.trainer.checkpoint import Checkpointer, Counters, StopAndSave, complete_checkpoints, resolve_checkpoint
+from rlspmd.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointStore,
+    Counters,
+    StopAndSave,
+    complete_checkpoints,
+    resolve_checkpoint,
+)
 from rlspmd.metrics import MetricLogger
 from rlspmd.startup import parse_args
 from rlspmd.validate import config_problems, sft_config_problems
@@ -189,3 +197,16 @@ def test_a_stop_at_the_last_step_is_the_end_of_the_run():
     ends normally (SFT then writes its export)."""
     assert run_steps(4, stop_at=4, save_final=False) == ([1, 2, 3, 4], [4], ["step 4: saved checkpoint step_00000004"])
     assert run_steps(4, signal_at=4, save_final=False)[1:] == ([4], ["step 4: saved checkpoint step_00000004"])
+
+
+def test_the_checkpointer_offers_the_store_contract():
+    """``Checkpointer`` has every method of ``CheckpointStore`` with the same parameters (the contract the trainer side
+    is written against; a store that drifts from it breaks a swap silently otherwise)."""
+    methods = [n for n, v in vars(CheckpointStore).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert sorted(methods) == ["due", "load", "prepare", "save", "saved_tensors"]
+    for name in methods:
+        want = inspect.signature(getattr(CheckpointStore, name))
+        got = inspect.signature(getattr(Checkpointer, name))
+        assert [(p.name, p.kind) for p in got.parameters.values()] == [
+            (p.name, p.kind) for p in want.parameters.values()
+        ], name
