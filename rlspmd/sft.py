@@ -6,7 +6,7 @@ Same runtime, mesh and FSDP2 engine as the RL trainer. The loss is the token-mea
 of the response (prompt tokens are context only), normalised over the global batch. At the end the model
 is written as a Hugging Face directory (safetensors + tokenizer) that RL configs point at.
 
-Checkpoints are the RL trainer's (``rlspmd.trainer.state``: DCP shards of the model and optimiser, the LR schedule,
+Checkpoints are the RL trainer's (``rlspmd.trainer.checkpoint``: DCP shards of the model and optimiser, the LR schedule,
 the data order on rank 0): every ``checkpoint.save_every`` steps, and at ``stop_at_step`` or on SIGTERM/SIGUSR1 (the
 run then stops after the step); ``--resume auto`` continues the same run bit for bit.
 
@@ -37,8 +37,14 @@ from rlspmd.models.packing import check_attn_kernel
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.models.policy import build_policy_module
 from rlspmd.startup import parse_args, start
-from rlspmd.trainer.checkpoint import Checkpointer, save_hf_model
-from rlspmd.trainer.state import Checkpointing, Counters, write_model_files
+from rlspmd.trainer.checkpoint import (
+    Checkpointer,
+    Checkpointing,
+    Counters,
+    StopAndSave,
+    save_hf_model,
+    write_model_files,
+)
 from rlspmd.validate import check_sft_config
 
 
@@ -164,8 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     rt, meshes = started
     mesh = meshes.get("actor", DP)
     dp = mesh.size()
-    if cfg.data.batch_size % dp:
-        raise ValueError(f"data.batch_size={cfg.data.batch_size} does not split over {dp} DP ranks")
+    assert cfg.data.batch_size % dp == 0, "check_sft_config checks data.batch_size against every rank (all DP in SFT)"
     # before anything loads: a bad checkpoint.dir or checkpoint.resume fails in seconds
     checkpointer = Checkpointer(cfg.checkpoint, output_dir=cfg.output_dir, rank=rt.rank, world_size=dp, mesh=mesh)
     resume_from = checkpointer.prepare()
@@ -241,6 +246,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     if resume_from is not None:
         logger.write(f"resumed from {resume_from} (step {counters.step} of {cfg.total_steps})")
+    stop_and_save = StopAndSave(
+        checkpointing,
+        stop_request,
+        device=rt.device,
+        logger=logger,
+        total_steps=cfg.total_steps,
+        stop_at_step=cfg.stop_at_step,
+        stop_field="stop_at_step",
+        last=resume_from,
+    )
     losses = []
     for step in range(counters.step + 1, cfg.total_steps + 1):
         batch = scatter_batch(data.batch(sampler.next_batch()) if rt.is_main else None, mesh=mesh, device=rt.device)
@@ -267,15 +282,9 @@ def main(argv: list[str] | None = None) -> None:
         elif rt.is_main and logger.bar is not None:
             logger.bar.update(1)
         counters.step = step
-        signalled = stop_request.agreed(rt.device)
-        stop = signalled or step == cfg.stop_at_step
-        if stop or checkpointing.due(step, last=step == cfg.total_steps):
-            logger.write(f"step {step}: saved checkpoint {checkpointing.save(counters)}")
-        if stop and step < cfg.total_steps:  # at the last step the run ends anyway, with its export
-            why = "a stop signal (SIGTERM/SIGUSR1)" if signalled else f"stop_at_step={cfg.stop_at_step}"
-            logger.write(f"stopped after step {step} on {why}; continue with --resume auto")
+        if stop_and_save(counters):
             break
-    else:
+    else:  # the last step: the run ends with its export
         out = Path(cfg.output_dir) / "hf"
         save_hf_model(engine, tokenizer, cfg.model.path, out, is_main=rt.is_main)
         logger.write(f"saved the fine-tuned model to {out}")

@@ -419,12 +419,12 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
 
 
 def _checkpoint(p: Problems, c: CheckpointConfig, *, check_files: bool) -> None:
-    p.at_least("checkpoint.save_every", c.save_every, 0)
-    p.at_least("checkpoint.keep_last", c.keep_last, 0)
+    from rlspmd.trainer.checkpoint import config_problems, resolve_checkpoint
+
+    for name, value, why in config_problems(c):
+        p.add(f"checkpoint.{name}", value, why)
     resume = c.resume.strip()
     if check_files and resume not in ("auto", "none"):
-        from rlspmd.trainer.checkpoint import resolve_checkpoint
-
         p.file_check(resolve_checkpoint, resume, field_name="checkpoint.resume")
 
 

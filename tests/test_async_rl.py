@@ -22,8 +22,7 @@ import torch
 from conftest import torchrun
 from rl_run import assert_close_to_recording, assert_same_state, checkpoint_tensors, metrics, rl_args, write_reward
 from rlspmd.protocol import Batch
-from rlspmd.trainer.checkpoint import CheckpointError
-from rlspmd.trainer.state import InFlightBatches, decode_batch, encode_batch
+from rlspmd.trainer.checkpoint import CheckpointError, InFlightBatches, decode_batch, encode_batch
 
 SPLIT = ["--mesh.actor-ranks", "0", "--mesh.rollout-ranks", "1"]
 SPLIT_2X2 = ["--mesh.actor-ranks", "0-1", "--mesh.rollout-ranks", "2-3"]

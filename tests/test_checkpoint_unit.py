@@ -1,17 +1,30 @@
 """Single-process checks of the checkpoint bookkeeping: which checkpoint a resume picks, rewinding, pruning,
-metrics.jsonl continuation, and the ``--resume`` shorthand."""
+metrics.jsonl continuation, the ``--resume`` shorthand, the checkpoint section's checks, and the end of a step (save
+when due, save and stop) that RL and SFT share."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from rlspmd.config import CheckpointConfig
-from rlspmd.trainer.checkpoint import Checkpointer, complete_checkpoints, resolve_checkpoint
+from rlspmd.config import CheckpointConfig, Config, SFTConfig
+from rlspmd.distributed.runtime import StopRequest
+from rlspmd.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointStore,
+    Counters,
+    StopAndSave,
+    complete_checkpoints,
+    resolve_checkpoint,
+)
 from rlspmd.metrics import MetricLogger
 from rlspmd.startup import parse_args
+from rlspmd.validate import config_problems, sft_config_problems
 
 
 def fake_checkpoint(root: Path, step: int, *, complete: bool = True) -> Path:
@@ -73,7 +86,7 @@ def test_prune_keeps_the_newest_and_removes_interrupted_saves(tmp_path):
     for step in (2, 4, 6, 8):
         fake_checkpoint(tmp_path, step)
     fake_checkpoint(tmp_path, 10, complete=False)
-    checkpointer(tmp_path, keep_last=2)._prune(keep=tmp_path / "step_00000008")
+    checkpointer(tmp_path).dir.prune(keep=tmp_path / "step_00000008", keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006", "step_00000008"]
 
 
@@ -102,3 +115,98 @@ def test_resume_shorthand_and_default():
     assert parse_args(["--resume", "none"])[0].checkpoint.resume == "none"
     assert parse_args(["--resume", "/ckpt/step_00000010"])[0].checkpoint.resume == "/ckpt/step_00000010"
     assert parse_args(["--checkpoint.resume", "none"])[0].checkpoint.resume == "none"
+
+
+def test_the_checkpoint_numbers_are_checked_in_one_place(tmp_path):
+    """The RL and SFT collectors report ``save_every`` and ``keep_last`` with every other problem; a ``Checkpointer``
+    built without the collector (a tool, a test) refuses the same section with the same lines."""
+    bad = CheckpointConfig(dir=str(tmp_path), save_every=-1, keep_last=-2)
+    lines = ["checkpoint.save_every=-1: must be >= 0", "checkpoint.keep_last=-2: must be >= 0"]
+    rl = config_problems(dataclasses.replace(Config(), checkpoint=bad), world_size=1, check_files=False)
+    sft = sft_config_problems(dataclasses.replace(SFTConfig(), checkpoint=bad), world_size=1, check_files=False)
+    assert [line for line in rl if line.startswith("checkpoint.")] == lines
+    assert [line for line in sft if line.startswith("checkpoint.")] == lines
+    with pytest.raises(ValueError) as err:
+        Checkpointer(bad, output_dir="unused", rank=0, world_size=1)
+    assert str(err.value) == "; ".join(lines)
+    assert not [line for line in config_problems(Config(), world_size=1, check_files=False) if "checkpoint" in line]
+
+
+class Saves:
+    """The trainer side of the checkpoint, recording the steps it saved; when to save is a real ``Checkpointer``'s."""
+
+    def __init__(self, cfg: CheckpointConfig):
+        self.schedule = Checkpointer(cfg, output_dir="unused", rank=0, world_size=1)
+        self.saved: list[int] = []
+
+    def due(self, step: int, *, last: bool) -> bool:
+        return self.schedule.due(step, last=last)
+
+    def save(self, counters: Counters) -> Path:
+        self.saved.append(counters.step)
+        return Path(f"step_{counters.step:08d}")
+
+
+class Lines:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def run_steps(total: int, *, stop_at: int = 0, signal_at: int = 0, **checkpoint) -> tuple[list[int], list[int], list]:
+    """Steps 1..total as RL and SFT run them: (steps run, steps saved, log lines)."""
+    saves, log, request = Saves(CheckpointConfig(**checkpoint)), Lines(), StopRequest()
+    end = StopAndSave(
+        saves,
+        request,
+        device=torch.device("cpu"),
+        logger=log,
+        total_steps=total,
+        stop_at_step=stop_at,
+        stop_field="stop_at_step",
+        last=Path("resumed"),
+    )
+    ran = []
+    for step in range(1, total + 1):
+        ran.append(step)
+        request.signal_name = "SIGUSR1" if step == signal_at else None  # as the handler records one
+        if end(Counters(step=step)):
+            break
+    return ran, saves.saved, log.lines
+
+
+def test_the_end_of_a_step_saves_when_due_and_on_a_stop():
+    ran, saved, log = run_steps(10, stop_at=5, save_every=2, save_final=True)
+    assert ran == [1, 2, 3, 4, 5] and saved == [2, 4, 5]
+    assert log[-1] == "stopped after step 5 on stop_at_step=5; checkpoint step_00000005; continue with --resume auto"
+    ran, saved, log = run_steps(10, signal_at=3, save_every=0, save_final=True)
+    assert ran == [1, 2, 3] and saved == [3]
+    assert log == [
+        "step 3: saved checkpoint step_00000003",
+        "stopped after step 3 on a stop signal (SIGTERM/SIGUSR1); checkpoint step_00000003; "
+        "continue with --resume auto",
+    ]
+    assert run_steps(4, save_every=3, save_final=True)[:2] == ([1, 2, 3, 4], [3, 4])
+    assert run_steps(4, save_every=0, save_final=False)[1:] == ([], [])
+
+
+def test_a_stop_at_the_last_step_is_the_end_of_the_run():
+    """Saved all the same, but no 'continue with --resume auto' (there is nothing to continue), and the caller's loop
+    ends normally (SFT then writes its export)."""
+    assert run_steps(4, stop_at=4, save_final=False) == ([1, 2, 3, 4], [4], ["step 4: saved checkpoint step_00000004"])
+    assert run_steps(4, signal_at=4, save_final=False)[1:] == ([4], ["step 4: saved checkpoint step_00000004"])
+
+
+def test_the_checkpointer_offers_the_store_contract():
+    """``Checkpointer`` has every method of ``CheckpointStore`` with the same parameters (the contract the trainer side
+    is written against; a store that drifts from it breaks a swap silently otherwise)."""
+    methods = [n for n, v in vars(CheckpointStore).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert sorted(methods) == ["due", "load", "prepare", "save", "saved_tensors"]
+    for name in methods:
+        want = inspect.signature(getattr(CheckpointStore, name))
+        got = inspect.signature(getattr(Checkpointer, name))
+        assert [(p.name, p.kind) for p in got.parameters.values()] == [
+            (p.name, p.kind) for p in want.parameters.values()
+        ], name

@@ -15,7 +15,7 @@ from rlspmd.protocol import Batch
 from rlspmd.trainer.rl import RLTrainer
 from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.sampling import SingleRound
-from rlspmd.trainer.state import NoCheckpointing
+from rlspmd.trainer.checkpoint import NoCheckpointing
 
 
 class Calls(list):

@@ -307,9 +307,9 @@ class RolloutClient:
     the rollout ranks generate while this side trains, and ``sync_weights`` at the end of the step sends the new
     weights and then takes the new batch back (``return_samples``). So the actor ranks never wait in a collective
     while the rollout ranks generate, except for what generation takes beyond training. The batches in flight are
-    ``queue`` (checkpointed, ``trainer/state.py: InFlightBatches``). At the first step, and after a resume that saved
-    fewer than ``lag`` batches, the pipeline fills itself: those batches are generated at once with the current
-    weights, their prompts drawn by ``draw`` (rank 0 samples them, as any step's).
+    ``queue`` (checkpointed, ``trainer/checkpoint/state.py: InFlightBatches``). At the first step, and after a resume
+    that saved fewer than ``lag`` batches, the pipeline fills itself: those batches are generated at once with the
+    current weights, their prompts drawn by ``draw`` (rank 0 samples them, as any step's).
 
     Weight versions: the rollout ranks hold the weights of version v, the step whose update produced them (0: the
     initial weights); every sample carries the version that generated it (``weight_version_B``), and its staleness
@@ -376,7 +376,8 @@ class RolloutClient:
         return self._exchange(prompts)
 
     def _synced(self, *, version: int) -> None:
-        """Before the first generation: the rollout ranks get the actor's weights (initial, or restored: ``version``)."""
+        """Before the first generation: the rollout ranks get the actor's weights (initial, or restored:
+        ``version``)."""
         if not self.synced:
             self._send_weights(MetricBuffer())
             self.version = version

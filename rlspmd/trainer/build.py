@@ -57,7 +57,7 @@ from rlspmd.trainer.rl import RLTrainer
 from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
-from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
+from rlspmd.trainer.checkpoint import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
 
 
 @dataclass(frozen=True)

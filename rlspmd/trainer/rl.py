@@ -32,7 +32,6 @@ final checkpoints, and a clean stop (checkpoint, then exit) when any rank got SI
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -42,9 +41,9 @@ from rlspmd.distributed.progress import progress
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.metrics import MetricBuffer, MetricLogger
 from rlspmd.protocol import Batch
+from rlspmd.trainer.checkpoint import Counters, StopAndSave
 from rlspmd.trainer.report import RunSummary
 from rlspmd.trainer.roles import Roles
-from rlspmd.trainer.state import Counters
 from rlspmd.trainer.timing import StageProbe
 
 
@@ -65,8 +64,8 @@ class RLTrainer:
         self.val_batch_size = val_batch_size
         self.messages = list(messages)
         self.counters = Counters()
-        self.last_checkpoint: Path | None = None
         self.logger: MetricLogger | None = None  # opened in fit(), once the resume step is known
+        self.stop_and_save: StopAndSave | None = None  # built in fit(), with the logger
 
     def rollout_round(self, step: int, round: int, m: MetricBuffer, t: StageProbe) -> Batch:
         """One generation round on this rank: fresh prompts -> n samples each -> scored (+ ReMax's baseline)."""
@@ -130,7 +129,6 @@ class RLTrainer:
         cfg, r = self.cfg, self.roles
         if r.resume_from is not None:
             self.counters = r.checkpointing.restore(r.resume_from)
-            self.last_checkpoint = r.resume_from
         # Every rank continues at the same step (the rollout-only ranks of a split placement restore nothing).
         self.counters.step = broadcast_object(self.counters.step)
         self.logger = MetricLogger(
@@ -139,6 +137,16 @@ class RLTrainer:
             total_steps=cfg.total_steps,
             initial_step=self.counters.step,
             enabled=self.rt.is_main,
+        )
+        self.stop_and_save = StopAndSave(
+            r.checkpointing,
+            self.stop_request,
+            device=self.rt.device,
+            logger=self.logger,
+            total_steps=cfg.total_steps,
+            stop_at_step=cfg.stop_at_step,
+            stop_field="trainer.stop_at_step",
+            last=r.resume_from,
         )
         r.samples.open(self.logger, initial_step=self.counters.step)
         stats = r.data_stats
@@ -165,15 +173,7 @@ class RLTrainer:
                     metrics.update(self.validate(step))
             summary.add(step, metrics)
             self.logger.log(step, metrics)
-            signalled = self.stop_request.agreed(self.rt.device)
-            stop = signalled or step == cfg.stop_at_step
-            if stop or r.checkpointing.due(step, last=step == cfg.total_steps):
-                self.save_checkpoint()
-            if stop:
-                why = "a stop signal (SIGTERM/SIGUSR1)" if signalled else f"trainer.stop_at_step={cfg.stop_at_step}"
-                self.logger.write(
-                    f"stopped after step {step} on {why}; checkpoint {self.last_checkpoint}; continue with --resume auto"
-                )
+            if self.stop_and_save(self.counters):
                 break
         if self.rt.is_main:
             self.logger.write(summary.text())
@@ -184,12 +184,6 @@ class RLTrainer:
         self.logger.close()
         return summary.last
 
-    def save_checkpoint(self) -> None:
-        path = self.roles.checkpointing.save(self.counters)
-        if path is not None:
-            self.last_checkpoint = path
-            self.logger.write(f"step {self.counters.step}: saved checkpoint {path}")
-
     def apply_nan_policy(self, step: int, metrics: dict[str, float]) -> None:
         """A non-finite loss or gradient norm: the engine has already skipped that update (every rank agrees,
         the norm is global); ``skip`` counts it, ``stop`` ends the run naming the step."""
@@ -198,12 +192,13 @@ class RLTrainer:
             bad = {k: v for k, v in metrics.items() if ("loss" in k or "grad_norm" in k) and not math.isfinite(v)}
             raise FloatingPointError(
                 f"step {step}: non-finite loss or gradient norm ({bad or skipped}) and trainer.nan_policy=stop; "
-                f"the update was not applied. Last checkpoint: {self.last_checkpoint or 'none'}"
+                f"the update was not applied. Last checkpoint: {self.stop_and_save.last or 'none'}"
             )
         if skipped:
             self.counters.skipped_updates_total += sum(skipped.values())
             counts = ", ".join(f"{k}={v:g}" for k, v in skipped.items())
             self.logger.write(
-                f"step {step}: skipped updates with a non-finite loss or gradient norm ({counts}; trainer.nan_policy=skip)"
+                f"step {step}: skipped updates with a non-finite loss or gradient norm "
+                f"({counts}; trainer.nan_policy=skip)"
             )
         metrics["trainer/skipped_updates_total"] = self.counters.skipped_updates_total

@@ -16,7 +16,7 @@ from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import NoReport, StepReport
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
-from rlspmd.trainer.state import Checkpointing, NoCheckpointing
+from rlspmd.trainer.checkpoint import Checkpointing, NoCheckpointing
 
 
 @dataclass

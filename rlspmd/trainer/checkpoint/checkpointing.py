@@ -10,16 +10,17 @@ renaming an attribute can never silently change what is saved.
                         coming steps, generated with older weights (``InFlightBatches``); saved, not regenerated, since
                         those weights are gone
 
-``Checkpointing`` pairs that dict with the ``Checkpointer`` (where and how: DCP, atomic commit, pruning, resume
-choice) and the run's metadata. The rollout-only ranks of a split placement hold no state (``NoCheckpointing``): even
-pipelined, they hand every batch back within the step that generated it.
+``Checkpointing`` pairs that dict with a ``CheckpointStore`` (where and how; ``Checkpointer``: DCP, atomic commit,
+pruning, resume choice) and the run's metadata. The rollout-only ranks of a split placement hold no state
+(``NoCheckpointing``): even pipelined, they hand every batch back within the step that generated it.
+
+``StopAndSave`` is the end of every step, for RL (``RLTrainer.fit``) and SFT alike: save when the schedule says so,
+and on a stop (a signal on any rank, or the stop step) save and end the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,22 +29,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.distributed.dispatch import broadcast_object, on_main
+from rlspmd.distributed.runtime import StopRequest
 from rlspmd.engines.base import TrainingEngine
-from rlspmd.protocol import Batch
-from rlspmd.trainer.checkpoint import (
-    PIPELINE,
-    CheckpointError,
-    Checkpointer,
-    RNGState,
-    TrainerState,
-    copy_model_files,
-    saved_tensors,
-    to_json_text,
-    write_hf_dir,
-)
-
-OBJECTS = "objects_json"
-"""A batch's per-sample objects in a checkpoint: their JSON text as a uint8 tensor (loading it runs no code)."""
+from rlspmd.metrics import MetricLogger
+from rlspmd.trainer.checkpoint.base import CheckpointStore
+from rlspmd.trainer.checkpoint.state import PIPELINE, InFlightBatches, RNGState, TrainerState
 
 
 @dataclasses.dataclass
@@ -54,87 +44,10 @@ class Counters:
     skipped_updates_total: float = 0.0
 
 
-def encode_batch(batch: Batch) -> dict[str, torch.Tensor]:
-    """A batch as tensors only (CPU): its tensor fields, and its objects as JSON text (``decode_batch`` inverts it)."""
-    text = to_json_text(batch.objects, what="an in-flight batch's per-sample objects")
-    return {
-        **{k: v.cpu() for k, v in batch.tensors.items()},
-        OBJECTS: torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).clone(),
-    }
-
-
-def decode_batch(state: dict[str, torch.Tensor]) -> Batch:
-    objects = json.loads(bytes(state[OBJECTS].tolist()).decode())
-    return Batch({k: v for k, v in state.items() if k != OBJECTS}, objects)
-
-
-class InFlightBatches(Stateful):
-    """Asynchronous RL's pipeline on one actor rank: the batches generated for the coming steps (``RolloutClient.queue``,
-    ``trainer.max_staleness`` of them after every step), under ``rank_<dp rank>.batch_<i>.<field>``.
-
-    Tensors of shapes known only from the checkpoint: before a load, ``expect`` is given the saved layout, and
-    ``state_dict`` then returns empty tensors of those shapes for DCP to fill.
-    """
-
-    def __init__(self, queue: deque[Batch], *, rank: int, device: torch.device):
-        self.queue, self.key, self.device = queue, f"rank_{rank}", device
-        self.layout: dict[str, tuple[torch.Size, torch.dtype]] = {}  # this rank's saved tensors, while loading
-
-    def state_dict(self) -> dict:
-        if self.layout:
-            nested: dict = {}
-            for key, (shape, dtype) in self.layout.items():
-                rank, batch, field = key.split(".")
-                nested.setdefault(rank, {}).setdefault(batch, {})[field] = torch.empty(shape, dtype=dtype)
-            return nested
-        return {self.key: {f"batch_{i}": encode_batch(b) for i, b in enumerate(self.queue)}}
-
-    def expect(self, saved: dict[str, tuple[torch.Size, torch.dtype]], *, path: Path, dp: int) -> None:
-        """``saved``: every rank's in-flight tensors in checkpoint ``path`` (``saved_tensors``), written by how many
-        actor ranks (``dp`` now) is checked: each rank's batches are its own prompts' samples."""
-        ranks = {key.split(".")[0] for key in saved}
-        if saved and ranks != {f"rank_{r}" for r in range(dp)}:
-            raise CheckpointError(
-                f"checkpoint {path} holds the in-flight batches of {len(ranks)} actor ranks (asynchronous RL, "
-                f"trainer.max_staleness > 0), this run has {dp}: resume it on {len(ranks)} actor ranks, or with "
-                "trainer.max_staleness=0 (those batches are then dropped)"
-            )
-        self.layout = {k: v for k, v in saved.items() if k.startswith(self.key + ".")}
-
-    def load_state_dict(self, state: dict) -> None:
-        batches = state[self.key]
-        self.queue.clear()
-        for i in range(len(batches)):
-            self.queue.append(decode_batch(batches[f"batch_{i}"]).to(self.device))
-        self.layout = {}
-
-
-def write_model_files(
-    ckpt: Path,
-    *,
-    model_path: str,
-    tokenizer_path: str | None,
-    save_hf: bool,
-    tokenizer,
-    engine: TrainingEngine,
-    mesh: DeviceMesh,
-) -> None:
-    """A checkpoint's ``write_files`` (RL and SFT): the model's config and tokenizer files for export, and with
-    ``checkpoint.save_hf`` the actor as an HF directory (collective: every rank gathers the full weights)."""
-    full = engine.hf_state_dict() if save_hf else None
-
-    def write():
-        copy_model_files(model_path, tokenizer_path or model_path, ckpt / "model")
-        if full is not None:
-            write_hf_dir(engine.hf_model, full, tokenizer, model_path, ckpt / "hf")
-
-    on_main(write, mesh=mesh)
-
-
 class Checkpointing:
     def __init__(
         self,
-        checkpointer: Checkpointer,
+        checkpointer: CheckpointStore,
         *,
         engines: dict[str, TrainingEngine],
         components: dict[str, Stateful],
@@ -194,7 +107,7 @@ class Checkpointing:
 
         state = self.state(TrainerState(restore=put))
         if self.pipeline is not None:
-            saved = on_main(lambda: saved_tensors(path, prefix=PIPELINE + "."), mesh=self.mesh)
+            saved = on_main(lambda: self.checkpointer.saved_tensors(path, prefix=PIPELINE + "."), mesh=self.mesh)
             self.pipeline.expect(saved, path=path, dp=self.mesh.size())
             if not self.pipeline.layout:  # a synchronous run's checkpoint: the pipeline fills at the next step
                 state.pop(PIPELINE)
@@ -220,3 +133,48 @@ class NoCheckpointing:
 
     def save(self, counters: Counters) -> None:
         return None
+
+
+class StopAndSave:
+    """The end of a step, the same for RL and SFT: save when ``checkpoint.save_every`` or ``save_final`` says so, and
+    on a stop (SIGTERM/SIGUSR1 on any rank, or the stop step) save, say how to continue, and end the run.
+
+    Collective: every rank calls it after every step (the signal check is an all-reduce; the save is collective over
+    the ranks that hold state). A stop at the last step is simply the end of the run (saved all the same, and SFT still
+    writes its export). ``stop_field`` names the stop step's setting in messages (``trainer.stop_at_step``,
+    ``stop_at_step``).
+    """
+
+    def __init__(
+        self,
+        checkpointing: Checkpointing | NoCheckpointing,
+        stop_request: StopRequest,
+        *,
+        device: torch.device,
+        logger: MetricLogger,
+        total_steps: int,
+        stop_at_step: int,
+        stop_field: str,
+        last: Path | None = None,
+    ):
+        self.checkpointing, self.stop_request, self.device, self.logger = checkpointing, stop_request, device, logger
+        self.total_steps, self.stop_at_step, self.stop_field = total_steps, stop_at_step, stop_field
+        self.last = last
+        """The run's newest checkpoint (the one it resumed from until it saves one), for messages."""
+
+    def __call__(self, counters: Counters) -> bool:
+        """After step ``counters.step``: save if due or stopping; True when the run must stop now."""
+        step = counters.step
+        last_step = step == self.total_steps
+        signalled = self.stop_request.agreed(self.device)
+        stop = signalled or step == self.stop_at_step
+        if stop or self.checkpointing.due(step, last=last_step):
+            path = self.checkpointing.save(counters)
+            if path is not None:  # None: a rollout-only rank, which saves nothing
+                self.last = path
+                self.logger.write(f"step {step}: saved checkpoint {path}")
+        if not stop or last_step:
+            return False
+        why = "a stop signal (SIGTERM/SIGUSR1)" if signalled else f"{self.stop_field}={self.stop_at_step}"
+        self.logger.write(f"stopped after step {step} on {why}; checkpoint {self.last}; continue with --resume auto")
+        return True

@@ -1,0 +1,140 @@
+"""Checkpoints: torch.distributed.checkpoint (DCP) over a dict of ``Stateful`` objects, and Hugging Face export.
+
+What a checkpoint holds (``Checkpointing.state``), one key per object:
+
+    actor, critic, ...   every trainable role engine: sharded model and optimiser state, LR schedule
+                         (``FSDPEngine.state_dict``; DCP reshards on load, so the world size may change)
+    trainer              the step, counters, and the ``state_dict()`` of every trainer component that has one
+                         (data sampler position, KL controller, ...), as one JSON string
+    rng                  every rank's python/numpy/torch/CUDA RNG state as integer/float tensors (``rank_<r>.*``);
+                         the rollout sampler derives its generator from (seed, step, rank), so the step covers it
+    pipeline             asynchronous RL only: each actor rank's batches generated for the coming steps, as tensors
+                         (``rank_<r>.batch_<i>.*``; per-sample objects as JSON text in a uint8 tensor)
+
+One module per concern; the trainer side meets the store only through the contract in ``base.py``:
+
+    base.py           ``CheckpointStore``: what a store offers (prepare, due, save, load, saved_tensors)
+    checkpointing.py  the trainer side: the explicit dict above (``Checkpointing``), the run's counters, and the end of
+                      a step for RL and SFT (``StopAndSave``: save when due, save and stop on a signal or stop step)
+    checkpointer.py   ``Checkpointer``, the DCP store: collective save and load, the resume pick, the fit checks
+    layout.py         the directory: ``step_N`` names, completeness, ``latest``, commit by rename, pruning, rewinds,
+                      the resume choice; the ``checkpoint`` section's checks (``config_problems``)
+    state.py          the trainer's state as data only: JSON trainer state, RNG states and in-flight batches as tensors
+    safe_load.py      reading DCP files without running code (restricted unpicklers); tools' one-process reads
+    integrity.py      SHA-256 of every file as it is written, checked (a share per rank) before a load
+    export.py         model config and tokenizer files for export, HF directories (``checkpoint.save_hf``, SFT's end)
+
+Everything public is importable from ``rlspmd.trainer.checkpoint``; modules of this package import each other
+directly, never through this file.
+"""
+
+from rlspmd.trainer.checkpoint.base import CheckpointError, CheckpointStore
+from rlspmd.trainer.checkpoint.checkpointer import Checkpointer
+from rlspmd.trainer.checkpoint.checkpointing import (
+    Checkpointing,
+    Counters,
+    NoCheckpointing,
+    StopAndSave,
+)
+from rlspmd.trainer.checkpoint.export import (
+    MODEL_FILES,
+    TOKENIZER_FILES,
+    copy_model_files,
+    save_hf_model,
+    write_hf_dir,
+    write_model_files,
+)
+from rlspmd.trainer.checkpoint.integrity import (
+    DIGEST,
+    CheckpointDamagedError,
+    DigestingFileSystem,
+    DigestingFileSystemWriter,
+    FileDigests,
+    check_files,
+    file_digest,
+    recorded_digests,
+    share_files,
+    verify_checkpoint,
+)
+from rlspmd.trainer.checkpoint.layout import (
+    FORMAT_VERSION,
+    STEP_RE,
+    CheckpointDir,
+    check_format,
+    complete_checkpoints,
+    config_problems,
+    is_complete,
+    read_meta,
+    resolve_checkpoint,
+    step_dir_name,
+)
+from rlspmd.trainer.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    dcp_load,
+    read_checkpoint,
+    read_dcp_metadata,
+    saved_tensors,
+)
+from rlspmd.trainer.checkpoint.state import (
+    PIPELINE,
+    InFlightBatches,
+    RNGState,
+    TrainerState,
+    decode_batch,
+    decode_rng_state,
+    encode_batch,
+    encode_rng_state,
+    to_json_text,
+)
+
+__all__ = [
+    "DIGEST",
+    "FORMAT_VERSION",
+    "MODEL_FILES",
+    "PIPELINE",
+    "STEP_RE",
+    "TOKENIZER_FILES",
+    "CheckpointDamagedError",
+    "CheckpointDir",
+    "CheckpointError",
+    "CheckpointStore",
+    "Checkpointer",
+    "Checkpointing",
+    "Counters",
+    "DigestingFileSystem",
+    "DigestingFileSystemWriter",
+    "FileDigests",
+    "InFlightBatches",
+    "NoCheckpointing",
+    "RNGState",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "StopAndSave",
+    "TrainerState",
+    "check_files",
+    "check_format",
+    "complete_checkpoints",
+    "config_problems",
+    "copy_model_files",
+    "dcp_load",
+    "decode_batch",
+    "decode_rng_state",
+    "encode_batch",
+    "encode_rng_state",
+    "file_digest",
+    "is_complete",
+    "read_checkpoint",
+    "read_dcp_metadata",
+    "read_meta",
+    "recorded_digests",
+    "resolve_checkpoint",
+    "save_hf_model",
+    "saved_tensors",
+    "share_files",
+    "step_dir_name",
+    "to_json_text",
+    "verify_checkpoint",
+    "write_hf_dir",
+    "write_model_files",
+]
