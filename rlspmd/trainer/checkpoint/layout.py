@@ -27,7 +27,8 @@ import shutil
 import time
 from pathlib import Path
 
-from rlspmd.config import CheckpointConfig, Problem
+from rlspmd.components import Problem
+from rlspmd.config import CheckpointConfig
 from rlspmd.trainer.checkpoint.base import CheckpointError
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
