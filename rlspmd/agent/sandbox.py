@@ -1,32 +1,31 @@
-"""Run model-written Python in OS-level isolation: model output is untrusted input, and an RL run optimises against
-its tools, so whatever the sandbox lets through a policy will eventually find.
+"""Run model-written Python in OS-level isolation: model output is untrusted input, and an RL run optimises against its
+tools, so whatever the sandbox lets through a policy will eventually find.
 
 Two modes (``rollout.agent.code.sandbox``):
 
-``bwrap`` (the default): the code runs under bubblewrap (``bwrap``, a Debian/Ubuntu/Fedora package) in new mount,
-PID, network, IPC, UTS and cgroup namespaces. What is enforced, for every run (``run_python``):
+``bwrap`` (the default): the code runs under bubblewrap (``bwrap``, a Debian/Ubuntu/Fedora package) in new mount, PID,
+network, IPC, UTS and cgroup namespaces. What is enforced, for every run (``run_python``):
 
-* **It sees only its own directory and what the interpreter needs.** The root is an empty, read-only tmpfs; into it
-  are bound, read-only and ``nosuid``, the interpreter (the trainer's *base* interpreter, ``sys._base_executable``,
-  not a venv's), its standard library (the install prefix's ``lib``), the system library directories (``/usr/lib*``,
-  ``/lib*``) and ``/etc/ld.so.cache``; a minimal, read-only ``/dev`` (null, zero, full, random, urandom, tty);
-  ``/proc`` of its own PID namespace. The run's data, checkpoints, configs, rlspmd's code, ``/home``, ``/root``'s
-  files, ``/tmp`` and the other processes do not exist there. Its directory, ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``;
-  ``/tmp`` points there), is a tmpfs of ``workdir_mb`` that lives and dies with the call, the only place it can write
-  but a 4 MiB ``/dev/shm`` (multiprocessing's semaphores): nothing it writes reaches the host's disks. Its code
-  arrives on stdin as a sealed in-memory file; its stdout and stderr go to one host file the trainer opened, capped
-  by ``RLIMIT_FSIZE``.
+* **It sees only its own directory and what the interpreter needs.** The root is an empty, read-only tmpfs; into it are
+  bound, read-only and ``nosuid``, the interpreter (the trainer's *base* interpreter, ``sys._base_executable``, not a
+  venv's), its standard library (the install prefix's ``lib``), the system library directories (``/usr/lib*``,
+  ``/lib*``) and ``/etc/ld.so.cache``; a minimal, read-only ``/dev`` (null, zero, full, random, urandom, tty); ``/proc``
+  of its own PID namespace. The run's data, checkpoints, configs, rlspmd's code, ``/home``, ``/root``'s files, ``/tmp``
+  and the other processes do not exist there. Its directory, ``/sandbox`` (cwd, ``HOME``, ``TMPDIR``; ``/tmp`` points
+  there), is a tmpfs of ``workdir_mb`` that lives and dies with the call, the only place it can write but a 4 MiB
+  ``/dev/shm`` (multiprocessing's semaphores): nothing it writes reaches the host's disks. Its code arrives on stdin as
+  a sealed in-memory file; its stdout and stderr go to one host file the trainer opened, capped by ``RLIMIT_FSIZE``.
 * **It runs as an identity that can write nowhere else.** Without root, under a user namespace of its own as uid/gid
   65534 (mapped to the caller's uid), in which it cannot create another (the seccomp filter below; elsewhere
   ``--disable-userns``, bubblewrap 0.8+). As root (CI, containers), bwrap sets the namespaces up without a user
   namespace and the runner, before it reads the code, drops to a fresh, otherwise unused uid/gid per call
   (``SANDBOX_UID_BASE`` + 24 random bits; root cannot be a sandbox's uid: the kernel exempts uid 0 from
-  ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every
-  bound filesystem is ``nosuid``. On x86_64 a seccomp filter (``seccomp_filter``) refuses new user namespaces (the
-  way back to capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring,
-  32-bit/x32 system calls and ``ptrace`` & co.; ``/proc/1`` (bwrap's init, outside the code's rlimits) is masked.
-* **No network**: a network namespace with only its own loopback (the host's ``127.0.0.1``, its abstract and path
-  unix sockets are out of reach).
+  ``RLIMIT_NPROC``) and checks that no capability is left. ``no_new_privs`` is set; every bound filesystem is
+  ``nosuid``. On x86_64 a seccomp filter (``seccomp_filter``) refuses new user namespaces (the way back to
+  capabilities), ``clone3``, ``bpf``, ``perf_event_open``, ``userfaultfd``, io_uring, the keyring, 32-bit/x32 system
+  calls and ``ptrace`` & co.; ``/proc/1`` (bwrap's init, outside the code's rlimits) is masked.
+* **No network**: a network namespace with only its own loopback (the host's ``127.0.0.1``, its abstract and path unix
+  sockets are out of reach).
 * **Limits** (per process, inherited by everything it starts): address space ``memory_mb`` (``RLIMIT_AS``), CPU time
   ``cpu_s``, file size ``max_file_mb``, no core dumps, and at most ``max_processes`` tasks, threads included
   (``RLIMIT_NPROC``, counted in its own user namespace or for its own uid). Worst case for the whole call:
@@ -42,22 +41,22 @@ The code runs with ``python -I -S``: no ``site``, so the standard library only (
 Inside the sandbox it may start processes, use ``ctypes``, write files: the limits above hold for all of them. Not
 enforced: the CPU and memory use of the machine as a whole beyond ``max_processes`` times the per-process limits (run
 fewer tools at once with ``rollout.agent.max_parallel_tools``), and the rest of the kernel's attack surface (a kernel
-bug reachable from an unprivileged process through an allowed system call is out of scope; run hostile workloads on
-a separate machine).
+bug reachable from an unprivileged process through an allowed system call is out of scope; run hostile workloads on a
+separate machine).
 
 Where bwrap is missing or cannot create its namespaces, ``check_sandbox`` (called when the ``python`` tool is built,
 i.e. at config validation) raises an error naming what is missing: the tool does not start.
 
 ``audit-hook-unsafe``: the previous, weaker runner, for machines where bubblewrap cannot run, chosen explicitly. A
-``python -I`` subprocess in a private host directory, in a network namespace where ``unshare`` allows one, with the
-same rlimits; a PEP 578 audit hook refuses sockets, process creation, ``ctypes`` and writes outside its directory. An
-audit hook is not a security boundary: the code runs as the trainer's user, can **read every file the trainer can**
-(data, ground truth, checkpoints), and a primitive that raises no audit event escapes the hook entirely and writes
-anywhere the trainer can.
-"""
+``python -I`` subprocess in a private host directory, in a network namespace where ``unshare`` allows one, with the same
+rlimits; a PEP 578 audit hook refuses sockets, process creation, ``ctypes`` and writes outside its directory. An audit
+hook is not a security boundary: the code runs as the trainer's user, can **read every file the trainer can** (data,
+ground truth, checkpoints), and a primitive that raises no audit event escapes the hook entirely and writes anywhere the
+trainer can."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -80,8 +79,7 @@ FIELD = "rollout.agent.code.sandbox"
 SANDBOX_UID_BASE = 0x5A000000
 """As root, each call runs as ``SANDBOX_UID_BASE + random 24 bits`` (1509949440 ..): a uid range no account uses."""
 WORKDIR = "/sandbox"
-SHM_MB = 4
-"""``/dev/shm``: a tmpfs of its own, for multiprocessing's semaphores."""
+SHM_MB = 4  # /dev/shm: a tmpfs of its own, for multiprocessing's semaphores
 
 # The bwrap runner: trusted code that drops its identity (as root), limits itself, then runs the model's code from
 # stdin. Nothing of the model's runs before the limits are in place.
@@ -459,8 +457,7 @@ _X86_64 = {
     "clone": 56,
     "unshare": 272,
     "clone3": 435,
-    # bpf, perf_event_open, userfaultfd, io_uring_{setup,enter,register}, add_key, request_key, keyctl;
-    # ptrace, process_vm_{readv,writev}, kcmp, pidfd_getfd, process_madvise (into another process: bwrap's init)
+    # bpf, perf_event_open, userfaultfd, io_uring_*, keyring; ptrace, process_vm_*, kcmp, pidfd_getfd, process_madvise
     "refused": (321, 298, 323, 425, 426, 427, 248, 249, 250, 101, 310, 311, 312, 438, 440),
 }
 _CLONE_NEWUSER = 0x10000000
@@ -599,7 +596,5 @@ def network_namespace_prefix() -> tuple[str, ...]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
