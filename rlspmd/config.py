@@ -68,7 +68,8 @@ __all__ = [  # the sections below, and the components and sections a config file
     "MegatronConfig", "MeshConfig", "ModelConfig", "NativeConfig", "OPO", "OptimConfig", "OverlongBufferConfig",
     "PPOClip", "RLOO", "RefConfig", "ReinforcePP", "ReinforcePPBaseline", "ReMax", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "SAPO", "SFTConfig", "SFTDataConfig",
-    "SampleLogConfig", "TrainedRoleConfig", "TrainerConfig", "VllmConfig", "load_config_file", "to_dict",
+    "SampleLogConfig", "StepStage", "TrainedRoleConfig", "TrainerConfig", "VllmConfig", "load_config_file",
+    "to_dict",
 ]  # fmt: skip
 
 Engine = TRAINING_ENGINES.choice()
@@ -86,7 +87,7 @@ RolloutEngine = ROLLOUT_ENGINES.choice()
 @dataclass
 class TrainedRoleConfig:
     """What the actor and the critic share: the engine they train on, how a step's batch splits into optimiser steps
-    and micro-batches (``rlspmd.trainer.build.role_plan`` reads exactly these), and how their loss is aggregated."""
+    and micro-batches (``rlspmd.trainer.build_models.role_plan`` reads exactly these), and how their loss is aggregated."""
 
     engine: Engine = field(default_factory=FSDPConfig)
     """Training engine with its options: ``FSDPConfig()`` (FSDP2, every feature; the default) or

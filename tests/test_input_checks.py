@@ -1,4 +1,4 @@
-"""Bad input, in one process: the start-up config check (``rlspmd/validate.py``), prompts without text, jsonl lines
+"""Bad input, in one process: the start-up config check (``rlspmd/validate/``), prompts without text, jsonl lines
 cut in half, truncated safetensors. Every message names the field and its value, or the file and the row/line."""
 
 from __future__ import annotations

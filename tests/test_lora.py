@@ -74,7 +74,7 @@ def test_merge_lora_renames_and_merges_a_unit():
 
 
 def test_unknown_target_modules_name_the_field():
-    """(The config-only LoRA checks live in ``rlspmd/validate.py``, tested in test_input_checks.py; a target module
+    """(The config-only LoRA checks live in ``rlspmd/validate/``, tested in test_input_checks.py; a target module
     is known only against the model.)"""
     from rlspmd.models.lora import apply_lora
     from transformers import Qwen2Config, Qwen2ForCausalLM

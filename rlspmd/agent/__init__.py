@@ -200,7 +200,7 @@ def _yaml_interaction(entry: Entry):
 def build_agent_loop(
     cfg: AgentConfig, *, tokenizer, eos_ids: list[int], pad_id: int, max_response_length: int, model_field: str
 ) -> AgentLoop:
-    """The loop with its tools, parser, interactions and renderer (``rlspmd/validate.py`` checked the section before
+    """The loop with its tools, parser, interactions and renderer (``rlspmd/validate/`` checked the section before
     anything loaded)."""
     tools = load_tools(cfg)
     if cfg.tool_prompt not in ("template", "system"):

@@ -1,7 +1,7 @@
 """Loading local Hugging Face model directories and tokenizers, with errors that name the path.
 
 ``check_model_dir`` and ``check_tokenizer_dir`` only look at files (no transformers import, no weights read), so the
-start-up config check (``rlspmd/validate.py``) runs them before anything heavy loads; they also read every
+start-up config check (``rlspmd/validate/``) runs them before anything heavy loads; they also read every
 safetensors header, so a truncated or corrupt weights file is named before a model is built.
 
 Simplification: every rank reads the safetensors (memory-mapped) and FSDP2 then keeps only its shard.

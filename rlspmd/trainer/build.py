@@ -4,7 +4,7 @@
   reference when a KL term needs it, a reward model when one is configured, a greedy baseline for ReMax.
 * **Where they run**: the reference, critic and reward model live on the actor's ranks; the rollout shares them
   (colocated) or has ranks of its own (split). The config (placement, sizes, files) was checked before this runs
-  (``rlspmd/validate.py``, on every rank, before anything loads).
+  (``rlspmd/validate/``, on every rank, before anything loads).
 * **What a rank holds** (``Roles``): on the actor's ranks the real roles; on the rollout-only ranks of a split
   placement, objects that do nothing except serve the rollout (``RolloutServer``), so every rank runs the same step.
 * Models are built and parallelised by the role's engine component (``actor.engine.build(...)``:
