@@ -23,6 +23,8 @@ from typing import Annotated, ClassVar, Literal, Union
 
 import tyro
 
+from rlspmd.trackers import TrackerConfig
+
 
 @dataclass
 class ModelConfig:
@@ -1143,7 +1145,9 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     """Where metrics (metrics.jsonl, TensorBoard events) and checkpoints go."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard."""
+    """Metric sinks: console, jsonl, tensorboard, and the experiment trackers wandb, mlflow, trackio (``tracking``)."""
+    tracking: TrackerConfig = field(default_factory=TrackerConfig)
+    """The experiment trackers' project, run name, offline mode and servers (``rlspmd/trackers.py``)."""
     seed: int = 0
     """Base seed: data order, sampling RNG (offset per rank), model init of new heads."""
     deterministic: bool = False
@@ -1400,7 +1404,9 @@ class SFTConfig:
     output_dir: str = "outputs/sft"
     """Metrics go here; the fine-tuned Hugging Face model is written to ``output_dir/hf``."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard."""
+    """Metric sinks: console, jsonl, tensorboard, and the experiment trackers wandb, mlflow, trackio (``tracking``)."""
+    tracking: TrackerConfig = field(default_factory=TrackerConfig)
+    """The experiment trackers' project, run name, offline mode and servers (``rlspmd/trackers.py``)."""
     log_every: int = 10
     """Log the loss every N steps."""
     seed: int = 0

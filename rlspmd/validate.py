@@ -41,8 +41,8 @@ from rlspmd.config import (
     TrainedRoleConfig,
 )
 from rlspmd.distributed.runtime import UserError
-
-LOGGERS = ("console", "jsonl", "tensorboard")
+from rlspmd.metrics import SINKS as LOGGERS
+from rlspmd.trackers import TrackerConfig, missing_packages
 
 
 class ConfigError(UserError):
@@ -131,7 +131,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     p.at_least("trainer.val_every", t.val_every, 0)
     if not 0 <= t.stop_at_step <= t.total_steps:
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
-    _loggers(p, "trainer.loggers", t.loggers)
+    _loggers(p, "trainer.loggers", t.loggers, t.tracking, tracking="trainer.tracking")
     p.at_least("trainer.samples.num_train", t.samples.num_train, 0)
     p.at_least("trainer.samples.num_val", t.samples.num_val, 0)
     _staleness(p, t.max_staleness, split=split, alg=cfg.algorithm)
@@ -167,7 +167,7 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
     _optim(p, "optim", cfg.optim)
     _packing(p, "model", cfg.model.attn_implementation, cfg.model.packing)
     _dist(p, cfg.dist)
-    _loggers(p, "loggers", cfg.loggers)
+    _loggers(p, "loggers", cfg.loggers, cfg.tracking, tracking="tracking")
     _checkpoint(p, cfg.checkpoint, check_files=check_files)
     if d.tools:  # demonstrations rendered with tool schemas: the tools must build as the RL run builds them
         from rlspmd.agent import load_tools
@@ -633,10 +633,14 @@ def _dist(p: Problems, dist_cfg: DistConfig) -> None:
     p.at_least("dist.hang_timeout_s", dist_cfg.hang_timeout_s, 0)
 
 
-def _loggers(p: Problems, name: str, loggers: list[str]) -> None:
+def _loggers(p: Problems, name: str, loggers: list[str], cfg: TrackerConfig, *, tracking: str) -> None:
     unknown = sorted(set(loggers) - set(LOGGERS))
     if unknown:
         p.add(name, loggers, f"unknown sink(s) {unknown}; choose from {list(LOGGERS)}")
+    for tracker, pip in missing_packages(loggers):
+        p.add(name, loggers, f"{tracker} is not installed here: {pip}")
+    for field, value, why in cfg.problems():
+        p.add(f"{tracking}.{field}", value, why)
 
 
 def _types(p: Problems, cfg, prefix: str) -> None:

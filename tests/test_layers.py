@@ -3,7 +3,8 @@
 Read from the source with ``ast`` (every ``import``, module-level or inside a function, since a deferred import is
 still an arrow), so the check needs nothing installed and costs milliseconds. Floors, top to bottom:
 
-    entry points   train, sft, startup, validate (the collector that checks a config before anything loads), samples
+    entry points   train, sft, startup, validate (the collector that checks a config before anything loads), samples,
+                   plot
     trainer        the loop, the builder, checkpointing, the trainer's own stages
     roles          policy, reference, critic, reward, rollout roles; their contracts
     agent          the multi-turn agent loop, tools, interactions
@@ -11,7 +12,7 @@ still an arrow), so the check needs nothing installed and costs milliseconds. Fl
     engines        training engines (FSDP2, megatron), rewards, third_party adapters
     distributed    runtime, meshes, dispatch, micro-batches
     data, models
-    protocol, config, algorithms, metrics, utils
+    protocol, config, algorithms, metrics, trackers, utils
 
 A module may import from its own floor or any floor below, never from above.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
-    {"protocol", "config", "algorithms", "metrics", "utils"},
+    {"protocol", "config", "algorithms", "metrics", "trackers", "utils"},
     {"data", "models"},
     {"distributed"},
     {"engines", "rewards", "third_party"},
@@ -32,7 +33,7 @@ FLOORS = [
     {"agent"},
     {"roles"},
     {"trainer"},
-    {"train", "sft", "startup", "validate", "samples", "__main__", ""},
+    {"train", "sft", "startup", "validate", "samples", "plot", "__main__", ""},
 ]
 FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}
 

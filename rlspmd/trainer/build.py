@@ -75,7 +75,7 @@ from rlspmd.rollout.native import NativeEngine, OwnWeights
 from rlspmd.rollout.weight_sync import WeightBridge
 from rlspmd.rollout.weights import BridgedWeights, InPlaceWeights, StreamedWeights
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
-from rlspmd.trainer.checkpoint import Checkpointer
+from rlspmd.trainer.checkpoint import Checkpointer, read_meta
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.rl import RLTrainer
 from rlspmd.trainer.roles import Roles
@@ -88,6 +88,7 @@ from rlspmd.roles.rollout_correction import (
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
+from rlspmd.trackers import Trackers
 
 
 @dataclass(frozen=True)
@@ -681,6 +682,9 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     components = {"sampler": prompts.sampler} if prompts.sampler is not None else {}
     if cfg.algorithm.use_kl_in_reward:
         components["token_rewards"] = token_rewards  # the adaptive KL controller's coefficient
+    trackers = Trackers(trainer.loggers, trainer.tracking, output_dir=trainer.output_dir, config=to_dict(cfg))
+    saved = read_meta(resume_from).get("trainer_components", []) if resume_from is not None else None
+    components.update(trackers.component(is_main=rt.is_main, saved=saved))  # their run ids: a resume continues them
     engines = {"actor": actor.engine, **({"critic": critic.engine} if plan.critic else {})}
     # Asynchronous RL: the batches generated ahead are saved, so a resume trains on exactly what the run would have.
     pipeline = (
@@ -745,6 +749,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             else NoAgentMetrics(),
         ),
         samples=samples,
+        trackers=trackers,
         checkpointing=checkpointing,
         data_stats=data_stats,
         resume_from=resume_from,
@@ -816,6 +821,7 @@ def _rollout_only_roles(
         balance=Skip(),
         report=NoReport(),
         samples=NoSampleLog(),
+        trackers=Trackers(),
         checkpointing=NoCheckpointing(),
         data_stats=data_stats,
         resume_from=None,

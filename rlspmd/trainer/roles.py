@@ -16,6 +16,7 @@ from rlspmd.trainer.report import NoReport, StepReport
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.state import Checkpointing, NoCheckpointing
+from rlspmd.trackers import Trackers
 
 
 @dataclass
@@ -40,6 +41,8 @@ class Roles:
     report: StepReport | NoReport
     samples: SampleLog | NoSampleLog
     """The sample log (``trainer.samples``): a few samples per step and validation, written by rank 0."""
+    trackers: Trackers
+    """The experiment trackers of ``trainer.loggers`` (W&B, MLflow, Trackio): rank 0's metric logger starts them."""
     checkpointing: Checkpointing | NoCheckpointing
     data_stats: dict
     """Rank 0's dataset counts, on every rank (``train_prompts``, ``train_dropped``, ``val_prompts``)."""
