@@ -6,7 +6,7 @@
 
 One panel per metric, every run drawn in each (labelled by its directory), against the step. By default the main
 curves a run has (``DEFAULT_METRICS``: validation accuracy, reward, response length, entropy, KL, tool calls, the SFT
-loss); ``--metrics`` takes names and shell-style patterns (``val/acc/*``). Metrics logged at a few steps only
+loss); ``--metrics`` takes names and shell-style patterns (``val/acc/*``). Metrics not logged at every step
 (validation) are drawn with markers. Needs matplotlib (``pip install "rlspmd[plot]"``); draws without a display.
 """
 
@@ -102,7 +102,8 @@ def plot_runs(dirs: list[Path], *, metrics: list[str] | None = None, title: str 
     for ax, name in zip(axes.flat, names):
         for label, data in runs.items():
             steps, values = curve(data, name)
-            sparse = len(steps) <= max(1, len(data) // 2)  # validation: a point every val_every steps
+            # validation: a point every val_every steps, drawn with markers
+            sparse = sum(s > 0 for s in steps) < len({r["step"] for r in data if r["step"] > 0})
             ax.plot(steps, values, marker="o" if sparse else None, markersize=4, label=label)
         ax.set_title(name)
         ax.set_xlabel("step")

@@ -16,7 +16,8 @@ that tracker gets nothing more in this run, and training goes on; ``metrics.json
 ``Trackers`` is a checkpoint component (``state_dict``: the run id of each tracker), so a resumed run continues the
 same W&B run (``resume="allow"`` with its id; offline, a new ``offline-run-*`` directory with the same id, which
 ``wandb sync`` appends to the run), the same MLflow run (by run id, set back to RUNNING) and the same Trackio run (by
-name, ``resume="must"``). Simplifications: a step that a crashed run logged after its last checkpoint is logged again
+name, ``resume="must"``; a new Trackio run takes ``<name>-2``, ... when its name is taken, so names stay unique).
+Simplifications: a step that a crashed run logged after its last checkpoint is logged again
 after the resume; W&B drops values for steps below its run's last step, MLflow and Trackio keep both. MLflow params
 cannot change: a resume that changed the config keeps the first values (the log names the keys) and rewrites the
 ``config.json`` artifact.
@@ -44,7 +45,10 @@ INSTALL = 'pip install "rlspmd[trackers]"'
 """Installs every tracker (setup.py's ``trackers`` extra; ``pip install wandb`` etc. installs one)."""
 
 REMOTE_SCHEMES = ("http", "https", "databricks", "databricks-uc", "uc")
-"""MLflow tracking URIs that need a network (``trainer.tracking.offline`` refuses them)."""
+"""MLflow tracking URIs that need a network (``trainer.tracking.offline`` refuses them, but for a server on this
+machine: ``LOOPBACK``)."""
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass
@@ -61,8 +65,9 @@ class TrackerConfig:
     offline: bool = False
     """Keep everything on this machine: W&B writes its run files under ``<output_dir>/wandb`` only (``wandb sync``
     uploads them later), MLflow's tracking URI must be a local store (``sqlite:``, ``file:`` or a path; MLflow's
-    default ``sqlite:///mlflow.db`` is one), and Trackio keeps its local database (no Space, no server). Off: W&B needs
-    a login (``wandb login`` or ``WANDB_API_KEY``); ``WANDB_MODE=offline`` works as well."""
+    default ``sqlite:///mlflow.db`` is one) or a server on this machine (``http://127.0.0.1:5000``), and Trackio keeps
+    its local database (no Space, no server). Off: W&B needs a login (``wandb login`` or ``WANDB_API_KEY``);
+    ``WANDB_MODE=offline`` works as well."""
     wandb_entity: str | None = None
     """The W&B team or user the run belongs to. None: the login's default entity."""
     mlflow_tracking_uri: str | None = None
@@ -84,13 +89,14 @@ class TrackerConfig:
             out.append(("close_timeout_s", self.close_timeout_s, "must be > 0"))
         if self.offline:
             uri = self.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-            if uri and urlparse(uri).scheme in REMOTE_SCHEMES:
+            if uri and _remote(uri):
                 out.append(
                     (
                         "mlflow_tracking_uri",
                         uri,
-                        "is a server, and offline=True keeps MLflow on this machine: give a sqlite:/// or file:/// "
-                        "store" + ("" if self.mlflow_tracking_uri else " (this one comes from MLFLOW_TRACKING_URI)"),
+                        "is a server elsewhere, and offline=True keeps MLflow on this machine: give a sqlite:/// or "
+                        "file:/// store, or a server on 127.0.0.1"
+                        + ("" if self.mlflow_tracking_uri else " (this one comes from MLFLOW_TRACKING_URI)"),
                     )
                 )
             space = self.trackio_space_id or os.environ.get("TRACKIO_SPACE_ID")
@@ -104,6 +110,12 @@ class TrackerConfig:
                     )
                 )
         return out
+
+
+def _remote(uri: str) -> bool:
+    parsed = urlparse(uri)
+    scheme = parsed.scheme or uri  # MLflow's bare ``databricks``
+    return scheme in REMOTE_SCHEMES and parsed.hostname not in LOOPBACK
 
 
 def missing_packages(loggers: Sequence[str]) -> list[tuple[str, str]]:
@@ -365,7 +377,7 @@ class TrackioTracker:
         self.trackio = trackio
         self.run = trackio.init(
             project=self.cfg.project,
-            name=resume["name"] if resume else self.run_name,
+            name=resume["name"] if resume else self._free_name(),
             config=config,
             resume="must" if resume else "never",
             space_id=self.cfg.trackio_space_id,
@@ -377,6 +389,15 @@ class TrackioTracker:
                 f"{resume['id']} (another run took the same name)"
             )
         return {"name": self.run.name, "id": self.run.id}
+
+    def _free_name(self) -> str:
+        """``run_name``, or ``run_name-2``, ``-3``, ... when the project's local store has it: Trackio resumes a run by
+        its name (the newest of that name), so each run keeps its own."""
+        try:
+            taken = {run.name for run in self.trackio.Api().runs(self.cfg.project)}
+        except ValueError:  # no such project yet
+            return self.run_name
+        return next(n for n in (self.run_name, *(f"{self.run_name}-{i}" for i in range(2, 10**6))) if n not in taken)
 
     def where(self) -> str:
         place = self.cfg.trackio_space_id or os.environ.get("TRACKIO_SPACE_ID") or "the local database"
