@@ -194,8 +194,16 @@ def mlflow_history(client, run_id: str, keys) -> dict[str, list[tuple[int, float
 
 
 def mlflow_table(client, run, name: str) -> list[dict]:
-    """The rows of the table artifact ``<name>.json`` (every step's rows, appended), through MLflow's own reader."""
-    df = client.load_table(run.info.experiment_id, f"{name}.json", run_ids=[run.info.run_id])
+    """The rows of the table artifact ``<name>.json`` (every step's rows, appended), through MLflow's own reader.
+    ``load_table`` searches runs through the global tracking URI, not its client's: it is pointed at the server."""
+    import mlflow
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(client.tracking_uri)
+    try:
+        df = client.load_table(run.info.experiment_id, f"{name}.json", run_ids=[run.info.run_id])
+    finally:
+        mlflow.set_tracking_uri(before)
     return [
         {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items() if k != "run_id"}
         for row in df.to_dict(orient="records")
