@@ -253,3 +253,31 @@ def test_killing_the_mlflow_server_mid_run_costs_one_warning_and_training_goes_o
     # the step whose record the thread was sending when the server went (it may lag the training loop)
     failed_at = int(re.search(r"warning: mlflow failed at step (\d+) \(", warnings[0]).group(1))
     assert 0 <= failed_at <= 8 and "training goes on" in warnings[0]
+
+
+def test_sft_sends_its_metrics_and_config_to_the_trackers(tiny_model, arithmetic_data, tracker_stores, tmp_path):
+    pytest.importorskip("trackio")
+    out, project = tmp_path / "sft", "e2e-sft"
+    torchrun(
+        [
+            *("-m", "rlspmd.sft", "--config", "configs/sft_quickstart.py", "--model.path", str(tiny_model)),
+            *("--data.train-files", str(arithmetic_data / "sft.parquet"), "--data.batch-size", "8"),
+            *("--micro-batch-size", "4", "--total-steps", "4", "--log-every", "2", "--output-dir", str(out)),
+            *("--loggers", "jsonl", "trackio", "--tracking.project", project, "--tracking.offline"),
+        ],
+        2,
+    )
+    rows = jsonl_rows(out)
+    assert [r["step"] for r in rows] == [2, 4]
+    (record,) = trackio_runs(project)
+    assert trackio_logs(project, record["id"]) == {r["step"]: values(r) for r in rows}
+    config = trackio_config(project, record["id"])
+    assert (
+        config["total_steps"] == 4
+        and config["model"]["path"] == str(tiny_model)
+        and config["loggers"]
+        == [
+            "jsonl",
+            "trackio",
+        ]
+    )
