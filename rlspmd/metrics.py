@@ -156,7 +156,7 @@ class MetricLogger:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.trackers.start(initial_step=initial_step, write=self.write)  # before the bar: they print as they start
+        self.trackers.start(write=self.write)  # before the bar: they print as they start
         if "console" in sinks:
             from tqdm import tqdm
 

@@ -161,7 +161,7 @@ class Trackers:
     def load_state_dict(self, state: dict) -> None:
         self.runs = dict(state["runs"])
 
-    def start(self, *, initial_step: int, write: Callable[[str], None]) -> None:
+    def start(self, *, write: Callable[[str], None]) -> None:
         """Start (or, with run ids from a checkpoint, continue) each tracker's run; ``write`` prints a line to the run's
         log (this line, and a failing tracker's warning from its thread)."""
         run_name = self.cfg.run_name or self.output_dir.resolve().name
@@ -177,7 +177,7 @@ class Trackers:
                     else ""
                 )
                 raise RuntimeError(
-                    f"trainer.loggers: {name} could not {'continue' if saved else 'start'} its run "
+                    f"experiment tracker {name} could not {'continue' if saved else 'start'} its run "
                     f"({type(e).__name__}: {e}){hint}"
                 ) from e
             write(f"{name}: {'continuing' if saved else 'started'} {backend.where()}")

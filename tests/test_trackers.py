@@ -48,8 +48,8 @@ def finite(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
-def run_segment(trackers: Trackers, metrics: dict[int, dict], *, initial_step: int, lines: list[str]) -> None:
-    trackers.start(initial_step=initial_step, write=lines.append)
+def run_segment(trackers: Trackers, metrics: dict[int, dict], *, lines: list[str]) -> None:
+    trackers.start(write=lines.append)
     for step, m in metrics.items():
         trackers.table("samples/train", table_rows(step), step)
         trackers.log(step, m)
@@ -68,9 +68,9 @@ def test_wandb_offline_gets_every_finite_metric_the_config_and_the_table_and_a_r
 ):
     out, cfg, lines = tmp_path / "run_a", TrackerConfig(project="unit", offline=True), []
     first = Trackers(["console", "jsonl", "wandb"], cfg, output_dir=str(out), config=CONFIG)
-    run_segment(first, step_metrics(0, 3), initial_step=0, lines=lines)
+    run_segment(first, step_metrics(0, 3), lines=lines)
     second = resumed(first, ["wandb"], cfg, out)
-    run_segment(second, step_metrics(3, 5), initial_step=2, lines=lines)
+    run_segment(second, step_metrics(3, 5), lines=lines)
 
     runs = wandb_runs(out)
     run_id = first.runs["wandb"]
@@ -93,11 +93,11 @@ def test_trackio_local_store_gets_every_finite_metric_the_config_and_the_table_a
     project = "unit-trackio"
     out, cfg, lines = tmp_path / "run_b", TrackerConfig(project=project, run_name="seg", offline=True), []
     first = Trackers(["trackio"], cfg, output_dir=str(out), config=CONFIG)
-    run_segment(first, step_metrics(0, 3), initial_step=0, lines=lines)
+    run_segment(first, step_metrics(0, 3), lines=lines)
     other = Trackers(["trackio"], cfg, output_dir=str(out), config=CONFIG)  # a fresh run of the same name: a new run
-    run_segment(other, step_metrics(0, 1), initial_step=0, lines=[])
+    run_segment(other, step_metrics(0, 1), lines=[])
     second = resumed(first, ["trackio"], cfg, out)
-    run_segment(second, step_metrics(3, 5), initial_step=2, lines=lines)
+    run_segment(second, step_metrics(3, 5), lines=lines)
 
     mine, theirs = first.runs["trackio"], other.runs["trackio"]
     assert mine["name"] == "seg" and theirs["name"] == "seg-2" and second.runs["trackio"] == mine
@@ -169,7 +169,7 @@ def test_mlflow_params_are_the_config_flattened_with_names_mlflow_accepts():
 
 def test_a_run_without_trackers_starts_and_logs_nothing(tmp_path):
     trackers = Trackers(["console", "jsonl", "tensorboard"], output_dir=str(tmp_path))
-    trackers.start(initial_step=0, write=pytest.fail)
+    trackers.start(write=pytest.fail)
     trackers.log(1, {"a": 1.0})
     trackers.table("samples/train", table_rows(1), 1)
     trackers.close()

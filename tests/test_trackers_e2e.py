@@ -48,11 +48,11 @@ def test_mlflow_gets_every_finite_metric_the_params_and_the_table_and_a_resume_c
 ):
     cfg, lines = TrackerConfig(project="unit-mlflow", mlflow_tracking_uri=mlflow_server.uri), []
     first = Trackers(["mlflow"], cfg, output_dir=str(tmp_path / "run_m"), config=CONFIG)
-    run_segment(first, step_metrics(0, 3), initial_step=0, lines=lines)
+    run_segment(first, step_metrics(0, 3), lines=lines)
     changed = {**CONFIG, "trainer": {**CONFIG["trainer"], "total_steps": 6}}
     second = resumed(first, ["mlflow"], cfg, tmp_path / "run_m")
     second.config = changed  # the resume changed a setting
-    run_segment(second, step_metrics(3, 5), initial_step=2, lines=lines)
+    run_segment(second, step_metrics(3, 5), lines=lines)
 
     client = mlflow_server.client()
     (run,) = mlflow_runs(client, "unit-mlflow")
@@ -80,7 +80,7 @@ def test_a_tracker_that_fails_mid_run_is_reported_once_and_the_others_go_on(mlfl
     out = tmp_path / "run_f"
     cfg = TrackerConfig(project="unit-failing", offline=True, mlflow_tracking_uri=mlflow_server.uri)
     trackers, lines = Trackers(["wandb", "mlflow"], cfg, output_dir=str(out), config=CONFIG), []
-    trackers.start(initial_step=0, write=lines.append)
+    trackers.start(write=lines.append)
     metrics = step_metrics(0, 6)
     for step in (0, 1):
         trackers.log(step, metrics[step])
