@@ -90,6 +90,7 @@ def plot_runs(dirs: list[Path], *, metrics: list[str] | None = None, title: str 
         raise ImportError('rlspmd.plot needs matplotlib: pip install "rlspmd[plot]"') from e
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     dirs = [Path(d) for d in dirs]
     runs = dict(zip(labels(dirs), (read_metrics(d) for d in dirs)))
@@ -107,6 +108,7 @@ def plot_runs(dirs: list[Path], *, metrics: list[str] | None = None, title: str 
             ax.plot(steps, values, marker="o" if sparse else None, markersize=4, label=label)
         ax.set_title(name)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names) :]:
         ax.remove()
