@@ -36,6 +36,11 @@ setup(
         "assets": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.25"],
         # LoRA RL (actor.lora): peft's LoRA layers and its adapter format; pure Python, keeps the installed torch.
         "lora": ["peft>=0.13"],
+        # Experiment trackers (trainer.loggers wandb, mlflow, trackio), each imported only when chosen; the releases
+        # rlspmd/trackers.py is tested against. mlflow (not mlflow-skinny): the tests start its tracking server.
+        "trackers": ["wandb>=0.31", "mlflow>=3.17", "trackio>=0.43"],
+        # python -m rlspmd.plot: curves from metrics.jsonl as a PNG.
+        "plot": ["matplotlib>=3.7"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13", "mkdocs>=1.6"],  # mkdocs: tests/test_docs.py
     },
 )

@@ -60,6 +60,7 @@ from rlspmd.rollout.base import ROLLOUT_ENGINES
 from rlspmd.rollout.native import NativeConfig
 from rlspmd.rollout.vllm import VllmConfig
 from rlspmd.stages import StepStage
+from rlspmd.trackers import TrackerConfig
 
 __all__ = [  # the sections below, and the components and sections a config file composes
     "ActorConfig", "AdaptiveKL", "AgentConfig", "AlgorithmConfig", "CISPO", "CheckpointConfig", "ClipCov",
@@ -296,7 +297,9 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     """Where metrics (metrics.jsonl, TensorBoard events) and checkpoints go."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard."""
+    """Metric sinks: console, jsonl, tensorboard, and the experiment trackers wandb, mlflow, trackio (``tracking``)."""
+    tracking: TrackerConfig = field(default_factory=TrackerConfig)
+    """The experiment trackers' project, run name, offline mode and servers (``rlspmd/trackers.py``)."""
     seed: int = 0
     """Base seed: data order, sampling RNG (offset per rank), model init of new heads."""
     deterministic: bool = False
@@ -492,7 +495,9 @@ class SFTConfig:
     output_dir: str = "outputs/sft"
     """Metrics go here; the fine-tuned Hugging Face model is written to ``output_dir/hf``."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    """Metric sinks: console, jsonl, tensorboard."""
+    """Metric sinks: console, jsonl, tensorboard, and the experiment trackers wandb, mlflow, trackio (``tracking``)."""
+    tracking: TrackerConfig = field(default_factory=TrackerConfig)
+    """The experiment trackers' project, run name, offline mode and servers (``rlspmd/trackers.py``)."""
     log_every: int = 10
     """Log the loss every N steps."""
     seed: int = 0

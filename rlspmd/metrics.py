@@ -1,5 +1,6 @@
 """Metrics: per-rank contributions (``MetricBuffer``), reduced over a mesh once per step, then written by rank 0
-through one small logger interface (``MetricLogger``: console, jsonl, TensorBoard).
+through one small logger interface (``MetricLogger``: console, jsonl, TensorBoard, and the experiment trackers W&B,
+MLflow and Trackio of ``rlspmd.trackers``).
 
 A step's stages write into one ``MetricBuffer``. Contributions may be Python numbers or tensors on any device; tensors
 are accumulated on their device (float64) and never read back one by one, so recording a metric inside a training
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from rlspmd.trackers import TRACKERS, Trackers
 
 Number = float | int | torch.Tensor
 
@@ -124,24 +127,36 @@ def _vector(values: list[Number], device: torch.device) -> torch.Tensor:
     return torch.stack([_scalar(v, device) for v in values])
 
 
+SINKS = ("console", "jsonl", "tensorboard", *TRACKERS)
+"""What ``trainer.loggers`` can name."""
+
 CONSOLE_KEYS = ("reward/mean", "acc/mean", "actor/kl_loss", "actor/entropy", "response_length/mean", "timing/step")
 
 
 class MetricLogger:
     def __init__(
-        self, sinks: list[str], output_dir: str, *, total_steps: int, initial_step: int = 0, enabled: bool = True
+        self,
+        sinks: list[str],
+        output_dir: str,
+        *,
+        total_steps: int,
+        initial_step: int = 0,
+        enabled: bool = True,
+        trackers: Trackers | None = None,
     ):
-        unknown = set(sinks) - {"console", "jsonl", "tensorboard"}
+        """``enabled``: this rank writes (rank 0). ``trackers``: the experiment trackers among ``sinks``, with their
+        settings and run ids (None: ``TrackerConfig``'s defaults, a fresh run each)."""
+        unknown = set(sinks) - set(SINKS)
         if unknown:
-            raise ValueError(
-                f"trainer.loggers: unknown sink(s) {sorted(unknown)}; choose from console, jsonl, tensorboard"
-            )
+            raise ValueError(f"trainer.loggers: unknown sink(s) {sorted(unknown)}; choose from {', '.join(SINKS)}")
         self.enabled = enabled
         self.bar = self.jsonl = self.tb = None
+        self.trackers = trackers if trackers is not None else Trackers(sinks, output_dir=output_dir)
         if not enabled:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
+        self.trackers.start(write=self.write)  # before the bar: they print as they start
         if "console" in sinks:
             from tqdm import tqdm
 
@@ -169,6 +184,7 @@ class MetricLogger:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        self.trackers.log(step, metrics)
         if self.bar is not None:
             shown = {
                 k.split("/")[0] if k.endswith("/mean") else k.split("/")[-1]: f"{metrics[k]:.3g}"
@@ -188,6 +204,12 @@ class MetricLogger:
         if self.tb is not None:
             self.tb.add_text(tag, text, step)
 
+    def table(self, name: str, rows: list[dict], step: int) -> None:
+        """A table for the experiment trackers (the sample log's ``samples/train``, ``samples/val``); rows are dicts
+        with the same keys. Nothing without a tracker."""
+        if self.enabled:
+            self.trackers.table(name, rows, step)
+
     def write(self, text: str) -> None:
         if not self.enabled:
             return
@@ -197,6 +219,8 @@ class MetricLogger:
             print(text, flush=True)
 
     def close(self) -> None:
+        if self.enabled:
+            self.trackers.close()  # first: its warnings still reach the console
         for sink in (self.bar, self.jsonl, self.tb):
             if sink is not None:
                 sink.close()

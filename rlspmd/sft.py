@@ -37,10 +37,12 @@ from rlspmd.models.packing import check_attn_kernel
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.models.policy import build_policy_module
 from rlspmd.startup import parse_args, start
+from rlspmd.trackers import Trackers
 from rlspmd.trainer.checkpoint import (
     Checkpointer,
     Checkpointing,
     Counters,
+    read_meta,
     StopAndSave,
     save_hf_model,
     write_model_files,
@@ -222,10 +224,15 @@ def main(argv: list[str] | None = None) -> None:
         total_optim_steps=cfg.total_steps,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
     )
+    trackers = Trackers(cfg.loggers, cfg.tracking, output_dir=cfg.output_dir, config=to_dict(cfg))
+    saved = read_meta(resume_from).get("trainer_components", []) if resume_from is not None else None
     checkpointing = Checkpointing(
         checkpointer,
         engines={"actor": engine},
-        components={"sampler": sampler} if rt.is_main else {},
+        components={
+            **({"sampler": sampler} if rt.is_main else {}),
+            **trackers.component(is_main=rt.is_main, saved=saved),  # their run ids: a resume continues them
+        },
         mesh=mesh,
         rank=rt.rank,
         is_main=rt.is_main,
@@ -242,7 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     counters = checkpointing.restore(resume_from) if resume_from is not None else Counters()
     logger = MetricLogger(
-        cfg.loggers, cfg.output_dir, total_steps=cfg.total_steps, initial_step=counters.step, enabled=rt.is_main
+        cfg.loggers,
+        cfg.output_dir,
+        total_steps=cfg.total_steps,
+        initial_step=counters.step,
+        enabled=rt.is_main,
+        trackers=trackers,
     )
     if resume_from is not None:
         logger.write(f"resumed from {resume_from} (step {counters.step} of {cfg.total_steps})")

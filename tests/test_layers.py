@@ -3,7 +3,8 @@
 Read from the source with ``ast`` (every ``import``, module-level or inside a function, since a deferred import is
 still an arrow), so the check needs nothing installed and costs milliseconds. Floors, top to bottom:
 
-    entry points   train, sft, startup, validate (the collector that checks a config before anything loads), samples
+    entry points   train, sft, startup, validate (the collector that checks a config before anything loads), samples,
+                   plot
     trainer        the loop, the builder, checkpointing, the trainer's own stages
     roles          policy, reference, critic, reward, rollout roles; their contracts
     config         the top-level sections, composing the components of the floors below (each beside its code)
@@ -12,7 +13,7 @@ still an arrow), so the check needs nothing installed and costs milliseconds. Fl
     engines        training engines (FSDP2, megatron), rewards, third_party adapters
     distributed    runtime, meshes, dispatch, micro-batches
     data, models
-    protocol, components (the registries), stages (a user stage's contract), algorithms, metrics, utils
+    protocol, components (the registries), stages (a user stage's contract), algorithms, metrics, trackers, utils
 
 A module may import from its own floor or any floor below, never from above.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = [
-    {"protocol", "components", "stages", "algorithms", "metrics", "utils"},
+    {"protocol", "components", "stages", "algorithms", "metrics", "trackers", "utils"},
     {"data", "models"},
     {"distributed"},
     {"engines", "rewards", "third_party"},
@@ -34,7 +35,7 @@ FLOORS = [
     {"config"},
     {"roles"},
     {"trainer"},
-    {"train", "sft", "startup", "validate", "samples", "__main__", ""},
+    {"train", "sft", "startup", "validate", "samples", "plot", "__main__", ""},
 ]
 FLOOR = {part: level for level, parts in enumerate(FLOORS) for part in parts}
 

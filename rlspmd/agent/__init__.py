@@ -25,7 +25,7 @@ from rlspmd.agent.verl_config import (
     user_spec,
     verl_class_error,
 )
-from rlspmd.agent.config import AgentConfig, CodeRunnerConfig
+from rlspmd.agent.config import AgentConfig
 from rlspmd.utils.imports import load_object
 
 __all__ = [

@@ -50,7 +50,7 @@ from rlspmd.trainer.build_models import (
     old_logprob_source,
 )
 from rlspmd.trainer.build_rollout import build_episodes, build_rollout, build_rollout_correction
-from rlspmd.trainer.checkpoint import Checkpointer
+from rlspmd.trainer.checkpoint import Checkpointer, read_meta
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepReport
 from rlspmd.trainer.rl import RLTrainer
@@ -58,6 +58,7 @@ from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.checkpoint import Checkpointing, InFlightBatches, NoCheckpointing, write_model_files
+from rlspmd.trackers import Trackers
 
 
 @dataclass(frozen=True)
@@ -255,6 +256,9 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     components = {"sampler": prompts.sampler} if prompts.sampler is not None else {}
     if cfg.algorithm.use_kl_in_reward:
         components["token_rewards"] = token_rewards  # the adaptive KL controller's coefficient
+    trackers = Trackers(trainer.loggers, trainer.tracking, output_dir=trainer.output_dir, config=to_dict(cfg))
+    saved = read_meta(resume_from).get("trainer_components", []) if resume_from is not None else None
+    components.update(trackers.component(is_main=rt.is_main, saved=saved))  # their run ids: a resume continues them
     engines = {"actor": actor.engine, **({"critic": critic.engine} if plan.critic else {})}
     # Asynchronous RL: the batches generated ahead are saved, so a resume trains on exactly what the run would have.
     pipeline = (
@@ -319,6 +323,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             else NoAgentMetrics(),
         ),
         samples=samples,
+        trackers=trackers,
         checkpointing=checkpointing,
         data_stats=data_stats,
         resume_from=resume_from,
@@ -369,6 +374,7 @@ def _rollout_only_roles(
         balance=Skip(),
         report=NoReport(),
         samples=NoSampleLog(),
+        trackers=Trackers(),
         checkpointing=NoCheckpointing(),
         data_stats=data_stats,
         resume_from=None,

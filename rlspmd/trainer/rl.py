@@ -129,15 +129,18 @@ class RLTrainer:
         cfg, r = self.cfg, self.roles
         if r.resume_from is not None:
             self.counters = r.checkpointing.restore(r.resume_from)
-        # Every rank continues at the same step (the rollout-only ranks of a split placement restore nothing).
-        self.counters.step = broadcast_object(self.counters.step)
+        # Rank 0's logger starts the experiment trackers' runs (seconds) while the other ranks wait in the broadcast,
+        # not in the first step's collectives, where the wait would count as step time.
         self.logger = MetricLogger(
             cfg.loggers,
             cfg.output_dir,
             total_steps=cfg.total_steps,
             initial_step=self.counters.step,
             enabled=self.rt.is_main,
+            trackers=r.trackers,
         )
+        # Every rank continues at the same step (the rollout-only ranks of a split placement restore nothing).
+        self.counters.step = broadcast_object(self.counters.step)
         self.stop_and_save = StopAndSave(
             r.checkpointing,
             self.stop_request,

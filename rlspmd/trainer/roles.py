@@ -17,6 +17,7 @@ from rlspmd.trainer.report import NoReport, StepReport
 from rlspmd.trainer.samples import NoSampleLog, SampleLog
 from rlspmd.trainer.sampling import DynamicSampling, FollowGreedy, FollowRounds, GreedyBaseline, NoBaseline, SingleRound
 from rlspmd.trainer.checkpoint import Checkpointing, NoCheckpointing
+from rlspmd.trackers import Trackers
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Roles:
     report: StepReport | NoReport
     samples: SampleLog | NoSampleLog
     """The sample log (``trainer.samples``): a few samples per step and validation, written by rank 0."""
+    trackers: Trackers
+    """The experiment trackers of ``trainer.loggers`` (W&B, MLflow, Trackio): rank 0's metric logger starts them."""
     checkpointing: Checkpointing | NoCheckpointing
     data_stats: dict
     """Rank 0's dataset counts, on every rank (``train_prompts``, ``train_dropped``, ``val_prompts``)."""

@@ -1,9 +1,10 @@
 """The sample log: a few of each step's samples, and of each validation's, written where a person can read them.
 
 Rank 0 appends one JSON object per sample to ``<trainer.output_dir>/samples/train.jsonl`` (after every step) and
-``samples/val.jsonl`` (after every validation round), and adds each conversation to TensorBoard's text tab
+``samples/val.jsonl`` (after every validation round), adds each conversation to TensorBoard's text tab
 (``samples/train/<k>``, ``samples/val/<prompt>``: the same validation prompt under one tag, so its answers can be
-stepped through). ``python -m rlspmd.samples <output_dir>`` prints one readably (``format_sample``).
+stepped through), and sends them to the experiment trackers as a table (``samples/train``, ``samples/val``:
+``table_row``). ``python -m rlspmd.samples <output_dir>`` prints one readably (``format_sample``).
 
 A record holds what the trainer trained on, not a re-rendering of it: the prompt and response token ids exactly as
 they were in the batch (the response is the whole conversation after the prompt: the model's turns, tool results,
@@ -179,13 +180,15 @@ class SampleLog:
         gathered = gather_batch(Batch(objects={"sample": rows}), mesh=self.mesh)
         if gathered is None or self.logger is None:
             return
-        lines = []
+        lines, table = [], []
         for k, rec in enumerate(gathered["sample"]):
             rec = self._with_text(rec)
             lines.append(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
             self.logger.text(tag(k, rec), tensorboard_text(rec), step)
+            table.append(table_row(rec))
         with open(self.dir / f"{split}.jsonl", "a") as f:
             f.writelines(lines)
+        self.logger.table(f"samples/{split}", table, step)
 
     def _with_text(self, rec: dict) -> dict:
         """Text decoded with the special tokens (what the model saw), before the ids in the record."""
@@ -264,10 +267,27 @@ def format_sample(rec: dict, *, color: bool = False) -> str:
         body = "".join(text if trained else f"{dim}{text}{reset}" for trained, text in rec["segments"])
         note = f"{dim}dimmed{reset}: in the context, not trained on"
     else:
-        body = "".join(text if trained else f"{MASK_OPEN}{text}{MASK_CLOSE}" for trained, text in rec["segments"])
+        body = marked_response(rec["segments"])
         note = f"{MASK_OPEN}...{MASK_CLOSE}: in the context, not trained on"
     lines += ["--- prompt ---", rec["prompt"], f"--- response ({note}) ---", body]
     return "\n".join(lines)
+
+
+def marked_response(segments: list) -> str:
+    """The response with the text the loss did not train on between ``⟦ ⟧``."""
+    return "".join(text if trained else f"{MASK_OPEN}{text}{MASK_CLOSE}" for trained, text in segments)
+
+
+def table_row(rec: dict) -> dict:
+    """A record as a row of the experiment trackers' samples table (TRL's completions table): step, prompt, response
+    with the untrained spans marked, reward, advantage (None for validation samples)."""
+    return {
+        "step": rec["step"],
+        "prompt": rec["prompt"],
+        "response": marked_response(rec["segments"]),
+        "reward": rec["reward"],
+        "advantage": rec.get("advantage"),
+    }
 
 
 def tensorboard_text(rec: dict) -> str:

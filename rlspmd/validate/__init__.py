@@ -117,7 +117,7 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     p.at_least("trainer.val_every", t.val_every, 0)
     if not 0 <= t.stop_at_step <= t.total_steps:
         p.add("trainer.stop_at_step", t.stop_at_step, f"must be in [0, trainer.total_steps={t.total_steps}]")
-    check_loggers(p, "trainer.loggers", t.loggers)
+    check_loggers(p, "trainer.loggers", t.loggers, t.tracking, tracking="trainer.tracking")
     p.at_least("trainer.samples.num_train", t.samples.num_train, 0)
     p.at_least("trainer.samples.num_val", t.samples.num_val, 0)
     for i, stage in enumerate(t.stages):
@@ -155,7 +155,7 @@ def sft_config_problems(cfg: SFTConfig, *, world_size: int, check_files: bool = 
     check_optim(p, "optim", cfg.optim)
     check_packing(p, "model", cfg.model.attn_implementation, cfg.model.packing)
     check_dist(p, cfg.dist)
-    check_loggers(p, "loggers", cfg.loggers)
+    check_loggers(p, "loggers", cfg.loggers, cfg.tracking, tracking="tracking")
     check_checkpoint(p, cfg.checkpoint, check_files=check_files)
     if d.tools:  # demonstrations rendered with tool schemas: the tools must build as the RL run builds them
         from rlspmd.agent import load_tools

@@ -27,7 +27,8 @@ from rlspmd.config import (
 from rlspmd.rollout.base import RolloutEngineConfig
 from rlspmd.validate.problems import Problems
 
-LOGGERS = ("console", "jsonl", "tensorboard")
+from rlspmd.metrics import SINKS as LOGGERS
+from rlspmd.trackers import TrackerConfig, missing_packages
 
 
 def check_data(p: Problems, d: DataConfig) -> None:
@@ -398,7 +399,11 @@ def check_dist(p: Problems, dist_cfg: DistConfig) -> None:
     p.at_least("dist.hang_timeout_s", dist_cfg.hang_timeout_s, 0)
 
 
-def check_loggers(p: Problems, name: str, loggers: list[str]) -> None:
+def check_loggers(p: Problems, name: str, loggers: list[str], cfg: TrackerConfig, *, tracking: str) -> None:
     unknown = sorted(set(loggers) - set(LOGGERS))
     if unknown:
         p.add(name, loggers, f"unknown sink(s) {unknown}; choose from {list(LOGGERS)}")
+    for tracker, pip in missing_packages(loggers):
+        p.add(name, loggers, f"{tracker} is not installed here: {pip}")
+    for field, value, why in cfg.problems():
+        p.add(f"{tracking}.{field}", value, why)
