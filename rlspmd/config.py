@@ -440,6 +440,9 @@ class ActorConfig(TrainedRoleConfig):
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1 (kl), abs, k2 (mse), k3 (low_var_kl), or any of them with '+' (the value
     of that estimator with k2's gradient, e.g. ``k3+``, ``low_var_kl+``, ``abs+``): verl's names."""
+    freeze_vision_tower: bool = False
+    """A vision-language model (docs/vision.md): train the language model only; the vision tower and its merger keep
+    their weights (no gradients, no optimiser state)."""
 
 
 @dataclass

@@ -34,6 +34,7 @@ from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.packing import check_attn_kernel
+from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.roles.policy import build_policy_module
 from rlspmd.startup import parse_args, start
@@ -147,7 +148,12 @@ class SFTDataset:
 def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
     R = mb["responses_BR"].shape[1]
     logp, _ = module(
-        mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, with_entropy=False
+        mb["input_ids_BL"],
+        mb["attention_mask_BL"],
+        mb["position_ids_BL"],
+        response_len=R,
+        with_entropy=False,
+        **vision_inputs(mb),
     )
     return -(logp * mb["loss_mask_BR"]).sum() / global_tokens
 

@@ -56,6 +56,13 @@ def tiny_tools_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2.5-VL-style model (``build_tiny.py --vision``): the tiny tokenizer plus the vision tokens, a
+    two-block vision tower and Qwen2-VL's image processor."""
+    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_vl") / "model", vision=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return load_script("scripts/models/build_tiny.py").build(
         tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama"

@@ -51,6 +51,7 @@ from rlspmd.engines.optim import Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
+from rlspmd.models.vision import vision_blocks
 
 
 TP_PLAN = {
@@ -145,12 +146,13 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
 def apply_fsdp(
     module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPConfig, device: torch.device
 ) -> None:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
+    """``fully_shard`` each decoder layer (and each block of a vision tower), then the root (embeddings, final norm,
+    heads; a vision tower's patch embedding and merger)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for layer in decoder_layers(hf_model):
+    for layer in [*vision_blocks(hf_model), *decoder_layers(hf_model)]:
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
     for m in module.modules():

@@ -29,6 +29,7 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.packing import training_attn_implementation
 from rlspmd.models.policy import CausalLMPolicy
+from rlspmd.models.vision import VisionLanguagePolicy, policy_module, vision_inputs
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
 from rlspmd.distributed.micro_batches import forward_micro_batches
@@ -64,6 +65,7 @@ def compute_logprobs(
             response_len=R,
             temperature=temperature,
             with_entropy=with_entropy,
+            **vision_inputs(mb),
         ),
         micro_batch_size=micro_batch_size,
         max_tokens=max_tokens,
@@ -87,9 +89,9 @@ def build_policy_module(
     field_name: str,
     packing: bool = False,
     attn_kernel: str = "auto",
-) -> CausalLMPolicy:
+) -> CausalLMPolicy | VisionLanguagePolicy:
     attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    return CausalLMPolicy(
+    return policy_module(
         load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name),
         packing=packing,
         attn_kernel=attn_kernel,
@@ -195,6 +197,7 @@ class Policy:
             mb["position_ids_BL"],
             response_len=R,
             temperature=self.temperature,
+            **vision_inputs(mb),
         )
         mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()

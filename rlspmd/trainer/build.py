@@ -50,6 +50,7 @@ from rlspmd.models.lora import apply_lora, initial_adapters
 from rlspmd.models.packing import check_attn_kernel
 from rlspmd.models.sharded_load import WeightPlan, meta_policy_module, meta_sequence_scorer, meta_value_model
 from rlspmd.models.value import load_sequence_scorer, load_value_model
+from rlspmd.models.vision import freeze_vision_tower
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.rewards.shaping import NoShaping, OverlongShaping
@@ -179,11 +180,13 @@ def build_engine(
     section: str,
     lora: LoraConfig | None = None,
     train_mesh=None,
+    freeze_vision: bool = False,
 ) -> TrainingEngine:
     """A role's model on its training engine: ``engine``, the engine component of the role's config ``section``.
     ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen.
     ``lora`` (rank > 0): a policy training LoRA adapters only (``LoraEngine``). ``train_mesh``: the ``(dp, tp)`` mesh of
-    ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked)."""
+    ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked). ``freeze_vision``: a vision-language policy
+    trains its language model only (``actor.freeze_vision_tower``)."""
     assert train_mesh is None or (isinstance(engine, FSDPConfig) and not (lora is not None and lora.enabled)), (
         "validate: mesh.actor_tp"
     )
@@ -207,6 +210,8 @@ def build_engine(
         )
         return MegatronEngine(module, mesh=mesh, optim=optim, total_optim_steps=total_optim_steps)
     module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
+    if freeze_vision:
+        freeze_vision_tower(module.hf)
     kw = dict(
         mesh=mesh,
         device=device,
@@ -294,6 +299,7 @@ def build_policy(
         section="actor",
         lora=cfg.lora,
         train_mesh=train_mesh,
+        freeze_vision=cfg.freeze_vision_tower,
     )
     return Policy(
         cfg,

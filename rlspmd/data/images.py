@@ -1,0 +1,127 @@
+"""Images in verl's multimodal rows, turned into model inputs once, when prompts are read.
+
+A row's prompt holds ``<image>`` placeholders in its message text and its ``images`` column one entry per
+placeholder, in order: ``{"bytes": ...}`` (how ``datasets`` and verl's preprocessing scripts store an image in
+parquet), ``{"path": ...}``, a path string, or an already decoded ``PIL.Image`` (``datasets`` decodes columns of its
+``Image`` feature). ``MultimodalPrompts``
+
+* splits each message's text at the placeholders into content parts (``[{"type": "image"}, {"type": "text", ...}]``,
+  verl's layout), which the model's chat template renders with its own vision tokens;
+* decodes the images (RGB) and runs the model's own image processor (``AutoImageProcessor`` from the model directory;
+  transformers picks its PIL backend where torchvision is absent) into one ``ImageInputs`` per row: the pixel
+  patches and ``(t, h, w)`` grids;
+* repeats each rendered image placeholder token once per image token, as the model's processor does
+  (``<|image_pad|>`` x ``t * h * w / merge**2``).
+
+The model's ``AutoProcessor`` is not used: for Qwen2-VL / Qwen2.5-VL it also builds a video processor, which needs
+torchvision. The tokenizer (with its chat template) and the image processor are the two parts of it that images need.
+
+A missing, unreadable or too small image, or a count of placeholders that differs from the row's images, is a
+``ValueError`` naming the file, the row and the image.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from rlspmd.models.vision import ImageInputs
+
+IMAGE_PLACEHOLDER = "<image>"
+"""verl's placeholder for an image in a prompt's text."""
+
+
+def load_image(item, *, where: str, base: Path | None = None):
+    """One ``images`` entry as an RGB ``PIL.Image``. ``base``: the data file's directory, where a relative path that
+    does not exist from the working directory is looked up."""
+    from PIL import Image
+
+    try:
+        if isinstance(item, Image.Image):
+            image = item
+        elif isinstance(item, dict) and item.get("bytes") is not None:
+            image = Image.open(io.BytesIO(item["bytes"]))
+        elif isinstance(item, (dict, str)):
+            path = Path(item["path"] if isinstance(item, dict) else item)
+            if isinstance(item, dict) and item.get("path") is None:
+                raise ValueError(f"neither bytes nor a path (keys {sorted(item)})")
+            if not path.is_file() and not path.is_absolute() and base is not None and (base / path).is_file():
+                path = base / path
+            if not path.is_file():
+                raise FileNotFoundError(f"image file {path} does not exist")
+            image = Image.open(path)
+        else:
+            raise ValueError(f"an image must be {{'bytes': ...}}, {{'path': ...}} or a path, got {type(item).__name__}")
+        return image.convert("RGB")
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds; every one is a bad image of this row
+        raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+
+
+def image_parts(messages: list[dict], n_images: int, *, where: str) -> list[dict]:
+    """``messages`` with each string content split at ``<image>`` into text and image parts (verl's layout); the
+    placeholders must number ``n_images``."""
+    out, found = [], 0
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+            parts = []
+            for piece in re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", content):
+                if piece == IMAGE_PLACEHOLDER:
+                    parts.append({"type": "image"})
+                    found += 1
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
+            m = {**m, "content": parts}
+        elif isinstance(content, list):
+            found += sum(isinstance(p, dict) and p.get("type") == "image" for p in content)
+        out.append(m)
+    if found != n_images:
+        raise ValueError(
+            f"{where}: the prompt has {found} {IMAGE_PLACEHOLDER} placeholder(s) but the row has {n_images} image(s)"
+        )
+    return out
+
+
+class MultimodalPrompts:
+    """The model's image processor and image placeholder token: rows with images into rendered prompts and
+    ``ImageInputs``."""
+
+    def __init__(self, model_dir: str | Path, tokenizer, *, field_name: str):
+        from transformers import AutoConfig, AutoImageProcessor
+
+        from rlspmd.models.vision import VisionSpec, is_vision_language
+
+        config = AutoConfig.from_pretrained(str(model_dir))
+        if not is_vision_language(config):
+            raise ValueError(
+                f"{field_name}: the data has images, but {model_dir} is a {config.model_type} model, which reads text "
+                "only (vision-language models: see docs/vision.md)"
+            )
+        if not (Path(model_dir) / "preprocessor_config.json").is_file():
+            raise FileNotFoundError(f"{field_name}: {model_dir} has no preprocessor_config.json (the image processor)")
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+        self.spec = VisionSpec.of(config)
+        self.tokenizer = tokenizer
+        self.image_token = tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+
+    def images(self, items: list, *, where: str, base: Path | None = None) -> ImageInputs:
+        """A row's ``images`` entries through the image processor."""
+        decoded = [load_image(x, where=f"{where} image {k}", base=base) for k, x in enumerate(items)]
+        try:
+            out = self.processor(images=decoded, return_tensors="pt")
+        except ValueError as e:  # e.g. smart_resize: an image smaller than one merged patch
+            raise ValueError(f"{where}: the image processor refused an image: {e}") from None
+        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), source=where)
+
+    def expand(self, text: str, images: ImageInputs, *, where: str) -> str:
+        """``text`` (a rendered prompt) with its k-th image placeholder token repeated once per image token of the
+        k-th image."""
+        sizes = images.tokens_per_image(self.spec.merge_size)
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(sizes):
+            raise ValueError(
+                f"{where}: the chat template rendered {len(pieces) - 1} {self.image_token} token(s) for {len(sizes)} "
+                "image(s); its template must render an image part as the model's image placeholder"
+            )
+        return pieces[0] + "".join(self.image_token * n + rest for n, rest in zip(sizes, pieces[1:]))

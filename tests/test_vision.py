@@ -1,0 +1,275 @@
+"""Vision-language models (``rlspmd/models/vision.py``, ``rlspmd/data/images.py``): the tiny random Qwen2.5-VL gives
+the same log-probs in rlspmd's training wrapper (padded and packed, loaded whole and sharded under FSDP2) as
+transformers' own forward, on rows with one, two and no images; M-RoPE positions are transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from rlspmd.protocol import Batch, position_ids
+
+TOL = 1e-5
+
+
+def picture(seed: int, size: tuple[int, int]) -> Image.Image:
+    """A small deterministic picture (a few coloured rectangles)."""
+    g = torch.Generator().manual_seed(seed)
+    img = Image.new("RGB", size, tuple(torch.randint(0, 256, (3,), generator=g).tolist()))
+    draw = ImageDraw.Draw(img)
+    for _ in range(3):
+        x0, y0 = (
+            torch.randint(0, size[0] // 2, (1,), generator=g).item(),
+            torch.randint(0, size[1] // 2, (1,), generator=g).item(),
+        )
+        draw.rectangle(
+            [x0, y0, x0 + size[0] // 3, y0 + size[1] // 3],
+            fill=tuple(torch.randint(0, 256, (3,), generator=g).tolist()),
+        )
+    return img
+
+
+ROWS = [  # (user text, images, response length)
+    ("<image>What colour is the largest shape?", [picture(0, (112, 84))], 5),
+    ("Compare <image> with <image>. Same?", [picture(1, (56, 56)), picture(2, (84, 112))], 3),
+    ("No picture here, just text.", [], 4),
+]
+
+
+def vl_rows(model_dir, rows=ROWS, *, seed: int = 0) -> tuple[Batch, list[dict]]:
+    """A padded batch (left-padded prompts, right-padded random responses) of ``rows`` and, per row, what transformers
+    needs (its unpadded ids, pixel values, grids)."""
+    from rlspmd.data.images import MultimodalPrompts, image_parts
+    from rlspmd.models.loader import load_tokenizer
+
+    tok = load_tokenizer(model_dir, field_name="model")
+    mp = MultimodalPrompts(model_dir, tok, field_name="model")
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses, images, refs = [], [], [], []
+    for i, (text, pics, r) in enumerate(rows):
+        messages = image_parts([{"role": "user", "content": text}], len(pics), where=f"row {i}")
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        im = mp.images(pics, where=f"row {i}") if pics else None
+        if im is not None:
+            rendered = mp.expand(rendered, im, where=f"row {i}")
+        prompts.append(tok(rendered, add_special_tokens=False)["input_ids"])
+        responses.append(torch.randint(3, 800, (r,), generator=g).tolist())  # text tokens only
+        images.append(im)
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    B = len(rows)
+    ids = torch.full((B, P + R), tok.pad_token_id)
+    mask = torch.zeros(B, P + R, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        ids[b, P - len(p) : P + len(r)] = torch.tensor(p + r)
+        mask[b, P - len(p) : P + len(r)] = 1
+        refs.append({"ids": torch.tensor([p + r]), "prompt_len": len(p), "images": images[b]})
+    batch = Batch(
+        {
+            "input_ids_BL": ids,
+            "attention_mask_BL": mask,
+            "position_ids_BL": position_ids(mask),
+            "responses_BR": ids[:, P:],
+            "response_mask_BR": mask[:, P:],
+            "loss_mask_BR": mask[:, P:],
+        },
+        {"images": images},
+    )
+    return batch, refs
+
+
+@torch.no_grad()
+def hf_logprobs(model_dir, refs, R: int) -> torch.Tensor:
+    """Per row, transformers' own forward on the unpadded sequence: log-probs of the response tokens, (B, R)."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = torch.zeros(len(refs), R)
+    for b, ref in enumerate(refs):
+        ids, im, P = ref["ids"], ref["images"], ref["prompt_len"]
+        kw = {}
+        if im is not None:
+            kw = dict(
+                pixel_values=im.pixel_values,
+                image_grid_thw=im.grid_thw,
+                mm_token_type_ids=(ids == hf.config.image_token_id).int(),
+            )
+        logits = hf(input_ids=ids, **kw).logits[0].float()
+        lp = torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, ids[0, P:, None]).squeeze(-1)
+        out[b, : lp.numel()] = lp
+    return out
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_log_probs_equal_transformers_forward(tiny_vl_model, packing):
+    from rlspmd.roles.policy import build_policy_module
+
+    batch, refs = vl_rows(tiny_vl_model)
+    R = batch["responses_BR"].shape[1]
+    expected = hf_logprobs(tiny_vl_model, refs, R) * batch["response_mask_BR"]
+    module = build_policy_module(
+        str(tiny_vl_model), dtype="float32", attn_implementation="sdpa", field_name="model", packing=packing
+    )
+    with torch.no_grad():
+        lp, _ = module(
+            batch["input_ids_BL"],
+            batch["attention_mask_BL"],
+            batch["position_ids_BL"],
+            images=batch["images"],
+            response_len=R,
+        )
+    torch.testing.assert_close(lp * batch["response_mask_BR"], expected, atol=TOL, rtol=0)
+
+
+def test_mrope_positions_equal_transformers(tiny_vl_model):
+    from transformers import AutoModelForImageTextToText
+
+    from rlspmd.models.vision import VisionSpec, mrope_position_ids
+
+    batch, refs = vl_rows(tiny_vl_model)
+    hf = AutoModelForImageTextToText.from_pretrained(str(tiny_vl_model), dtype=torch.float32)
+    ids, mask = batch["input_ids_BL"], batch["attention_mask_BL"]
+    images = batch["images"]
+    grids = torch.cat([im.grid_thw for im in images if im is not None])
+    expected, expected_delta = hf.model.get_rope_index(
+        ids, mm_token_type_ids=(ids == hf.config.image_token_id).int(), image_grid_thw=grids, attention_mask=mask
+    )
+    R = batch["responses_BR"].shape[1]
+    pos, delta, index = mrope_position_ids(
+        ids, mask, images, spec=VisionSpec.of(hf.config), prompt_len=ids.shape[1] - R
+    )
+    assert torch.equal(pos, expected)
+    assert torch.equal(delta, expected_delta[:, 0])
+    assert torch.equal(index, (ids.flatten() == hf.config.image_token_id).nonzero().squeeze(-1))
+
+
+def test_images_reach_the_model(tiny_vl_model):
+    """Other pixels change the log-probs of the rows with images, and only theirs."""
+    from rlspmd.models.vision import ImageInputs
+    from rlspmd.roles.policy import build_policy_module
+
+    batch, _ = vl_rows(tiny_vl_model)
+    R = batch["responses_BR"].shape[1]
+    module = build_policy_module(
+        str(tiny_vl_model), dtype="float32", attn_implementation="sdpa", field_name="model", packing=True
+    )
+    other = [None if im is None else ImageInputs(im.pixel_values.flip(0), im.grid_thw) for im in batch["images"]]
+    with torch.no_grad():
+        lp = [
+            module(
+                batch["input_ids_BL"], batch["attention_mask_BL"], batch["position_ids_BL"], images=ims, response_len=R
+            )[0]
+            for ims in (batch["images"], other)
+        ]
+    changed = (lp[0] - lp[1]).abs().amax(-1)
+    assert (changed[:2] > 1e-4).all() and changed[2] == 0, changed
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_sharded_fsdp_engine_equals_transformers_and_trains_the_tower_unless_frozen(tiny_vl_model, mesh_of_one, freeze):
+    """The trainer's path: built on the meta device, FSDP2-wrapped (vision blocks included), each rank's shards read
+    from safetensors; log-probs over micro-batches (the first two rows share one image object, as a prompt's samples
+    do) equal transformers'; one optimiser step moves the vision tower's weights unless ``freeze_vision_tower``."""
+    from rlspmd.config import FSDPConfig, ModelConfig, OptimConfig
+    from rlspmd.engines.fsdp import FSDPEngine
+    from rlspmd.models.vision import freeze_vision_tower
+    from rlspmd.roles.policy import compute_logprobs
+    from rlspmd.trainer.build import fsdp_role_module
+
+    batch, refs = vl_rows(tiny_vl_model)
+    batch, refs = batch.select([0, 0, 1, 2]), [refs[0], refs[0], refs[1], refs[2]]
+    assert batch["images"][0] is batch["images"][1]
+    R = batch["responses_BR"].shape[1]
+    expected = hf_logprobs(tiny_vl_model, refs, R) * batch["response_mask_BR"]
+    model = ModelConfig(path=str(tiny_vl_model), sharded_load=True)
+    module, weights = fsdp_role_module("policy", model.path, model=model, field_name="model.path")
+    assert weights is not None
+    if freeze:
+        freeze_vision_tower(module.hf)
+    engine = FSDPEngine(
+        module,
+        module.hf,
+        mesh=mesh_of_one["dp"],
+        device=torch.device("cpu"),
+        fsdp=FSDPConfig(),
+        optim=OptimConfig(lr=1e-2),
+        weights=weights,
+    )
+    lp, _ = compute_logprobs(engine.module, batch, micro_batch_size=3, temperature=1.0)
+    torch.testing.assert_close(lp * batch["response_mask_BR"], expected, atol=TOL, rtol=0)
+
+    def visual():
+        return {n: p.full_tensor().clone() for n, p in engine.module.named_parameters() if ".visual." in n}
+
+    before = visual()
+    engine.optimizer_step(
+        [batch],
+        lambda m, mb: (
+            -m(mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], images=mb["images"], response_len=R)[
+                0
+            ].sum()
+        ),
+    )
+    after = visual()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved == (set() if freeze else set(before)), sorted(set(before) - moved)[:5]
+
+
+def test_hub_layout_loads_sharded_and_export_round_trips(tiny_vl_model, mesh_of_one, tmp_path):
+    """transformers saves (and the Hub holds) Qwen2.5-VL in its old layout (``model.layers.*``, ``visual.*``); a
+    checkpoint in the new one (``model.language_model.*``, ``model.visual.*``) loads sharded too, and the trainer's HF
+    export (weights, tokenizer, image processor) loads back in transformers with the same weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from rlspmd.config import FSDPConfig, ModelConfig
+    from rlspmd.engines.fsdp import FSDPEngine
+    from rlspmd.models.loader import load_tokenizer
+    from rlspmd.trainer.build import fsdp_role_module
+    from rlspmd.trainer.checkpoint import save_hf_model
+
+    hub = tmp_path / "hub"
+    shutil.copytree(tiny_vl_model, hub)
+    state = load_file(hub / "model.safetensors")
+    assert any(k.startswith("visual.") for k in state) and any(k.startswith("model.layers.") for k in state)
+    new_layout = {
+        ("model.language_model." + k[6:] if k.startswith("model.") else "model." + k): v for k, v in state.items()
+    }
+    save_file(new_layout, hub / "model.safetensors", metadata={"format": "pt"})
+    model = ModelConfig(path=str(hub), sharded_load=True)
+    module, weights = fsdp_role_module("policy", model.path, model=model, field_name="model.path")
+    engine = FSDPEngine(
+        module,
+        module.hf,
+        mesh=mesh_of_one["dp"],
+        device=torch.device("cpu"),
+        fsdp=FSDPConfig(),
+        optim=None,
+        weights=weights,
+    )
+    out = save_hf_model(engine, load_tokenizer(hub, field_name="model"), hub, tmp_path / "export", is_main=True)
+    assert AutoImageProcessor.from_pretrained(str(out)).merge_size == 2
+    back = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    original = AutoModelForImageTextToText.from_pretrained(str(tiny_vl_model), dtype=torch.float32).state_dict()
+    assert back.keys() == original.keys()
+    for k in original:
+        assert torch.equal(back[k], original[k]), k
+
+
+def test_start_up_checks_name_what_a_vision_model_does_not_run_with(tiny_vl_model, tiny_model):
+    from rlspmd.models.vision import model_problems
+
+    kw = dict(freeze_vision_tower=False, critic=False, tp=1, engine="fsdp", lora=False, rollout_engine="native")
+    assert model_problems(str(tiny_vl_model), **kw) == []
+    problems = model_problems(str(tiny_vl_model), **{**kw, "critic": True, "tp": 2, "engine": "megatron", "lora": True})
+    assert [f for f, _, _ in problems] == [
+        "algorithm.adv_estimator",
+        "mesh.actor_tp",
+        "actor.engine",
+        "actor.lora.rank",
+    ]
+    assert all("qwen2_5_vl" in why for _, _, why in problems)
+    (problem,) = model_problems(str(tiny_model), **{**kw, "freeze_vision_tower": True})
+    assert problem[0] == "actor.freeze_vision_tower" and "no vision tower" in problem[2]
