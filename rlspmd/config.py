@@ -630,6 +630,8 @@ class DataConfig:
     """Validation prompt files (parquet or jsonl, verl schema)."""
     prompt_key: str = "prompt"
     """Column holding the chat messages (a list of {role, content})."""
+    image_key: str = "images"
+    """Column holding a row's images, one per ``<image>`` in its prompt (verl's multimodal rows; docs/vision.md)."""
     max_prompt_length: int = 128
     """Prompts whose templated token count exceeds this are dropped (or rejected, see ``overlong_prompts``)."""
     overlong_prompts: Literal["drop", "error"] = "drop"

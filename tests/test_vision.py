@@ -52,7 +52,7 @@ def vl_rows(model_dir, rows=ROWS, *, seed: int = 0) -> tuple[Batch, list[dict]]:
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         im = mp.images(pics, where=f"row {i}") if pics else None
         if im is not None:
-            rendered = mp.expand(rendered, im, where=f"row {i}")
+            rendered = mp.expand(rendered, im.tokens_per_image(2), where=f"row {i}")
         prompts.append(tok(rendered, add_special_tokens=False)["input_ids"])
         responses.append(torch.randint(3, 800, (r,), generator=g).tolist())  # text tokens only
         images.append(im)
@@ -273,3 +273,102 @@ def test_start_up_checks_name_what_a_vision_model_does_not_run_with(tiny_vl_mode
     assert all("qwen2_5_vl" in why for _, _, why in problems)
     (problem,) = model_problems(str(tiny_model), **{**kw, "freeze_vision_tower": True})
     assert problem[0] == "actor.freeze_vision_tower" and "no vision tower" in problem[2]
+
+
+# -- data: verl's multimodal rows --------------------------------------------------------------------------------------
+
+
+def png(seed: int, size=(84, 56), image: Image.Image | None = None) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    (image or picture(seed, size)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_rows(path, rows):
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def mm_row(text: str, images: list, truth="red"):
+    return {
+        "data_source": "shapes",
+        "prompt": [{"role": "user", "content": text}],
+        "images": images,
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        "extra_info": {"split": "test"},
+    }
+
+
+def test_multimodal_rows_read_once_and_batch_with_their_images(tiny_vl_model, tmp_path):
+    """verl's rows (images as bytes and as a path relative to the data file) read unchanged; each batch row carries its
+    ``ImageInputs`` (the image processor's pixels and grids) and its prompt holds one placeholder per image token."""
+    from rlspmd.data.images import MultimodalPrompts
+    from rlspmd.data.prompts import PromptDataset
+    from rlspmd.models.loader import load_tokenizer
+
+    picture(7, (56, 112)).save(tmp_path / "seven.png")
+    f = write_rows(
+        tmp_path / "mm.parquet",
+        [
+            mm_row("<image>What colour?", [{"bytes": png(1)}]),
+            mm_row("Two: <image> and <image>.", [{"bytes": png(2)}, {"path": "seven.png", "bytes": None}]),
+            mm_row("Plain text.", []),
+        ],
+    )
+    tok = load_tokenizer(tiny_vl_model, field_name="model")
+    vision = MultimodalPrompts.for_model(tiny_vl_model, tok, field_name="actor.model.path")
+    ds = PromptDataset([f], tok, prompt_key="prompt", max_prompt_length=512, vision=vision)
+    batch = ds.batch([0, 1, 2])
+    images = batch["images"]
+    assert images[2] is None and images[0].grid_thw.tolist() == [[1, 4, 6]]
+    assert images[1].grid_thw.tolist() == [[1, 4, 6], [1, 8, 4]]
+    image_id = vision.spec.image_token_id
+    n_placeholders = (batch["prompts_BP"] == image_id).sum(-1).tolist()
+    assert n_placeholders == [6, 6 + 8, 0]
+    assert batch["prompt_text"][1].count("<|image_pad|>") == 2  # the readable text keeps one per image
+    # the pixels are the image processor's own
+    from transformers import AutoImageProcessor
+
+    ref = AutoImageProcessor.from_pretrained(str(tiny_vl_model))(images=[picture(1, (84, 56))], return_tensors="pt")
+    assert torch.equal(images[0].pixel_values, ref["pixel_values"])
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (mm_row("<image> and <image>", [{"bytes": b"0"}]), "2 <image> placeholder(s) but the row has 1 image(s)"),
+        (mm_row("<image>", [{"bytes": b"not an image"}]), "row 0 image 0: UnidentifiedImageError"),
+        (mm_row("<image>", [{"path": "missing.png", "bytes": None}]), "image file missing.png does not exist"),
+        (
+            mm_row("<image>", [{"bytes": png(0, image=Image.new("RGB", (300, 1)))}]),
+            "row 0 image 0 (300x1): absolute aspect ratio",
+        ),
+    ],
+)
+def test_bad_images_name_the_file_and_row(tiny_vl_model, tmp_path, row, message):
+    from rlspmd.data.images import MultimodalPrompts
+    from rlspmd.data.prompts import PromptDataset
+    from rlspmd.models.loader import load_tokenizer
+
+    f = write_rows(tmp_path / "bad.parquet", [row])
+    tok = load_tokenizer(tiny_vl_model, field_name="model")
+    vision = MultimodalPrompts.for_model(tiny_vl_model, tok, field_name="actor.model.path")
+    with pytest.raises(ValueError, match=rf"data.train_files: {tmp_path}/bad.parquet row 0") as e:
+        PromptDataset([f], tok, prompt_key="prompt", max_prompt_length=512, vision=vision)
+    assert message in str(e.value)
+
+
+def test_images_for_a_text_model_are_refused(tiny_model, tmp_path):
+    from rlspmd.data.images import MultimodalPrompts
+    from rlspmd.data.prompts import PromptDataset
+    from rlspmd.models.loader import load_tokenizer
+
+    f = write_rows(tmp_path / "mm.parquet", [mm_row("<image>What colour?", [{"bytes": png(1)}])])
+    tok = load_tokenizer(tiny_model, field_name="model")
+    assert MultimodalPrompts.for_model(tiny_model, tok, field_name="actor.model.path") is None
+    with pytest.raises(ValueError, match="row 0: the row has 1 image.* the model reads text only"):
+        PromptDataset([f], tok, prompt_key="prompt", max_prompt_length=512)

@@ -84,8 +84,9 @@ def image_parts(messages: list[dict], n_images: int, *, where: str) -> list[dict
 
 
 class MultimodalPrompts:
-    """The model's image processor and image placeholder token: rows with images into rendered prompts and
-    ``ImageInputs``."""
+    """The model's image processor and image placeholder token. At read time a row's images are decoded (a bad one is
+    named now, not steps later) and counted in image tokens, which the prompt's token ids need; the pixels are made
+    when the row is batched (``images``), so a dataset's decoded images are never all held in memory."""
 
     def __init__(self, model_dir: str | Path, tokenizer, *, field_name: str):
         from transformers import AutoConfig, AutoImageProcessor
@@ -93,11 +94,7 @@ class MultimodalPrompts:
         from rlspmd.models.vision import VisionSpec, is_vision_language
 
         config = AutoConfig.from_pretrained(str(model_dir))
-        if not is_vision_language(config):
-            raise ValueError(
-                f"{field_name}: the data has images, but {model_dir} is a {config.model_type} model, which reads text "
-                "only (vision-language models: see docs/vision.md)"
-            )
+        assert is_vision_language(config), config.model_type
         if not (Path(model_dir) / "preprocessor_config.json").is_file():
             raise FileNotFoundError(f"{field_name}: {model_dir} has no preprocessor_config.json (the image processor)")
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
@@ -105,23 +102,56 @@ class MultimodalPrompts:
         self.tokenizer = tokenizer
         self.image_token = tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
 
+    @classmethod
+    def for_model(cls, model_dir: str | Path, tokenizer, *, field_name: str) -> "MultimodalPrompts | None":
+        """The model's, or None for a text model."""
+        from transformers import AutoConfig
+
+        from rlspmd.models.vision import is_vision_language
+
+        if not is_vision_language(AutoConfig.from_pretrained(str(model_dir))):
+            return None
+        return cls(model_dir, tokenizer, field_name=field_name)
+
+    def token_counts(self, items: list, *, where: str, base: Path | None = None) -> list[int]:
+        """Image tokens of each of a row's ``images`` entries (each decoded once, to check it)."""
+        counts = []
+        for k, item in enumerate(items):
+            image = load_image(item, where=f"{where} image {k}", base=base)
+            try:
+                patches = self.processor.get_number_of_image_patches(image.height, image.width)
+            except ValueError as e:  # smart_resize: smaller than one merged patch, or too elongated
+                raise ValueError(f"{where} image {k} ({image.width}x{image.height}): {e}") from None
+            counts.append(patches // self.spec.merge_size**2)
+        return counts
+
     def images(self, items: list, *, where: str, base: Path | None = None) -> ImageInputs:
         """A row's ``images`` entries through the image processor."""
         decoded = [load_image(x, where=f"{where} image {k}", base=base) for k, x in enumerate(items)]
         try:
             out = self.processor(images=decoded, return_tensors="pt")
-        except ValueError as e:  # e.g. smart_resize: an image smaller than one merged patch
+        except ValueError as e:
             raise ValueError(f"{where}: the image processor refused an image: {e}") from None
         return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), source=where)
 
-    def expand(self, text: str, images: ImageInputs, *, where: str) -> str:
-        """``text`` (a rendered prompt) with its k-th image placeholder token repeated once per image token of the
-        k-th image."""
-        sizes = images.tokens_per_image(self.spec.merge_size)
+    def expand(self, text: str, counts: list[int], *, where: str) -> str:
+        """``text`` (a rendered prompt) with its k-th image placeholder token repeated ``counts[k]`` times."""
         pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(sizes):
+        if len(pieces) - 1 != len(counts):
             raise ValueError(
-                f"{where}: the chat template rendered {len(pieces) - 1} {self.image_token} token(s) for {len(sizes)} "
+                f"{where}: the chat template rendered {len(pieces) - 1} {self.image_token} token(s) for {len(counts)} "
                 "image(s); its template must render an image part as the model's image placeholder"
             )
-        return pieces[0] + "".join(self.image_token * n + rest for n, rest in zip(sizes, pieces[1:]))
+        return pieces[0] + "".join(self.image_token * n + rest for n, rest in zip(counts, pieces[1:]))
+
+
+def undecoded(ds, column: str):
+    """``ds`` with ``column`` as stored (``{"bytes", "path"}`` dicts) where ``datasets`` would decode it into PIL
+    images (its ``Image`` feature): rows then hold the compressed bytes, and images are decoded when used."""
+    import datasets
+
+    feature = ds.features[column]
+    inner = feature.feature if isinstance(feature, (datasets.Sequence, datasets.List)) else None
+    if isinstance(inner, datasets.Image) and inner.decode:
+        return ds.cast_column(column, datasets.List(datasets.Image(decode=False)))
+    return ds

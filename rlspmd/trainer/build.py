@@ -38,6 +38,7 @@ from rlspmd.config import (
     TrainedRoleConfig,
     to_dict,
 )
+from rlspmd.data.images import MultimodalPrompts
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
@@ -609,6 +610,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         prompts_per_round=sampling.prompts_per_round,
         seed=trainer.seed,
         tools=episodes.tool_schemas,
+        vision=MultimodalPrompts.for_model(m.path, tokenizer, field_name="actor.model.path") if rt.is_main else None,
     )
     if (
         prompts.train is not None
