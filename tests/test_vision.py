@@ -372,3 +372,117 @@ def test_images_for_a_text_model_are_refused(tiny_model, tmp_path):
     assert MultimodalPrompts.for_model(tiny_model, tok, field_name="actor.model.path") is None
     with pytest.raises(ValueError, match="row 0: the row has 1 image.* the model reads text only"):
         PromptDataset([f], tok, prompt_key="prompt", max_prompt_length=512)
+
+
+# -- rollout -----------------------------------------------------------------------------------------------------------
+
+
+def prompt_batch(batch: Batch, refs) -> Batch:
+    """The prompts of ``vl_rows``' batch, left-padded, with their images."""
+    P = max(r["prompt_len"] for r in refs)
+    ids = torch.zeros(len(refs), P, dtype=torch.long)
+    mask = torch.zeros(len(refs), P, dtype=torch.long)
+    for b, r in enumerate(refs):
+        ids[b, P - r["prompt_len"] :] = r["ids"][0, : r["prompt_len"]]
+        mask[b, P - r["prompt_len"] :] = 1
+    return Batch({"prompts_BP": ids, "prompt_mask_BP": mask}, {"images": batch["images"]})
+
+
+@torch.no_grad()
+def hf_greedy(model_dir, refs, n: int) -> list[list[int]]:
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out = []
+    for r in refs:
+        ids, im = r["ids"][:, : r["prompt_len"]], r["images"]
+        kw = {}
+        if im is not None:
+            kw = dict(
+                pixel_values=im.pixel_values,
+                image_grid_thw=im.grid_thw,
+                mm_token_type_ids=(ids == hf.config.image_token_id).int(),
+            )
+        g = hf.generate(input_ids=ids, **kw, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out.append(g[0, ids.shape[1] :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def lively_vl_model(tiny_vl_model, tmp_path_factory):
+    """The tiny VL model with its matrices redrawn 10x larger (seeded): its greedy tokens depend on the images and
+    positions (the random init's near-uniform logits give the same token everywhere)."""
+    import shutil
+
+    from transformers import AutoModelForImageTextToText
+
+    out = tmp_path_factory.mktemp("lively_vl") / "model"
+    shutil.copytree(tiny_vl_model, out)
+    hf = AutoModelForImageTextToText.from_pretrained(str(tiny_vl_model), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    hf.save_pretrained(str(out))
+    return out
+
+
+def test_native_engine_greedy_generation_equals_transformers_generate(lively_vl_model):
+    """Left-padded prompts with one, two and no images, decoded in one batch (eager, prefill with image features and
+    M-RoPE, decode steps at index + delta), give transformers' greedy tokens."""
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.rollout.native import NativeEngine, OwnWeights
+    from rlspmd.rollout.sampling import SamplingParams
+
+    batch, refs = vl_rows(lively_vl_model)
+    n = 12
+    expected = hf_greedy(lively_vl_model, refs, n)
+    hf = load_causal_lm(lively_vl_model, dtype="float32", attn_implementation="sdpa", field_name="model")
+    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=torch.device("cpu"))
+    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=n), generator=None)
+    assert out["responses_BR"].tolist() == expected
+    assert len({tuple(e) for e in expected}) == len(expected)  # the rows (their images) lead to different tokens
+
+
+class Requests:
+    """A ``RequestSource`` of fixed requests: all ready at once, results kept."""
+
+    def __init__(self, requests):
+        self.ready, self.results = list(requests), {}
+
+    def take(self, *, block):
+        out, self.ready = self.ready, []
+        return out
+
+    def finish(self, key, tokens, logprobs):
+        self.results[key] = tokens
+
+
+def test_continuous_batching_with_images_equals_transformers_generate(lively_vl_model):
+    """Request-level generation (the agent loop's): each request carries its prompt's images; a second turn's context
+    (prompt + first turn + a tool result, the prompt's images again) continues exactly as transformers does."""
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.rollout.continuous import Request, SlotDecoder, serve
+    from rlspmd.rollout.sampling import SamplingParams
+
+    batch, refs = vl_rows(lively_vl_model)
+    n = 8
+    hf = load_causal_lm(lively_vl_model, dtype="float32", attn_implementation="sdpa", field_name="model")
+    decoder = SlotDecoder(hf, slots=2, max_len=128, device=torch.device("cpu"))
+
+    def request(k, ids, r, counter=0):
+        return Request(k, ids, n, seed=0, counter=counter, images=r["images"], prompt_len=r["prompt_len"])
+
+    first = Requests([request(k, r["ids"][0, : r["prompt_len"]].tolist(), r) for k, r in enumerate(refs)])
+    serve(decoder, first, SamplingParams(temperature=0.0), slots=2, eos_ids=[])
+    assert [first.results[k] for k in range(len(refs))] == hf_greedy(lively_vl_model, refs, n)
+    tool = [5, 6, 7]
+    second_refs = [
+        {**r, "ids": torch.tensor([r["ids"][0, : r["prompt_len"]].tolist() + first.results[k] + tool])}
+        for k, r in enumerate(refs)
+    ]
+    second = Requests([request(k, r["ids"][0].tolist(), r, counter=n) for k, r in enumerate(second_refs)])
+    serve(decoder, second, SamplingParams(temperature=0.0), slots=2, eos_ids=[])
+    expected = hf_greedy(lively_vl_model, [{**r, "prompt_len": r["ids"].shape[1]} for r in second_refs], n)
+    assert [second.results[k] for k in range(len(refs))] == expected

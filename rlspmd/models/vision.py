@@ -84,12 +84,12 @@ def mrope_position_ids(
     images: Sequence[ImageInputs | None],
     *,
     spec: VisionSpec,
-    prompt_len: int,
+    prompt_len: int | Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """M-RoPE position ids of a padded batch, on the host: ``(position_ids_3BL, deltas_B, image_index_N)``.
 
-    In each row's valid tokens, the ``<|image_pad|>`` tokens of the first ``prompt_len`` columns are its images'
-    tokens, image after image in order (each a contiguous run of ``tokens_per_image``); an image of grid
+    In each row's valid tokens, the ``<|image_pad|>`` tokens of the first ``prompt_len`` columns (one bound for every
+    row, or one per row) are its images' tokens, image after image in order (each a contiguous run of ``tokens_per_image``); an image of grid
     ``(t, h, w)`` (``h' = h / merge``, ``w' = w / merge``) starting where the text positions reached ``p`` gets
     ``(p + t_i, p + h_i, p + w_i)``, and the text after it continues at ``p + max(h', w')``; text positions are equal
     in the three dims. Padding gets 0. ``deltas_B``: max position + 1 - valid tokens per row (a decode step's position
@@ -106,7 +106,8 @@ def mrope_position_ids(
     for b in range(B):
         cols = valid[b].nonzero().squeeze(-1)
         n = cols.numel()
-        found = ((ids[b, cols] == spec.image_token_id) & (cols < prompt_len)).nonzero().squeeze(-1)
+        limit = prompt_len if isinstance(prompt_len, int) else prompt_len[b]
+        found = ((ids[b, cols] == spec.image_token_id) & (cols < limit)).nonzero().squeeze(-1)
         grids = images[b].grid_thw.tolist() if images[b] is not None else []
         sizes = images[b].tokens_per_image(m) if images[b] is not None else []
         if sum(sizes) != found.numel():
@@ -305,15 +306,12 @@ def model_problems(
         out.append(("actor.engine", engine, f"the megatron engine {unsupported}; use fsdp"))
     if lora:
         out.append(("actor.lora.rank", "> 0", f"LoRA {unsupported}"))
-    if rollout_engine == "vllm" and importlib.util.find_spec("torchvision") is None:
-        out.append(
-            (
-                "rollout.engine",
-                "vllm",
-                f"vLLM's {model_type} model imports transformers' torchvision image "
-                "processor, and torchvision is not installed; use rollout.engine=native, or install torchvision",
-            )
-        )
+    if rollout_engine == "vllm":
+        why = f"the vLLM engine does not pass images to vLLM yet: use rollout.engine=native for {model_type}"
+        if importlib.util.find_spec("torchvision") is None:  # and here vLLM could not even build the model
+            why += f" (besides, vLLM's {model_type} model imports transformers' torchvision image processor, and "
+            why += "torchvision is not installed: the registry's torchvision for this torch is a CUDA build)"
+        out.append(("rollout.engine", "vllm", why))
     return out
 
 
