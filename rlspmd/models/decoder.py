@@ -159,7 +159,7 @@ class LlamaFamilyDecoder:
         self.decode_mask = self.decode_mask[rows]
         self.next_pos = self.next_pos[rows]
 
-    def _forward(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask: torch.Tensor, *, h=None, rope=None) -> torch.Tensor:
+    def _forward(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask: torch.Tensor, *, h=None, rope=None):
         """``h``: input embeddings instead of the tokens'; ``rope``: (cos, signed sin) instead of ``pos_BS``'s."""
         base, B, S = self.base, ids_BS.shape[0], ids_BS.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim

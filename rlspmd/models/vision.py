@@ -89,11 +89,12 @@ def mrope_position_ids(
     """M-RoPE position ids of a padded batch, on the host: ``(position_ids_3BL, deltas_B, image_index_N)``.
 
     In each row's valid tokens, the ``<|image_pad|>`` tokens of the first ``prompt_len`` columns (one bound for every
-    row, or one per row) are its images' tokens, image after image in order (each a contiguous run of ``tokens_per_image``); an image of grid
-    ``(t, h, w)`` (``h' = h / merge``, ``w' = w / merge``) starting where the text positions reached ``p`` gets
-    ``(p + t_i, p + h_i, p + w_i)``, and the text after it continues at ``p + max(h', w')``; text positions are equal
-    in the three dims. Padding gets 0. ``deltas_B``: max position + 1 - valid tokens per row (a decode step's position
-    is its index plus the delta). ``image_index_N``: the placeholders' flat indices into ``B * L``, in row order.
+    row, or one per row) are its images' tokens, image after image in order (each a contiguous run of
+    ``tokens_per_image``); an image of grid ``(t, h, w)`` (``h' = h / merge``, ``w' = w / merge``) starting where the
+    text positions reached ``p`` gets ``(p + t_i, p + h_i, p + w_i)``, and the text after it continues at
+    ``p + max(h', w')``; text positions are equal in the three dims. Padding gets 0. ``deltas_B``: max position + 1 -
+    valid tokens per row (a decode step's position is its index plus the delta). ``image_index_N``: the placeholders'
+    flat indices into ``B * L``, in row order.
     """
     ids, valid = input_ids_BL.detach().cpu(), attention_mask_BL.detach().cpu().bool()
     B, L = ids.shape
