@@ -63,6 +63,31 @@ def tiny_vl_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory) -> Path:
+    """The vision quickstart's task (``scripts/data/shapes.py``), small: verl's multimodal rows, images as PNG bytes."""
+    out = tmp_path_factory.mktemp("shapes_data")
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/data/shapes.py"),
+            "--out-dir",
+            str(out),
+            "--num-train",
+            "64",
+            "--num-test",
+            "16",
+            "--num-sft",
+            "64",
+            "--sft-other-style",
+            "0.5",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return load_script("scripts/models/build_tiny.py").build(
         tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama"

@@ -4,6 +4,8 @@ transformers' own forward, on rows with one, two and no images; M-RoPE positions
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from PIL import Image, ImageDraw
@@ -374,6 +376,23 @@ def test_images_for_a_text_model_are_refused(tiny_model, tmp_path):
         PromptDataset([f], tok, prompt_key="prompt", max_prompt_length=512)
 
 
+def test_thumbnail_is_the_picture_the_model_saw(tiny_vl_model):
+    """An image the processor does not resize (its sides multiples of 28, within its pixel range) comes back from its
+    patches as it was, up to the normalisation's rounding."""
+    import numpy as np
+
+    from rlspmd.data.images import MultimodalPrompts
+    from rlspmd.models.loader import load_tokenizer
+
+    vision = MultimodalPrompts.for_model(tiny_vl_model, load_tokenizer(tiny_vl_model, field_name="m"), field_name="m")
+    pics = [picture(4, (84, 56)), picture(5, (56, 112))]
+    images = vision.images(pics, where="row 0")
+    for k, pic in enumerate(pics):
+        got = vision.picture(images, k).astype(int)
+        assert got.shape == (pic.height, pic.width, 3)
+        assert np.abs(got - np.asarray(pic).astype(int)).max() <= 1
+
+
 # -- rollout -----------------------------------------------------------------------------------------------------------
 
 
@@ -486,3 +505,173 @@ def test_continuous_batching_with_images_equals_transformers_generate(lively_vl_
     serve(decoder, second, SamplingParams(temperature=0.0), slots=2, eos_ids=[])
     expected = hf_greedy(lively_vl_model, [{**r, "prompt_len": r["ids"].shape[1]} for r in second_refs], n)
     assert [second.results[k] for k in range(len(refs))] == expected
+
+
+# -- end to end --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_multimodal_rows_train_two_steps_on_two_ranks(tiny_vl_model, shapes_data, tmp_path):
+    """verl-schema rows (images as PNG bytes) train unchanged for 2 GRPO steps on 2 ranks with the native engine
+    (colocated, reading the FSDP2-gathered weights in place, vision blocks included), samples balanced across ranks
+    before the update. The rollout's log-probs equal the trainer's (up to float noise): the images reached the rollout's
+    prefill and, after dispatch and balancing, the right rows of the trainer's forward."""
+    from conftest import torchrun
+    from rl_run import rl_args, write_reward
+
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    args = rl_args(tiny_vl_model, shapes_data, out, steps=2, reward=write_reward(tmp_path))
+    extra = [
+        "--data.max-prompt-length",
+        "64",
+        "--trainer.samples.num-train",
+        "2",
+        "--trainer.loggers",
+        "jsonl",
+        "tensorboard",
+    ]
+    torchrun([*args, *extra], 2, timeout=600)
+    rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if r["step"]]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["actor/grad_norm"] > 0 and r["rollout/logprob_gap"] < 1e-4, r
+        assert r["balance/token_imbalance_before"] >= r["balance/token_imbalance_after"]
+    # the sample log names each sample's image (data file and row) and keeps a thumbnail; TensorBoard shows it
+    samples = [json.loads(line) for line in (out / "samples/train.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and all(len(s["images"]) == 1 for s in samples)
+    for s in samples:
+        im = s["images"][0]
+        assert im["source"] == f"{shapes_data / 'train.parquet'} row {s['index']}"
+        assert Image.open(out / "samples" / im["thumbnail"]).size == (112, 112)
+    shown = subprocess.run(
+        [sys.executable, "-m", "rlspmd.samples", str(out)], capture_output=True, text=True, check=True
+    )
+    assert f"image 0: {samples[-1]['images'][0]['source']} · thumbnail samples/" in shown.stdout
+    ea = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
+    ea.Reload()
+    assert {"samples/train/0/image0", "samples/train/1/image0"} <= set(ea.Tags()["images"])
+
+
+@pytest.fixture(scope="module")
+def vl_tool_caller(tmp_path_factory):
+    """The tiny VL model with the tool-calling template, fitted to one demonstration whose prompt holds an image:
+    call the calculator, read its result, answer. Returns (model dir, data dir: one prompt with an image)."""
+    from transformers import AutoModelForImageTextToText
+
+    from conftest import load_script
+    from rlspmd.agent import ChatRenderer, load_tools, tool_schemas
+    from rlspmd.config import AgentConfig
+    from rlspmd.data.images import MultimodalPrompts, image_parts
+    from rlspmd.models.loader import load_tokenizer
+    from rlspmd.sft import conversation_ids
+
+    tmp = tmp_path_factory.mktemp("vl_tool_caller")
+    model_dir = load_script("scripts/models/build_tiny.py").build(tmp / "model", vision=True, tools=True)
+    tok = load_tokenizer(model_dir, field_name="model")
+    vision = MultimodalPrompts.for_model(model_dir, tok, field_name="model")
+    image = {"bytes": png(3)}
+    messages = [
+        {"role": "user", "content": "<image>Calculate 6 + 5."},
+        {
+            "role": "assistant",
+            "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "6 + 5"}}</tool_call>',
+        },
+        {"role": "tool", "content": "11"},
+        {"role": "assistant", "content": "#### 11"},
+    ]
+    renderer = ChatRenderer(tok, tools=tool_schemas(load_tools(AgentConfig(tools=["calculator"]))), field_name="m")
+    prompt, response, mask = conversation_ids(
+        image_parts(messages, 1, where="demo"), renderer, eos_id=tok.eos_token_id, where="demo"
+    )
+    im = vision.images([image], where="demo")
+    k = prompt.index(vision.spec.image_token_id)
+    prompt = prompt[:k] + prompt[k : k + 1] * im.tokens_per_image(2)[0] + prompt[k + 1 :]
+    ids = torch.tensor([prompt + response])
+    labels = torch.tensor([[-100] * len(prompt) + [t if m else -100 for t, m in zip(response, mask)]])
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    kw = dict(
+        pixel_values=im.pixel_values,
+        image_grid_thw=im.grid_thw,
+        mm_token_type_ids=(ids == vision.spec.image_token_id).int(),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small: one thread is fastest (two spin against other jobs on 2 cores)
+    try:
+        for _ in range(150):
+            model(input_ids=ids, labels=labels, **kw).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.save_pretrained(str(model_dir))
+    row = mm_row(messages[0]["content"], [image], truth="11")
+    row["data_source"] = "arithmetic"
+    row["extra_info"] = {"tools_kwargs": {"calculator": {"create_kwargs": {"expression": "6 + 5"}}}}
+    data = tmp / "data"
+    data.mkdir()
+    write_rows(data / "train.parquet", [row])
+    return model_dir, data
+
+
+def test_agent_conversation_with_an_image_calls_its_tool(vl_tool_caller):
+    """Multi-turn with an image in the prompt: the agent loop's conversation (continuous batching, the image at every
+    turn's prefill) calls the calculator, gets its result and answers; the trainer's forward over the assembled
+    conversation (image in the prompt, the tool result in the response, masked out) gives the rollout's log-probs."""
+    from rlspmd.agent import build_agent_loop
+    from rlspmd.config import AgentConfig
+    from rlspmd.data.images import MultimodalPrompts
+    from rlspmd.data.prompts import PromptDataset
+    from rlspmd.metrics import MetricBuffer
+    from rlspmd.models.loader import load_causal_lm, load_tokenizer
+    from rlspmd.models.vision import VisionLanguagePolicy
+    from rlspmd.rollout.native import NativeEngine, OwnWeights
+    from rlspmd.rollout.sampling import SamplingParams
+
+    model_dir, data = vl_tool_caller
+    tok = load_tokenizer(model_dir, field_name="model")
+    loop = build_agent_loop(
+        AgentConfig(tools=["calculator"]),
+        tokenizer=tok,
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        max_response_length=96,
+        model_field="model",
+    )
+    vision = MultimodalPrompts.for_model(model_dir, tok, field_name="model")
+    ds = PromptDataset(
+        [str(data / "train.parquet")],
+        tok,
+        prompt_key="prompt",
+        max_prompt_length=256,
+        tools=loop.tool_schemas,
+        vision=vision,
+    )
+    hf = load_causal_lm(model_dir, dtype="float32", attn_implementation="sdpa", field_name="model")
+    engine = NativeEngine(
+        OwnWeights(hf),
+        eos_ids=[tok.eos_token_id],
+        pad_id=tok.pad_token_id,
+        max_batch_size=4,
+        device=torch.device("cpu"),
+    )
+    out = loop.run(engine, ds.batch([0]), SamplingParams(temperature=0.0, max_new_tokens=96), None, MetricBuffer())
+    text = tok.decode(out["responses_BR"][0][out["response_mask_BR"][0].bool()])
+    assert out["agent_tool_calls_BK"].tolist() == [[1.0]], text
+    assert "<tool_response>\n11\n</tool_response>" in text and text.rstrip().endswith("#### 11<|im_end|>"), text
+    loss = out["loss_mask_BR"][0]
+    assert 0 < loss.sum() < out["response_mask_BR"][0].sum()  # the tool result is in the response, not trained on
+    policy = VisionLanguagePolicy(hf, packing=True)
+    R = out["responses_BR"].shape[1]
+    with torch.no_grad():
+        lp, _ = policy(
+            out["input_ids_BL"], out["attention_mask_BL"], out["position_ids_BL"], images=out["images"], response_len=R
+        )
+    torch.testing.assert_close(lp * loss, out["rollout_logprobs_BR"] * loss, atol=1e-4, rtol=0)

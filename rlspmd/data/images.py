@@ -26,6 +26,8 @@ import io
 import re
 from pathlib import Path
 
+import torch
+
 from rlspmd.models.vision import ImageInputs
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -133,6 +135,22 @@ class MultimodalPrompts:
         except ValueError as e:
             raise ValueError(f"{where}: the image processor refused an image: {e}") from None
         return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), source=where)
+
+    def picture(self, images: ImageInputs, k: int):
+        """Image ``k`` of ``images`` as the model saw it (resized by the processor), rebuilt from its patches: uint8
+        ``(height, width, 3)``. For the sample log's thumbnails: the original bytes stay with the data."""
+        import numpy as np
+
+        p, m, tp = self.processor.patch_size, self.processor.merge_size, self.processor.temporal_patch_size
+        grids = images.grid_thw.tolist()
+        start = sum(t * h * w for t, h, w in grids[:k])
+        t, h, w = grids[k]
+        x = images.pixel_values[start : start + t * h * w].view(t, h // m, w // m, m, m, 3, tp, p, p)[:, ..., 0, :, :]
+        x = x.permute(0, 5, 1, 3, 6, 2, 4, 7).reshape(t, 3, h * p, w * p)[0]  # the first frame, (3, H, W)
+        mean = torch.tensor(self.processor.image_mean).view(3, 1, 1)
+        std = torch.tensor(self.processor.image_std).view(3, 1, 1)
+        rgb = ((x * std + mean) * 255).round().clamp(0, 255).to(torch.uint8)
+        return np.ascontiguousarray(rgb.permute(1, 2, 0).numpy())
 
     def expand(self, text: str, counts: list[int], *, where: str) -> str:
         """``text`` (a rendered prompt) with its k-th image placeholder token repeated ``counts[k]`` times."""

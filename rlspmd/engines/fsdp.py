@@ -211,6 +211,11 @@ class FSDPEngine:
             # FSDP2's CPU offload keeps the sharded parameters in host memory
             materialize(module, device=torch.device("cpu") if fsdp.cpu_offload else device)
             weights.load(module)
+        if vision_blocks(hf_model):
+            # FSDP2 decides which module is the root at the first forward. The colocated native rollout runs a vision
+            # tower's blocks (FSDP units of their own) inside ``unsharded`` before the root's first forward: decide the
+            # root now, as that forward would.
+            module._get_fsdp_state()._lazy_init()
         self.module = module
         self.hf_model = hf_model
         if optim is None:
