@@ -1367,6 +1367,8 @@ class SFTDataConfig:
     """Column with the chat messages."""
     response_key: str = "response"
     """Column with the target assistant response (plain text)."""
+    image_key: str = "images"
+    """Column with a row's images, one per ``<image>`` in its prompt (a vision-language model; docs/vision.md)."""
     messages_key: str | None = None
     """Column with whole conversations (lists of ``{role, content}`` messages: user, assistant, tool, ...) instead of
     ``prompt_key`` + ``response_key``. The messages before the first assistant turn are the prompt; the loss covers the

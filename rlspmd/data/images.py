@@ -136,6 +136,17 @@ class MultimodalPrompts:
             raise ValueError(f"{where}: the image processor refused an image: {e}") from None
         return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(), source=where)
 
+    def expand_ids(self, ids: list[int], counts: list[int], *, where: str) -> list[int]:
+        """Token ids with their k-th image placeholder repeated ``counts[k]`` times (``expand`` for ids)."""
+        at = [j for j, t in enumerate(ids) if t == self.spec.image_token_id]
+        if len(at) != len(counts):
+            raise ValueError(f"{where}: {len(at)} {self.image_token} token(s) in the prompt for {len(counts)} image(s)")
+        out, prev = [], 0
+        for j, n in zip(at, counts):
+            out += ids[prev:j] + [self.spec.image_token_id] * n
+            prev = j + 1
+        return out + ids[prev:]
+
     def picture(self, images: ImageInputs, k: int):
         """Image ``k`` of ``images`` as the model saw it (resized by the processor), rebuilt from its patches: uint8
         ``(height, width, 3)``. For the sample log's thumbnails: the original bytes stay with the data."""
