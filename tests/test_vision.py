@@ -703,6 +703,8 @@ def test_sft_on_image_rows_lowers_the_loss_and_exports_a_loadable_model(tiny_vl_
             "8",
             "--total-steps",
             "12",
+            "--optim.warmup-steps",
+            "2",
             "--log-every",
             "4",
             "--output-dir",
@@ -716,6 +718,6 @@ def test_sft_on_image_rows_lowers_the_loss_and_exports_a_loadable_model(tiny_vl_
     losses = [
         json.loads(line)["sft/loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if "sft/loss" in line
     ]
-    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], losses
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2] and losses[2] < 0.7 * losses[0], losses
     assert AutoImageProcessor.from_pretrained(str(out / "hf")).merge_size == 2
     AutoModelForImageTextToText.from_pretrained(str(out / "hf"))
