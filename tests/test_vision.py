@@ -273,6 +273,9 @@ def test_start_up_checks_name_what_a_vision_model_does_not_run_with(tiny_vl_mode
         "actor.lora.rank",
     ]
     assert all("qwen2_5_vl" in why for _, _, why in problems)
+    (vllm,) = model_problems(str(tiny_vl_model), **{**kw, "rollout_engine": "vllm"})
+    assert vllm[0] == "rollout.engine" and "does not pass images" in vllm[2]
+    assert model_problems(str(tiny_model), **{**kw, "rollout_engine": "vllm"}) == []
     (problem,) = model_problems(str(tiny_model), **{**kw, "freeze_vision_tower": True})
     assert problem[0] == "actor.freeze_vision_tower" and "no vision tower" in problem[2]
 
@@ -510,23 +513,49 @@ def test_continuous_batching_with_images_equals_transformers_generate(lively_vl_
 # -- end to end --------------------------------------------------------------------------------------------------------
 
 
+SIZES = [
+    [(56, 56)],
+    [(112, 112)],
+    [(112, 56)],
+    [(56, 56), (84, 84)],
+    [(84, 56)],
+    [(112, 84)],
+    [(56, 112)],
+    [(84, 84), (56, 56)],
+]
+"""Images of the end-to-end rows: 4 to 16 image tokens each, one or two per prompt, so prompt lengths differ and DP
+balancing moves rows between ranks."""
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_multimodal_rows_train_two_steps_on_two_ranks(tiny_vl_model, shapes_data, tmp_path):
+def test_multimodal_rows_train_two_steps_on_two_ranks(tiny_vl_model, tmp_path):
     """verl-schema rows (images as PNG bytes) train unchanged for 2 GRPO steps on 2 ranks with the native engine
     (colocated, reading the FSDP2-gathered weights in place, vision blocks included), samples balanced across ranks
-    before the update. The rollout's log-probs equal the trainer's (up to float noise): the images reached the rollout's
-    prefill and, after dispatch and balancing, the right rows of the trainer's forward."""
-    from conftest import torchrun
-    from rl_run import rl_args, write_reward
-
+    before the update (prompts of different lengths: rows move). The rollout's log-probs equal the trainer's (up to
+    float noise): the images reached the rollout's prefill and, after dispatch and balancing, the right rows of the
+    trainer's forward."""
     import subprocess
     import sys
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from conftest import torchrun
+    from rl_run import rl_args, write_reward
+
+    data = tmp_path / "data"
+    data.mkdir()
+    data_rows = [
+        mm_row(
+            " and ".join(["<image>"] * len(sizes)) + ": what colour?",
+            [{"bytes": png(k * 10 + j, size)} for j, size in enumerate(sizes)],
+        )
+        for k, sizes in enumerate(SIZES)
+    ]
+    write_rows(data / "train.parquet", data_rows)
+    write_rows(data / "test.parquet", data_rows)
     out = tmp_path / "run"
-    args = rl_args(tiny_vl_model, shapes_data, out, steps=2, reward=write_reward(tmp_path))
+    args = rl_args(tiny_vl_model, data, out, steps=2, reward=write_reward(tmp_path))
     extra = [
         "--data.max-prompt-length",
         "64",
@@ -542,13 +571,15 @@ def test_multimodal_rows_train_two_steps_on_two_ranks(tiny_vl_model, shapes_data
     for r in rows:
         assert r["actor/grad_norm"] > 0 and r["rollout/logprob_gap"] < 1e-4, r
         assert r["balance/token_imbalance_before"] >= r["balance/token_imbalance_after"]
+    assert any(r["balance/token_imbalance_before"] > r["balance/token_imbalance_after"] for r in rows)  # rows moved
     # the sample log names each sample's image (data file and row) and keeps a thumbnail; TensorBoard shows it
     samples = [json.loads(line) for line in (out / "samples/train.jsonl").read_text().splitlines()]
-    assert len(samples) == 4 and all(len(s["images"]) == 1 for s in samples)
+    assert len(samples) == 4
     for s in samples:
-        im = s["images"][0]
-        assert im["source"] == f"{shapes_data / 'train.parquet'} row {s['index']}"
-        assert Image.open(out / "samples" / im["thumbnail"]).size == (112, 112)
+        assert [im["image"] for im in s["images"]] == list(range(len(SIZES[s["index"]])))
+        for im, size in zip(s["images"], SIZES[s["index"]]):
+            assert im["source"] == f"{data / 'train.parquet'} row {s['index']}"
+            assert Image.open(out / "samples" / im["thumbnail"]).size == size
     shown = subprocess.run(
         [sys.executable, "-m", "rlspmd.samples", str(out)], capture_output=True, text=True, check=True
     )
