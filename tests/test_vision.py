@@ -752,3 +752,77 @@ def test_sft_on_image_rows_lowers_the_loss_and_exports_a_loadable_model(tiny_vl_
     assert len(losses) == 3 and losses[0] > losses[1] > losses[2] and losses[2] < 0.7 * losses[0], losses
     assert AutoImageProcessor.from_pretrained(str(out / "hf")).merge_size == 2
     AutoModelForImageTextToText.from_pretrained(str(out / "hf"))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_vl(tiny_vl_model, tmp_path_factory):
+    """A tiny random Qwen2-VL (its own vision tower: LayerNorm blocks, no window attention) with the tiny VL model's
+    tokenizer and image processor, matrices drawn large enough that greedy tokens depend on the images."""
+    import shutil
+
+    import transformers
+
+    out = tmp_path_factory.mktemp("qwen2_vl") / "model"
+    shutil.copytree(tiny_vl_model, out)
+    vl = transformers.AutoConfig.from_pretrained(str(tiny_vl_model))
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vl.text_config.vocab_size,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=64,
+            hidden_size=128,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=vl.image_token_id,
+        video_token_id=vl.video_token_id,
+        vision_start_token_id=vl.vision_start_token_id,
+        vision_end_token_id=vl.vision_end_token_id,
+        tie_word_embeddings=True,
+    )
+    model = transformers.Qwen2VLForConditionalGeneration._from_config(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_qwen2_vl_log_probs_and_greedy_generation_equal_transformers(tiny_qwen2_vl):
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.roles.policy import build_policy_module
+    from rlspmd.rollout.native import NativeEngine, OwnWeights
+    from rlspmd.rollout.sampling import SamplingParams
+
+    batch, refs = vl_rows(tiny_qwen2_vl)
+    R = batch["responses_BR"].shape[1]
+    expected = hf_logprobs(tiny_qwen2_vl, refs, R) * batch["response_mask_BR"]
+    module = build_policy_module(
+        str(tiny_qwen2_vl), dtype="float32", attn_implementation="sdpa", field_name="m", packing=True
+    )
+    with torch.no_grad():
+        lp, _ = module(
+            batch["input_ids_BL"],
+            batch["attention_mask_BL"],
+            batch["position_ids_BL"],
+            images=batch["images"],
+            response_len=R,
+        )
+    torch.testing.assert_close(lp * batch["response_mask_BR"], expected, atol=TOL, rtol=0)
+    hf = load_causal_lm(tiny_qwen2_vl, dtype="float32", attn_implementation="sdpa", field_name="m")
+    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=torch.device("cpu"))
+    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=8), generator=None)
+    assert out["responses_BR"].tolist() == hf_greedy(tiny_qwen2_vl, refs, 8)
