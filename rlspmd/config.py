@@ -142,6 +142,9 @@ class ActorConfig(TrainedRoleConfig):
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1 (kl), abs, k2 (mse), k3 (low_var_kl), or any of them with '+' (the value
     of that estimator with k2's gradient, e.g. ``k3+``, ``low_var_kl+``, ``abs+``): verl's names."""
+    freeze_vision_tower: bool = False
+    """A vision-language model (docs/vision.md): train the language model only; the vision tower and its merger keep
+    their weights (no gradients, no optimiser state)."""
 
 
 @dataclass
@@ -217,6 +220,8 @@ class DataConfig:
     """Validation prompt files (parquet or jsonl, verl schema)."""
     prompt_key: str = "prompt"
     """Column holding the chat messages (a list of {role, content})."""
+    image_key: str = "images"
+    """Column holding a row's images, one per ``<image>`` in its prompt (verl's multimodal rows; docs/vision.md)."""
     max_prompt_length: int = 128
     """Prompts whose templated token count exceeds this are dropped (or rejected, see ``overlong_prompts``)."""
     overlong_prompts: Literal["drop", "error"] = "drop"
@@ -457,6 +462,8 @@ class SFTDataConfig:
     """Column with the chat messages."""
     response_key: str = "response"
     """Column with the target assistant response (plain text)."""
+    image_key: str = "images"
+    """Column with a row's images, one per ``<image>`` in its prompt (a vision-language model; docs/vision.md)."""
     messages_key: str | None = None
     """Column with whole conversations (lists of ``{role, content}`` messages: user, assistant, tool, ...) instead of
     ``prompt_key`` + ``response_key``. The messages before the first assistant turn are the prompt; the loss covers the

@@ -210,6 +210,12 @@ class MetricLogger:
         if self.enabled:
             self.trackers.table(name, rows, step)
 
+    def image(self, tag: str, image_HWC, step: int) -> None:
+        """An image (uint8, height x width x 3) in TensorBoard's images tab (the sample log's prompts' images);
+        nothing without that sink."""
+        if self.tb is not None:
+            self.tb.add_image(tag, image_HWC, step, dataformats="HWC")
+
     def write(self, text: str) -> None:
         if not self.enabled:
             return

@@ -13,6 +13,10 @@ run then stops after the step); ``--resume auto`` continues the same run bit for
 Multi-turn demonstrations (``data.messages_key``): whole conversations with tool calls and tool results, tokenized as
 the agent loop tokenizes rollouts (prompt with the tool schemas, each assistant turn's content + EOS, the turns between
 as chat-template deltas); the loss covers the assistant tokens only (``loss_mask_BR``).
+
+A vision-language model trains on verl's multimodal rows as the RL trainer reads them (``<image>`` placeholders, an
+``images`` column; ``rlspmd/data/images.py``): its images are counted when the file is read and processed when a row is
+batched.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from rlspmd.agent import ChatRenderer, load_tools, tool_schemas, use_system_tool_prompt
 from rlspmd.config import AgentConfig, MeshConfig, SFTConfig, to_dict
+from rlspmd.data.images import MultimodalPrompts, image_parts, undecoded
 from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
@@ -34,8 +39,9 @@ from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.packing import check_attn_kernel
+from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch, position_ids
-from rlspmd.models.policy import build_policy_module
+from rlspmd.models.sharded_load import build_policy_module
 from rlspmd.startup import parse_args, start
 from rlspmd.trackers import Trackers
 from rlspmd.trainer.checkpoint import (
@@ -90,42 +96,50 @@ class SFTDataset:
         max_length: int,
         messages_key: str | None = None,
         tools: list[dict] | None = None,
+        image_key: str = "images",
+        vision: MultimodalPrompts | None = None,
     ):
-        self.tokenizer = tokenizer
+        """``vision``: a vision-language model's image processing: rows' ``image_key`` images (one per ``<image>`` in
+        the prompt, verl's multimodal rows) become the batches' ``images``; None (a text model) refuses them."""
+        self.tokenizer, self.vision = tokenizer, vision
         self.examples: list[tuple[list[int], list[int], list[int]]] = []  # prompt, response, loss mask
+        self.images: list[tuple[list, str, Path] | None] = []  # per example: its image entries, where, data directory
         self.n_dropped = 0
         renderer = (
             ChatRenderer(tokenizer, tools=tools, field_name="model.tokenizer_path") if messages_key or tools else None
         )
-        for path, ds in read_rows(files, prompt_key=messages_key or prompt_key, field_name="data.train_files"):
-            if messages_key is not None:
-                triples = [
-                    conversation_ids(
-                        r[messages_key],
-                        renderer,
-                        eos_id=tokenizer.eos_token_id,
-                        where=f"data.train_files: {path} row {i}",
+        key = messages_key or prompt_key
+        for path, ds in read_rows(files, prompt_key=key, field_name="data.train_files"):
+            with_images = image_key in ds.column_names
+            ds = undecoded(ds, image_key) if with_images else ds
+            if messages_key is None and response_key not in ds.column_names:
+                raise ValueError(f"data.train_files: {path} lacks the response column {response_key!r}")
+            for i, r in enumerate(ds):
+                where = f"data.train_files: {path} row {i}"
+                images = list(r[image_key] or []) if with_images else []
+                if images and vision is None:
+                    raise ValueError(
+                        f"{where}: the row has {len(images)} image(s) in `{image_key}`, but the model "
+                        "reads text only (vision-language models: docs/vision.md)"
                     )
-                    for i, r in enumerate(ds)
-                ]
-            else:
-                if response_key not in ds.column_names:
-                    raise ValueError(f"data.train_files: {path} lacks the response column {response_key!r}")
-                prompts = [
-                    tokenizer.apply_chat_template(
-                        r[prompt_key], tools=tools, tokenize=False, add_generation_prompt=True
+                messages = image_parts(r[key], len(images), where=where) if vision is not None else r[key]
+                if messages_key is not None:
+                    p, resp, m = conversation_ids(messages, renderer, eos_id=tokenizer.eos_token_id, where=where)
+                else:
+                    text = tokenizer.apply_chat_template(
+                        messages, tools=tools, tokenize=False, add_generation_prompt=True
                     )
-                    for r in ds
-                ]
-                responses = [r[response_key] + tokenizer.eos_token for r in ds]
-                p_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-                r_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-                triples = [(p, r, [1] * len(r)) for p, r in zip(p_ids, r_ids)]
-            for p, r, m in triples:
-                if len(p) + len(r) > max_length:
+                    p = tokenizer(text, add_special_tokens=False)["input_ids"]
+                    resp = tokenizer(r[response_key] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+                    m = [1] * len(resp)
+                if vision is not None:
+                    counts = vision.token_counts(images, where=where, base=Path(path).parent)
+                    p = vision.expand_ids(p, counts, where=where)
+                if len(p) + len(resp) > max_length:
                     self.n_dropped += 1
                 else:
-                    self.examples.append((p, r, m))
+                    self.examples.append((p, resp, m))
+                    self.images.append((images, where, Path(path).parent) if images else None)
         if not self.examples:
             raise ValueError(f"data.train_files: no example fits data.max_length={max_length}")
 
@@ -140,6 +154,14 @@ class SFTDataset:
             ids[i, P - len(p) : P + len(r)] = torch.tensor(p + r)
             mask[i, P - len(p) : P + len(r)] = 1
             loss[i, : len(m)] = torch.tensor(m)
+        objects = {}
+        if self.vision is not None:  # decoded and processed once, here: they travel with their rows
+            objects["images"] = [
+                None
+                if self.images[i] is None
+                else self.vision.images(self.images[i][0], where=self.images[i][1], base=self.images[i][2])
+                for i in indices
+            ]
         return Batch(
             {
                 "input_ids_BL": ids,
@@ -148,14 +170,20 @@ class SFTDataset:
                 "responses_BR": ids[:, P:],
                 "response_mask_BR": mask[:, P:],
                 "loss_mask_BR": loss,
-            }
+            },
+            objects,
         )
 
 
 def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
     R = mb["responses_BR"].shape[1]
     logp, _ = module(
-        mb["input_ids_BL"], mb["attention_mask_BL"], mb["position_ids_BL"], response_len=R, with_entropy=False
+        mb["input_ids_BL"],
+        mb["attention_mask_BL"],
+        mb["position_ids_BL"],
+        response_len=R,
+        with_entropy=False,
+        **vision_inputs(mb),
     )
     return -(logp * mb["loss_mask_BR"]).sum() / global_tokens
 
@@ -203,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             max_length=d.max_length,
             messages_key=d.messages_key,
             tools=tools,
+            image_key=d.image_key,
+            vision=MultimodalPrompts.for_model(cfg.model.path, tokenizer, field_name="model.path"),
         )
         sampler = EpochSampler(len(data.examples), d.batch_size, seed=cfg.seed, shuffle=d.shuffle)
         print(f"SFT examples: {len(data.examples)} (dropped {data.n_dropped} over data.max_length)", flush=True)

@@ -6,7 +6,8 @@
 The checkpoint carries everything needed: the DCP shards hold the weights (any number of ranks wrote
 them; DCP reads them back unsharded) and ``model/`` holds the config and tokenizer copied at save time.
 The model is built on the meta device and materialised once, so memory is about one copy of the weights.
-The output loads with ``transformers.AutoModelForCausalLM.from_pretrained``.
+The output loads with ``transformers.AutoModelForCausalLM.from_pretrained`` (a vision-language model: with
+``AutoModelForImageTextToText``, its image processor copied).
 
 A LoRA run's checkpoint (``actor.lora.rank`` > 0) holds the adapters only: the base weights are read from the model
 directory the run trained (``meta.json``; ``--base-model`` points elsewhere), the adapters are merged into them
@@ -43,7 +44,9 @@ PREFIX = "actor.model.hf."  # DCP key of the HF model inside the actor engine's 
 
 
 def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None, base_model: str | None = None) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from rlspmd.models.vision import auto_class
 
     ckpt = resolve_checkpoint(checkpoint, field_name="checkpoint")
     meta = read_meta(ckpt)
@@ -61,7 +64,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None,
         return _export_lora(ckpt, out, meta=meta, saved=saved, lora=lora, dtype=dtype, base_model=base_model)
     config = AutoConfig.from_pretrained(str(files))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_class(config).from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
     state = model.state_dict()
     missing = [k for k in state if PREFIX + k not in saved]

@@ -56,6 +56,38 @@ def tiny_tools_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2.5-VL-style model (``build_tiny.py --vision``): the tiny tokenizer plus the vision tokens, a
+    two-block vision tower and Qwen2-VL's image processor."""
+    return load_script("scripts/models/build_tiny.py").build(tmp_path_factory.mktemp("tiny_vl") / "model", vision=True)
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory) -> Path:
+    """The vision quickstart's task (``scripts/data/shapes.py``), small: verl's multimodal rows, images as PNG bytes."""
+    out = tmp_path_factory.mktemp("shapes_data")
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts/data/shapes.py"),
+            "--out-dir",
+            str(out),
+            "--num-train",
+            "64",
+            "--num-test",
+            "16",
+            "--num-sft",
+            "64",
+            "--sft-other-style",
+            "0.5",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return load_script("scripts/models/build_tiny.py").build(
         tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama"

@@ -47,6 +47,7 @@ from rlspmd.agent.parser import ParseError, ToolCall
 from rlspmd.agent.tools import ToolSample, check_arguments
 from rlspmd.agent.config import AgentConfig
 from rlspmd.metrics import MetricBuffer
+from rlspmd.models.vision import ImageInputs
 from rlspmd.protocol import Batch
 from rlspmd.rollout.base import RolloutEngine, assemble_rollout
 from rlspmd.rollout.continuous import Request
@@ -102,6 +103,8 @@ class _Conversation:
     tool_metrics: dict = field(default_factory=dict)
     stop: str | None = None
     stop_text: str | None = None
+    images: ImageInputs | None = None
+    """The prompt's images (a vision-language model): every turn's request carries them."""
 
     def append(self, ids: list[int], *, model: bool, logprobs: list[float] | None = None) -> None:
         self.response += ids
@@ -197,6 +200,7 @@ class AgentLoop:
             interaction=None,
             interaction_state=None,
             calls_by_tool=[0] * len(self.tools),
+            images=batch["images"][i] if "images" in batch else None,
         )
         if self.agent_name(batch, i) == "single_turn_agent":
             conv.single_turn = True
@@ -238,6 +242,8 @@ class AgentLoop:
             max_new_tokens=self.max_response_length - len(conv.response),
             seed=conv.seed,
             counter=conv.generated,
+            images=conv.images,
+            prompt_len=len(conv.prompt_ids),
         )
 
     def _assemble(self, batch: Batch, convs: list[_Conversation]) -> Batch:

@@ -10,6 +10,10 @@ Prompts longer than ``max_prompt_length`` tokens are dropped (counted and logged
 file and row named. A prompt without text (no user message with non-blank content) is rejected naming the file and
 row, or dropped and counted (``data.empty_prompts``): it would be trained on as if it were a question. A jsonl line
 that is not JSON (a file cut off mid-write) is named by file and line number.
+
+Multimodal rows (verl's: ``<image>`` in the prompt text, the images in ``data.image_key``) need a vision-language
+model: ``rlspmd/data/images.py`` counts their image tokens when the file is read and processes the images when a row
+is batched, into the batch's ``images`` objects.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlspmd.data.images import MultimodalPrompts, image_parts, undecoded
+from rlspmd.models.vision import ImageInputs
 from rlspmd.protocol import Batch
 
 log = logging.getLogger(__name__)
@@ -97,12 +103,14 @@ def _has_no_rows(path: Path, kind: str) -> bool:
 
 
 def has_user_text(messages: list[dict]) -> bool:
-    """Some user message has non-blank text (``content`` a string, or a list of parts with ``text``)."""
+    """Some user message has non-blank text (``content`` a string, or a list of parts with ``text``) or an image."""
     for m in messages:
         if m.get("role", "user") != "user":
             continue
         content = m.get("content")
-        if isinstance(content, list):  # multimodal parts: [{"type": "text", "text": ...}, ...]
+        if isinstance(content, list):  # multimodal parts: [{"type": "text", "text": ...}, {"type": "image"}, ...]
+            if any(isinstance(part, dict) and part.get("type") == "image" for part in content):
+                return True
             content = " ".join(part.get("text") or "" for part in content if isinstance(part, dict))
         if isinstance(content, str) and content.strip():
             return True
@@ -121,22 +129,39 @@ class PromptDataset:
         empty: str = "error",
         field_name: str = "data.train_files",
         tools: list[dict] | None = None,
+        image_key: str = "images",
+        vision: MultimodalPrompts | None = None,
     ):
         """``tools``: tool schemas rendered into every prompt through the chat template's ``tools`` argument
-        (``rollout.agent``); None renders as before."""
+        (``rollout.agent``); None renders as before. ``vision``: a vision-language model's image processing
+        (``data/images.py``): rows' ``image_key`` images become ``images`` in their batches; None (a text model)
+        refuses rows with images."""
         self.tokenizer = tokenizer
+        self.vision = vision
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
         self.n_dropped = 0
         self.n_empty = 0  # dropped for having no text (empty="drop")
         for path, ds in read_rows(files, prompt_key=prompt_key, field_name=field_name):
             texts = []
+            with_images = image_key in ds.column_names
+            if with_images:
+                ds = undecoded(ds, image_key)
             for i, row in enumerate(ds):
+                where = f"{field_name}: {path} row {i}"
                 messages = row[prompt_key]
                 if isinstance(messages, str):  # plain-text prompt: treat as one user turn
                     messages = [{"role": "user", "content": messages}]
                 if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
                     raise ValueError(f"{field_name}: {path} row {i}: `{prompt_key}` must be a list of chat messages")
+                images = list(row[image_key] or []) if with_images else []
+                if images and vision is None:
+                    raise ValueError(
+                        f"{where}: the row has {len(images)} image(s) in `{image_key}`, but the model reads text only "
+                        "(vision-language models: docs/vision.md)"
+                    )
+                if vision is not None:
+                    messages = image_parts(messages, len(images), where=where)
                 if not has_user_text(messages):
                     if empty == "drop":
                         self.n_empty += 1
@@ -148,12 +173,18 @@ class PromptDataset:
                 gt = (row["reward_model"] or {}).get("ground_truth")
                 if gt is None:
                     raise ValueError(f"{field_name}: {path} row {i}: reward_model.ground_truth is missing")
-                texts.append(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True))
+                text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+                texts.append(text)
+                counts = []
+                if vision is not None:  # one placeholder token per image token, as the model's processor expands them
+                    counts = vision.token_counts(images, where=where, base=Path(path).parent)
+                    texts[-1] = vision.expand(text, counts, where=where)
                 info = dict(row.get("extra_info") or {})
                 info.setdefault("index", i)
                 self.rows.append(
-                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": texts[-1],
-                     "prompt_messages": messages, "where": (path, i), "agent_name": row.get("agent_name")}
+                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": text,
+                     "prompt_messages": messages, "where": (path, i), "agent_name": row.get("agent_name"),
+                     "images": images, "image_tokens": counts}
                 )
             if texts:
                 self.prompt_ids.extend(tokenizer(texts, add_special_tokens=False)["input_ids"])
@@ -192,17 +223,25 @@ class PromptDataset:
             prompts[r, P - len(x) :] = torch.tensor(x)
             mask[r, P - len(x) :] = 1
         rows = [self.rows[i] for i in indices]
-        return Batch(
-            {"prompts_BP": prompts, "prompt_mask_BP": mask, "uid_B": torch.arange(len(ids))},
-            {
-                "data_source": [r["data_source"] for r in rows],
-                "ground_truth": [r["ground_truth"] for r in rows],
-                "extra_info": [r["extra_info"] for r in rows],
-                "prompt_text": [r["prompt_text"] for r in rows],
-                "prompt_messages": [r["prompt_messages"] for r in rows],  # a reward model re-renders them
-                "agent_name": [r["agent_name"] for r in rows],  # verl's per-row agent (rollout.agent; None: the default)
-            },
-        )
+        objects = {
+            "data_source": [r["data_source"] for r in rows],
+            "ground_truth": [r["ground_truth"] for r in rows],
+            "extra_info": [r["extra_info"] for r in rows],
+            "prompt_text": [r["prompt_text"] for r in rows],
+            "prompt_messages": [r["prompt_messages"] for r in rows],  # a reward model re-renders them
+            "agent_name": [r["agent_name"] for r in rows],  # verl's per-row agent (rollout.agent; None: the default)
+        }
+        if self.vision is not None:  # decoded and processed here, once: the ImageInputs travel with their rows
+            objects["images"] = [self._images(r) for r in rows]
+        return Batch({"prompts_BP": prompts, "prompt_mask_BP": mask, "uid_B": torch.arange(len(ids))}, objects)
+
+    def _images(self, row: dict) -> ImageInputs | None:
+        if not row["images"]:
+            return None
+        path, i = row["where"]
+        images = self.vision.images(row["images"], where=f"{path} row {i}", base=Path(path).parent)
+        assert images.tokens_per_image(self.vision.spec.merge_size) == row["image_tokens"], (path, i)
+        return images
 
 
 class EpochSampler:

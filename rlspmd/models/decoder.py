@@ -64,7 +64,7 @@ def prompt_positions(prompt_mask_BP: torch.Tensor) -> torch.Tensor:
 
 class LlamaFamilyDecoder:
     def __init__(self, hf_model: nn.Module):
-        cfg = hf_model.config
+        cfg = hf_model.config.get_text_config()  # a vision-language model's language model
         self.model = hf_model
         base = hf_model.get_decoder()
         self.base = base
@@ -99,12 +99,17 @@ class LlamaFamilyDecoder:
         P = prompt_ids_BP.shape[1]
         dev = prompt_ids_BP.device
         self.k, self.v, self.rope_table = k_caches, v_caches, rope_table
-        self.next_pos = prompt_mask_BP.long().sum(-1)  # position id of the next token per row
+        h, rope, self.next_pos = self.prompt_inputs(prompt_ids_BP, prompt_mask_BP)  # next_pos: of the next token
         self.length = 0  # cache slots filled (the prefill fills P)
         # Causal mask; a pad query also sees itself so no row is fully masked (SDPA would give NaN).
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
         mask = (causal & prompt_mask_BP.bool()[:, None, :]) | torch.eye(P, dtype=torch.bool, device=dev)
-        return self._forward(prompt_ids_BP, prompt_positions(prompt_mask_BP), mask[:, None])
+        return self._forward(prompt_ids_BP, prompt_positions(prompt_mask_BP), mask[:, None], h=h, rope=rope)
+
+    def prompt_inputs(self, prompt_ids_BP, prompt_mask_BP):
+        """``(embeddings, (cos, signed sin), next positions)`` of a prefill: None for the first two computes them from
+        the tokens and their 1-D positions (a vision-language decoder gives its own: image features, M-RoPE)."""
+        return None, None, prompt_mask_BP.long().sum(-1)
 
     @property
     def static_rope(self) -> bool:
@@ -154,12 +159,15 @@ class LlamaFamilyDecoder:
         self.decode_mask = self.decode_mask[rows]
         self.next_pos = self.next_pos[rows]
 
-    def _forward(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask: torch.Tensor, *, h=None, rope=None):
+        """``h``: input embeddings instead of the tokens'; ``rope``: (cos, signed sin) instead of ``pos_BS``'s."""
         base, B, S = self.base, ids_BS.shape[0], ids_BS.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         start, end = self.length, self.length + S
-        h = F.embedding(ids_BS, base.embed_tokens.weight)
-        if self.rope_table is not None:
+        h = F.embedding(ids_BS, base.embed_tokens.weight) if h is None else h
+        if rope is not None:
+            cos, sin = rope
+        elif self.rope_table is not None:
             cos, sin = self.rope_table[0][pos_BS][:, None], self.rope_table[1][pos_BS][:, None]
         else:
             cos, sin = base.rotary_emb(h, pos_BS)

@@ -141,12 +141,16 @@ def eos_token_ids(path: str | Path, tok: PreTrainedTokenizerBase) -> list[int]:
 
 
 def load_causal_lm(path: str | Path, *, dtype: str, attn_implementation: str, field_name: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A causal LM, or a vision-language model (``models/vision.py``) with its vision tower."""
+    from transformers import AutoConfig
+
+    from rlspmd.models.vision import attn_implementation as vision_attn
+    from rlspmd.models.vision import auto_class
 
     p = check_model_dir(path, field_name=field_name)
     config = AutoConfig.from_pretrained(str(p))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+    model = auto_class(config).from_pretrained(
+        str(p), config=config, dtype=DTYPES[dtype], attn_implementation=vision_attn(config, attn_implementation)
     )
     model.config.use_cache = False
     return model

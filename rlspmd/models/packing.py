@@ -229,6 +229,7 @@ class PackedBatch:
 
     input_ids_1T: torch.Tensor
     position_ids_1T: torch.Tensor
+    """(1, T), or (3, 1, T) for M-RoPE."""
     attention: PackedAttention
     token_index_T: torch.Tensor
     """(T,) flat index into ``B * L`` of each packed token (row-major order)."""
@@ -289,7 +290,8 @@ def pack(
     attention metadata of ``kernel`` (a concrete name, see ``resolve_attn_kernel``) once for all layers.
 
     Position ids are taken from ``position_ids_BL`` (the rollout layout counts them from 0 at each sample's first
-    valid token), so RoPE sees exactly what the padded forward sees. ``response_len`` also locates the valid response
+    valid token), so RoPE sees exactly what the padded forward sees. Leading dims are carried: M-RoPE's ``(3, B, L)``
+    positions (``rlspmd.models.vision``) pack to ``(3, 1, T)``. ``response_len`` also locates the valid response
     tokens (the last ``response_len`` columns), each of which needs a valid token before it in its row. ``counts``:
     the host-side counts if the caller has them (else one device-to-host copy here).
     """
@@ -307,7 +309,7 @@ def pack(
     block_mask = document_causal_block_mask(lengths_B, T) if kernel == "flex" else None
     packed = PackedBatch(
         input_ids_1T=input_ids_BL.reshape(-1)[token_index_T][None],
-        position_ids_1T=position_ids_BL.reshape(-1)[token_index_T][None],
+        position_ids_1T=position_ids_BL.reshape(*position_ids_BL.shape[:-2], -1)[..., token_index_T].unsqueeze(-2),
         attention=PackedAttention(kernel, cu, max_len, counts.lengths, block_mask),
         token_index_T=token_index_T,
         shape=(B, L),
@@ -507,8 +509,12 @@ def training_attn_implementation(requested: str, *, packing: bool, field_name: s
     )
 
 
-def packed_hidden_states(decoder: torch.nn.Module, packed: PackedBatch) -> torch.Tensor:
+def packed_hidden_states(
+    decoder: torch.nn.Module, packed: PackedBatch, *, inputs_embeds: torch.Tensor | None = None, **extra
+) -> torch.Tensor:
     """``(T, H)`` last hidden states of the packed tokens from an HF decoder (``hf_model.get_decoder()``).
+    ``inputs_embeds`` (1, T, H): the packed tokens' input embeddings instead of their ids (image features inserted by
+    ``rlspmd.models.vision``); ``extra``: further keywords of the decoder's forward.
 
     With ``rlspmd_packed`` the decoder gets a 4-D placeholder as its attention mask: transformers treats a 4-D mask
     as already prepared and skips mask creation, whose packed-sequence detection reads a device value back (a host
@@ -517,6 +523,7 @@ def packed_hidden_states(decoder: torch.nn.Module, packed: PackedBatch) -> torch
     mask = None
     if decoder.config._attn_implementation == PACKED_ATTENTION:
         mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=packed.input_ids_1T.device)
-    out = decoder(input_ids=packed.input_ids_1T, position_ids=packed.position_ids_1T, attention_mask=mask, use_cache=False,
-                  **packed.attention_kwargs())
+    ids = dict(input_ids=packed.input_ids_1T) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
+    out = decoder(**ids, position_ids=packed.position_ids_1T, attention_mask=mask, use_cache=False,
+                  **packed.attention_kwargs(), **extra)
     return out.last_hidden_state[0]

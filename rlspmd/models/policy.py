@@ -20,15 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlspmd.models.loader import load_causal_lm
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
-from rlspmd.models.packing import (
-    TokenCounts,
-    pack,
-    packed_hidden_states,
-    packed_kernel,
-    training_attn_implementation,
-)
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
 
 
 def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -83,20 +76,3 @@ class CausalLMPolicy(nn.Module):
         lp_N, ent_N = chunked_logprobs(hidden_TH.index_select(0, targets_N - 1), head.weight,
                                        packed.input_ids_1T[0].index_select(0, targets_N), **kw)
         return packed.scatter_responses(lp_N), packed.scatter_responses(ent_N)
-
-
-def build_policy_module(
-    model_path: str,
-    *,
-    dtype: str,
-    attn_implementation: str,
-    field_name: str,
-    packing: bool = False,
-    attn_kernel: str = "auto",
-) -> CausalLMPolicy:
-    attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    return CausalLMPolicy(
-        load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name),
-        packing=packing,
-        attn_kernel=attn_kernel,
-    )

@@ -327,13 +327,42 @@ def tied_keys(module: nn.Module, index: SafetensorsIndex, *, prefix: str, keys: 
 
 
 def _from_config(auto_cls, path: Path, *, dtype: str, attn_implementation: str) -> nn.Module:
+    """``auto_cls`` None: the policy's class for the config (a causal LM or a vision-language model)."""
     from transformers import AutoConfig
 
+    from rlspmd.models.vision import attn_implementation as vision_attn
+    from rlspmd.models.vision import auto_class
+
     config = AutoConfig.from_pretrained(str(path))
+    auto_cls = auto_cls or auto_class(config)
     with parameters_on_meta():
-        model = auto_cls.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+        attn = vision_attn(config, attn_implementation)
+        model = auto_cls.from_config(config, dtype=DTYPES[dtype], attn_implementation=attn)
     model.config.use_cache = False
     return model
+
+
+def build_policy_module(
+    model_path: str,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    field_name: str,
+    packing: bool = False,
+    attn_kernel: str = "auto",
+) -> nn.Module:
+    """The policy module of a model loaded whole (``model.sharded_load=False``): ``CausalLMPolicy``, or
+    ``VisionLanguagePolicy`` for a vision-language model (``meta_policy_module`` below builds it on meta instead)."""
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.models.packing import training_attn_implementation
+    from rlspmd.models.vision import policy_module
+
+    attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    return policy_module(
+        load_causal_lm(model_path, dtype=dtype, attn_implementation=attn, field_name=field_name),
+        packing=packing,
+        attn_kernel=attn_kernel,
+    )
 
 
 def meta_policy_module(path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False,
@@ -341,21 +370,19 @@ def meta_policy_module(path: str | Path, *, dtype: str, attn_implementation: str
     """``CausalLMPolicy`` over a causal LM built on meta, and where its weights come from (checked against the files).
     ``lora`` (``LoraConfig`` with rank > 0): adapters injected (``models/lora.py``), initialised from ``seed``; the base
     weights of adapted layers (``q_proj.base_layer.weight``) read the checkpoint's ``q_proj.weight``."""
-    from transformers import AutoModelForCausalLM
-
     from rlspmd.models.lora import apply_lora, base_name, initial_adapters
     from rlspmd.models.packing import training_attn_implementation
-    from rlspmd.models.policy import CausalLMPolicy
+    from rlspmd.models.vision import checkpoint_keys, policy_module
 
     index = SafetensorsIndex.of(path, field_name=field_name)
     attn = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
-    hf = _from_config(AutoModelForCausalLM, index.directory, dtype=dtype, attn_implementation=attn)
-    module = CausalLMPolicy(hf, packing=packing, attn_kernel=attn_kernel)
+    hf = _from_config(None, index.directory, dtype=dtype, attn_implementation=attn)
+    module = policy_module(hf, packing=packing, attn_kernel=attn_kernel)
     inits: dict[str, Init] = {}
     if lora is not None and lora.enabled:
         apply_lora(hf, lora)  # peft puts the adapters where the base weights are: on meta
         inits = {name: (lambda t=t: t) for name, t in initial_adapters(module, seed=seed).items()}
-    keys = match_keys(module, index, prefix="hf.", candidates=lambda n: [base_name(n)])
+    keys = match_keys(module, index, prefix="hf.", candidates=lambda n: checkpoint_keys(base_name(n)))
     plan = WeightPlan(index, keys, inits, also_used=tied_keys(module, index, prefix="hf.", keys=keys))
     return module, plan.check(module, tied_hint=not hf.config.tie_word_embeddings, field_name=field_name)
 

@@ -56,6 +56,17 @@ def answer_format(response: str, ground_truth: str, extra_info: dict | None = No
     return float(_FINAL_LINE.search(response.strip()) is not None)
 
 
+_FINAL_WORD = re.compile(r"####\s*([A-Za-z]+)")
+
+
+@REWARD_FUNCTIONS.register("shapes")
+def shapes(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """The synthetic visual task (``scripts/data/shapes.py``): the word after the last ``####`` is the colour of the
+    largest shape (case-insensitive)."""
+    matches = _FINAL_WORD.findall(response)
+    return float(bool(matches) and matches[-1].lower() == ground_truth.strip().lower())
+
+
 def _reasoning_gym(response: str, ground_truth: str, extra_info: dict | None = None) -> float:
     from rlspmd.rewards.reasoning_gym import score
 

@@ -26,6 +26,7 @@ from rlspmd.algorithms import AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.engines.base import TrainingEngine
 from rlspmd.metrics import MetricBuffer
+from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
 from rlspmd.distributed.micro_batches import forward_micro_batches
@@ -61,6 +62,7 @@ def compute_logprobs(
             response_len=R,
             temperature=temperature,
             with_entropy=with_entropy,
+            **vision_inputs(mb),
         ),
         micro_batch_size=micro_batch_size,
         max_tokens=max_tokens,
@@ -175,6 +177,7 @@ class Policy:
             mb["position_ids_BL"],
             response_len=R,
             temperature=self.temperature,
+            **vision_inputs(mb),
         )
         mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()

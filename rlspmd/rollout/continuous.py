@@ -9,7 +9,8 @@ and frees its slot when it ends (EOS or its token budget). Between two decode st
 
 Choices and simplifications:
 
-* The eager Llama-family arithmetic of ``models/decoder.py`` (same helpers), with per-slot lengths and positions. Not
+* The eager Llama-family arithmetic of ``models/decoder.py`` (same helpers), with per-slot lengths and positions (a
+  vision-language model: the prompt's images and M-RoPE positions at prefill, ``models/vision_decoder.py``). Not
   the CUDA-graph path (``cuda_graphs.py``), whose static batch serves single-turn generation. Other architectures
   are refused by the builder.
 * A new turn re-prefills the conversation's whole context into a free slot rather than keeping the slot (and its KV)
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlspmd.models.decoder import LlamaFamilyDecoder, decode_attention, decoder_layers, linear, rms_norm, signed_sin
+from rlspmd.models.vision import ImageInputs, VisionSpec, is_vision_language
+from rlspmd.models.vision_decoder import prompt_embeddings
 from rlspmd.rollout.sampling import SamplingParams, counter_uniform, sample_with_uniform
 
 
@@ -45,6 +48,10 @@ class Request:
     """Sampling stream of the conversation."""
     counter: int = 0
     """Index of this request's first token in the seed's stream (tokens the conversation generated before)."""
+    images: ImageInputs | None = None
+    """The images of the conversation's prompt (a vision-language model), whose placeholders are in its first
+    ``prompt_len`` tokens."""
+    prompt_len: int = 0
 
 
 class RequestSource(Protocol):
@@ -74,8 +81,12 @@ class SlotDecoder:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        # a slot's next RoPE position is its length plus its delta (M-RoPE positions advance less over an image;
+        # 0 for text models)
+        self.deltas = torch.zeros(slots, dtype=torch.long, device=device)
         self.rope_table = base.rope_table_for(max_len, device)
         self.max_len, self.device = max_len, device
+        self.vision = VisionSpec.of(hf_model.config) if is_vision_language(hf_model.config) else None
 
     def _rope(self, h: torch.Tensor, pos_BS: torch.Tensor):
         if self.rope_table is not None:
@@ -83,9 +94,10 @@ class SlotDecoder:
         cos, sin = self.base.rotary_emb(h, pos_BS)
         return cos[:, None], signed_sin(sin[:, None])
 
-    def prefill(self, slots: list[int], contexts: list[list[int]]) -> torch.Tensor:
-        """Write the contexts' K/V into positions ``[0, n)`` of their slots (one right-padded forward); returns the
-        next-token logits ``(len(slots), V)``."""
+    def prefill(self, slots: list[int], requests: list[Request]) -> torch.Tensor:
+        """Write the requests' contexts' K/V into positions ``[0, n)`` of their slots (one right-padded forward);
+        returns the next-token logits ``(len(slots), V)``."""
+        contexts = [r.ids for r in requests]
         n = torch.tensor([len(c) for c in contexts], device=self.device)
         S = int(n.max())
         if S > self.max_len:
@@ -97,6 +109,15 @@ class SlotDecoder:
         # Causal within each context; padding keys are hidden, and a padding query still sees position 0 (no NaN).
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < n[:, None, None])
         slot_t = torch.tensor(slots, device=self.device)
+        h = rope = None
+        deltas = torch.zeros(len(slots), dtype=torch.long, device=self.device)
+        if self.vision is not None:  # image features in the embeddings, M-RoPE positions
+            valid = (pos[None] < n[:, None]).long()
+            images, bounds = [r.images for r in requests], [r.prompt_len for r in requests]
+            h, rope, next_pos = prompt_embeddings(
+                self.m.model, self.base, ids, valid, images, spec=self.vision, prompt_len=bounds
+            )
+            deltas = next_pos - n
         h = self._layers(
             ids,
             pos[None].expand(len(slots), S),
@@ -104,8 +125,11 @@ class SlotDecoder:
             lambda i, q, k, v: F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask[:, None], enable_gqa=self.m.n_kv != self.m.n_heads
             ),
+            h=h,
+            rope=rope,
         )
         self.lengths[slot_t] = n
+        self.deltas[slot_t] = deltas
         last = h[torch.arange(len(slots), device=self.device), n - 1]
         return self._logits(last)
 
@@ -130,14 +154,15 @@ class SlotDecoder:
         def attend(i, q, k, v):
             return decode_attention(q, self.k[i][slots, :, :end], self.v[i][slots, :, :end], mask)
 
-        h = self._layers(tokens[:, None], pos[:, None], write, attend)
+        h = self._layers(tokens[:, None], (pos + self.deltas[slots])[:, None], write, attend)
         self.lengths[slots] = pos + 1
         return self._logits(h[:, -1])
 
-    def _layers(self, ids_BS, pos_BS, write, attend) -> torch.Tensor:
+    def _layers(self, ids_BS, pos_BS, write, attend, *, h=None, rope=None) -> torch.Tensor:
+        """``h``, ``rope``: a vision-language prefill's embeddings and (cos, signed sin), instead of the tokens'."""
         m = self.m
-        h = F.embedding(ids_BS, self.base.embed_tokens.weight)
-        cos, sin = self._rope(h, pos_BS)
+        h = F.embedding(ids_BS, self.base.embed_tokens.weight) if h is None else h
+        cos, sin = self._rope(h, pos_BS) if rope is None else rope
         return decoder_layers(
             self.base,
             h,
@@ -196,7 +221,7 @@ def serve(
                 )
             admitted.append((free.pop(), r))
         if admitted:
-            logits.append(decoder.prefill([s for s, _ in admitted], [r.ids for _, r in admitted]))
+            logits.append(decoder.prefill([s for s, _ in admitted], [r for _, r in admitted]))
             for s, r in admitted:
                 active[s] = _Row(r)
             order += [s for s, _ in admitted]

@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 from rlspmd.components import Problem
-from rlspmd.models.decoder import LLAMA_FAMILY, make_decoder
+from rlspmd.models.decoder import LLAMA_FAMILY
 from rlspmd.models.loader import dtype_name, load_causal_lm
+from rlspmd.models.vision import VISION_MODEL_TYPES, vision_inputs
+from rlspmd.models.vision_decoder import rollout_decoder
 from rlspmd.protocol import Batch
 from rlspmd.rollout.base import RolloutEngineConfig, assemble_rollout
 from rlspmd.rollout.continuous import RequestSource, SlotDecoder, serve
@@ -39,6 +41,7 @@ class NativeConfig(RolloutEngineConfig):
 
     name: ClassVar[str] = "native"
     reads_in_place: ClassVar[bool] = True
+    serves_images: ClassVar[bool] = True
     max_batch_size: int = 256
     """Most sequences the native engine decodes at once on one rank."""
     compile_decode: bool = False
@@ -109,11 +112,13 @@ def generate_tokens(
     pad_id: int,
     generator: torch.Generator | None,
     compact_fraction: float = 0.25,
+    images: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``params.max_new_tokens`` per row -> (tokens_BR, lengths_B, logprobs_BR).
 
     ``lengths_B`` counts generated tokens including the EOS token; tokens past it are ``pad_id``. A
     ``StaticDecoder`` runs its own loop (static shapes, CUDA graphs); the eager decoders run the loop below.
+    ``images``: the rows' images, for a vision-language decoder's prefill (``models/vision_decoder.py``).
     """
     if isinstance(decoder, StaticDecoder):
         return decoder.generate(
@@ -126,7 +131,10 @@ def generate_tokens(
     lengths = torch.full((B,), T, dtype=torch.long, device=dev)
     rows = torch.arange(B, device=dev)  # original row of each decoder row
     done = torch.zeros(B, dtype=torch.bool, device=dev)  # per decoder row
-    logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T)
+    if images is None:
+        logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T)
+    else:
+        logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T, images=images)
     suppress = params.ignore_eos and eos_ids.numel() > 0
     stops = eos_ids.numel() > 0 and not suppress
     any_done = False  # while no row has finished (and none was dropped), rows == arange(B): plain column writes
@@ -193,7 +201,7 @@ class NativeEngine:
             static = static_decoder(
                 hf_model, device=self.device, cuda_graphs=self.cuda_graphs, compile=self.compile_decode
             )
-            decoder = static or make_decoder(hf_model)
+            decoder = static or rollout_decoder(hf_model)
             for part in batch.split(self.max_batch_size):
                 outs.append(
                     generate_tokens(
@@ -204,6 +212,7 @@ class NativeEngine:
                         eos_ids=self.eos_ids,
                         pad_id=self.pad_id,
                         generator=generator,
+                        **vision_inputs(part),
                     )
                 )
             if static is not None:
@@ -217,10 +226,11 @@ class NativeEngine:
         ``max_requests``, the most that can be in flight, is smaller). Eager Llama-family decoding."""
         slots = max(1, min(self.max_batch_size, max_requests))
         with self.weights.model() as hf_model:
-            if hf_model.config.model_type not in LLAMA_FAMILY:
+            if hf_model.config.model_type not in (*LLAMA_FAMILY, *VISION_MODEL_TYPES):
                 raise ValueError(
                     f"rollout.agent: the native engine's request-level generation supports Llama-family "
-                    f"models ({sorted(LLAMA_FAMILY)}), not model_type={hf_model.config.model_type!r}"
+                    f"models ({sorted(LLAMA_FAMILY)}) and {list(VISION_MODEL_TYPES)}, not "
+                    f"model_type={hf_model.config.model_type!r}"
                 )
             decoder = SlotDecoder(hf_model, slots=slots, max_len=max_len, device=self.device)
             return serve(decoder, source, params, slots=slots, eos_ids=self.eos_ids.tolist())

@@ -22,6 +22,7 @@ from functools import partial
 
 from rlspmd.agent import check_rows as check_agent_rows
 from rlspmd.config import Config, to_dict
+from rlspmd.data.images import MultimodalPrompts
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
@@ -169,6 +170,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         if cfg.algorithm.filter_groups.enable
         else SingleRound(train_batch_size=tbs)
     )
+    # a vision-language model's image processing, where the prompts are read and the samples written
+    vision = MultimodalPrompts.for_model(m.path, tokenizer, field_name="actor.model.path") if rt.is_main else None
     prompts = Prompts(
         cfg.data,
         tokenizer,
@@ -178,6 +181,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         prompts_per_round=sampling.prompts_per_round,
         seed=trainer.seed,
         tools=episodes.tool_schemas,
+        vision=vision,
     )
     if (
         prompts.train is not None
@@ -295,6 +299,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             reward_columns=component_columns(cfg.reward, agent=cfg.rollout.agent.enabled),
             tool_names=episodes.tool_names if cfg.rollout.agent.enabled else None,
             val_prompts=data_stats["val_prompts"],
+            vision=vision,
         )
         if trainer.samples.enable
         else NoSampleLog()

@@ -76,6 +76,7 @@ def build_policy(
         section="actor",
         lora=cfg.lora,
         train_mesh=train_mesh,
+        freeze_vision=cfg.freeze_vision_tower,
     )
     return Policy(
         cfg,

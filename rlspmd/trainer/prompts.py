@@ -11,6 +11,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import DataConfig
+from rlspmd.data.images import MultimodalPrompts
 from rlspmd.data.prompts import EpochSampler, PromptDataset
 from rlspmd.distributed.dispatch import scatter_batch
 from rlspmd.protocol import Batch
@@ -28,9 +29,10 @@ class Prompts:
         prompts_per_round: int,
         seed: int,
         tools: list[dict] | None = None,
+        vision: MultimodalPrompts | None = None,
     ):
         """Collective over ``mesh``; only rank 0 (``is_main``) reads the files. ``tools``: schemas rendered into
-        every prompt (``rollout.agent``)."""
+        every prompt (``rollout.agent``). ``vision``: a vision-language model's image processing (rows with images)."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.train = self.val = self.sampler = None
         if is_main:
@@ -40,6 +42,8 @@ class Prompts:
                 overlong=cfg.overlong_prompts,
                 empty=cfg.empty_prompts,
                 tools=tools,
+                image_key=cfg.image_key,
+                vision=vision,
             )
             self.train = PromptDataset(cfg.train_files, tokenizer, field_name="data.train_files", **kw)
             self.val = PromptDataset(cfg.val_files, tokenizer, field_name="data.val_files", **kw)

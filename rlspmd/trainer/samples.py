@@ -19,6 +19,9 @@ happen on rank 0 only. ``trainer.samples.enable=False`` builds ``NoSampleLog``: 
 
 Resuming at step N keeps the records of steps <= N and moves later ones (a crashed run's steps after its last
 checkpoint, now run again) to ``<split>.superseded.jsonl``, as ``metrics.jsonl`` does.
+
+A vision-language run's records also name their prompt's images (``images``: the data file and row each came from,
+and a thumbnail of it as the model saw it in ``samples/images/``), and TensorBoard shows them beside the text.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ from pathlib import Path
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.config import SampleLogConfig
+from rlspmd.data.images import MultimodalPrompts
 from rlspmd.distributed.dispatch import even_split, gather_batch
 from rlspmd.metrics import MetricLogger, rewind_jsonl
+from rlspmd.models.vision import ImageInputs
 from rlspmd.protocol import Batch
 from rlspmd.roles.rollout import truncated
 
 SPLITS = ("train", "val")
+THUMBNAIL = 256
+"""Largest side, in pixels, of a sample's image thumbnail (``samples/images/``)."""
 MASK_OPEN, MASK_CLOSE = "\u27e6", "\u27e7"  # ⟦ ⟧: around response text that is in the context but not trained on
 
 
@@ -63,11 +70,14 @@ class SampleLog:
         reward_columns: list[str],
         tool_names: list[str] | None,
         val_prompts: int,
+        vision: MultimodalPrompts | None = None,
     ):
         """``mesh``: the trainer's DP mesh (the gather's group; its first rank writes). ``reward_columns``: the names of
         ``reward_components_BK``'s columns (``roles/reward.component_columns``). ``tool_names``: multi-turn rollouts'
-        tools (None: single-turn samples, no agent fields). ``val_prompts``: the size of the validation set."""
+        tools (None: single-turn samples, no agent fields). ``val_prompts``: the size of the validation set.
+        ``vision``: a vision-language model's image processing, on the writing rank (for the images' thumbnails)."""
         self.cfg, self.tokenizer, self.mesh = cfg, tokenizer, mesh
+        self.vision = vision
         self.dir = Path(output_dir) / "samples"
         self.eos_ids, self.max_response_length = eos_ids, max_response_length
         self.reward_columns, self.tool_names = reward_columns, tool_names
@@ -169,6 +179,8 @@ class SampleLog:
                     "tool_timeouts": int(b["agent_tool_timeouts_B"][j]),
                 }
             rec["ground_truth"] = b["ground_truth"][j]
+            if "images" in b and b["images"][j] is not None:
+                rec["_images"] = b["images"][j]  # the pixels go to rank 0 with the record; it writes thumbnails
             rec["prompt_ids"] = b["prompts_BP"][j][prompt_mask[j]].tolist()
             rec["response_ids"] = b["responses_BR"][j, :n].tolist()
             rec["loss_spans"] = loss_spans(mask)
@@ -182,6 +194,8 @@ class SampleLog:
             return
         lines, table = [], []
         for k, rec in enumerate(gathered["sample"]):
+            if "_images" in rec:
+                rec["images"] = self._thumbnails(rec.pop("_images"), f"{split}-{step:06d}-{k:03d}", tag(k, rec), step)
             rec = self._with_text(rec)
             lines.append(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
             self.logger.text(tag(k, rec), tensorboard_text(rec), step)
@@ -189,6 +203,25 @@ class SampleLog:
         with open(self.dir / f"{split}.jsonl", "a") as f:
             f.writelines(lines)
         self.logger.table(f"samples/{split}", table, step)
+
+    def _thumbnails(self, images: ImageInputs, name: str, tag: str, step: int) -> list[dict]:
+        """Each image of a sample's prompt, as the model saw it, into ``samples/images/<name>-<k>.png`` (at most
+        ``THUMBNAIL`` pixels a side) and TensorBoard's images tab (``<tag>/image<k>``); returns the record's references:
+        where the image came from (data file and row) and its thumbnail, relative to ``samples/``."""
+        from PIL import Image
+
+        assert self.vision is not None, "a sample with images needs the model's image processing on the writing rank"
+        (self.dir / "images").mkdir(exist_ok=True)
+        refs = []
+        for k in range(images.grid_thw.shape[0]):
+            picture = self.vision.picture(images, k)
+            thumb = Image.fromarray(picture)
+            thumb.thumbnail((THUMBNAIL, THUMBNAIL))
+            path = f"images/{name}-{k}.png"
+            thumb.save(self.dir / path)
+            self.logger.image(f"{tag}/image{k}", picture, step)
+            refs.append({"source": images.source, "image": k, "thumbnail": path})
+        return refs
 
     def _with_text(self, rec: dict) -> dict:
         """Text decoded with the special tokens (what the model saw), before the ids in the record."""
@@ -261,6 +294,8 @@ def format_sample(rec: dict, *, color: bool = False) -> str:
             f"turns {a['turns']} · user turns {a['user_turns']} · tool calls: {calls} · tool errors {a['tool_errors']}"
             f" · timeouts {a['tool_timeouts']}"
         )
+    for im in rec.get("images", []):  # a vision-language prompt's images: where each came from, and its thumbnail
+        lines.append(f"image {im['image']}: {im['source']} · thumbnail samples/{im['thumbnail']}")
     lines.append(f"ground truth: {rec['ground_truth']}")
     if color:
         dim, reset = "\x1b[2;36m", "\x1b[0m"

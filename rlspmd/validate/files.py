@@ -30,10 +30,28 @@ def check_files_exist(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         check_model_files(p, "reward.model", rw.model.path, tokenizer=rw.model.tokenizer_path or rw.model.path)
     check_data_files(p, "data.train_files", cfg.data.train_files)
     check_data_files(p, "data.val_files", cfg.data.val_files)
+    for problem in vision_problems(cfg, with_critic=with_critic):
+        p.add(*problem)
     if rw.function is not None:
         p.file_check(check_function_spec, rw.function, field_name="reward.function")
     for i, spec in enumerate(rw.components):
         p.file_check(check_function_spec, spec, field_name=f"reward.components[{i}]")
+
+
+def vision_problems(cfg: Config, *, with_critic: bool) -> list[tuple[str, object, str]]:
+    """What a vision-language actor model does not run with (``models/vision.py: model_problems``)."""
+    from rlspmd.models.vision import model_problems
+
+    a = cfg.actor
+    return model_problems(
+        a.model.path,
+        freeze_vision_tower=a.freeze_vision_tower,
+        critic=with_critic,
+        tp=cfg.mesh.actor_tp,
+        engine=a.engine,
+        lora=a.lora.enabled,
+        rollout_engine=cfg.rollout.engine,
+    )
 
 
 def model_context(path: str) -> int | None:

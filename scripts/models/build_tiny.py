@@ -17,6 +17,12 @@ Hub. This script makes one from nothing:
   in exact agreement for both architectures. Its regex isolates every numeric character, so digits
   still tokenize one per token.
 * Model: a Qwen2 or Llama config with random weights drawn under ``torch.manual_seed(seed)``.
+* ``--vision``: a Qwen2.5-VL-style model instead: the same tokenizer plus Qwen2-VL's vision tokens
+  (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, special), a chat template whose
+  message content may also be a list of parts (``{"type": "image"}`` renders as
+  ``<|vision_start|><|image_pad|><|vision_end|>``), a small vision tower (``VISION_DEFAULTS``) and Qwen2-VL's image
+  processor (``preprocessor_config.json``; transformers' PIL backend, which needs no torchvision), sized for small
+  images: at most ``--max-pixels`` pixels, so a 112 x 112 image is 8 x 8 patches and 16 image tokens.
 
 Same arguments give byte-identical ``tokenizer.json`` and ``model.safetensors``.
 
@@ -87,6 +93,39 @@ TOOLS_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+"""Special tokens of a ``--vision`` model (Qwen2-VL's): an image in a prompt is ``<|vision_start|><|image_pad|>
+<|vision_end|>``, and the processor repeats ``<|image_pad|>`` once per image token."""
+VISION_CONTENT = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+)
+"""Prepended to a ``--vision`` model's template; its messages' ``content`` is rendered through ``render``."""
+VISION_DEFAULTS = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=56,
+    fullatt_block_indexes=[1],
+    tokens_per_second=2,
+)
+"""The tiny vision tower: two blocks (the first with window attention over 2 x 2 merged patches, the second full)."""
+
+
+def vision_template(template: str) -> str:
+    """``template`` with message content that may be a list of text and image parts (``VISION_CONTENT``)."""
+    return VISION_CONTENT + template.replace("message['content']", "render(message['content'])")
+
+
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 """Added (not special) tokens of a ``--tools`` model, as in Qwen2.5: a call's tags are one token each and survive
 decoding, where the parser reads them."""
@@ -120,7 +159,7 @@ def synthetic_corpus(num_lines: int = 6000) -> list[str]:
     rng = random.Random("rlspmd/tiny-tokenizer-corpus/v1")
     lines = [
         "You are a helpful assistant.",
-        "Let's think step by step and output the final answer after \"####\".",
+        'Let\'s think step by step and output the final answer after "####".',
         'Output the final answer after "####".',
         "user assistant system",
     ]
@@ -180,11 +219,14 @@ def build(
     dtype: str = "float32",
     seed: int = 0,
     tools: bool = False,
+    vision: bool = False,
+    max_pixels: int = 112 * 112,
 ) -> Path:
     """Write the tokenizer and model to ``out`` and return it. ``vocab_size=None`` sizes the model from
     the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes). ``tools``: the tool-calling
     chat template and the ``TOOL_TOKENS`` (agentic RL); the same weights as without (the default vocabulary has room
-    for the added tokens)."""
+    for the added tokens). ``vision``: a Qwen2.5-VL-style model (see the module docstring); ``max_pixels``: the image
+    processor's largest image (pixels; larger images are scaled down, keeping their aspect ratio)."""
     import torch
     import transformers
 
@@ -203,7 +245,7 @@ def build(
 
     backend = train_tokenizer(vocab_size or DEFAULT_TOKENIZER_VOCAB)
     trained = backend.get_vocab_size()
-    needed = trained + (len(TOOL_TOKENS) if tools else 0)
+    needed = trained + (len(TOOL_TOKENS) if tools else 0) + (len(VISION_TOKENS) if vision else 0)
     model_vocab = vocab_size if vocab_size is not None else -(-needed // 64) * 64
     if needed > model_vocab:
         raise ValueError(f"--vocab-size {model_vocab} is smaller than the tokenizer's {needed} tokens")
@@ -213,15 +255,34 @@ def build(
         pad_token=ENDOFTEXT,
         padding_side="left",  # rollouts left-pad prompts so generation continues from the right edge
         model_max_length=max_position,
-        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
+        chat_template=(vision_template if vision else str)(TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE),
         clean_up_tokenization_spaces=False,
     )
     if tools:
         tokenizer.add_tokens(TOOL_TOKENS)
+    if vision:
+        tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tokenizer.save_pretrained(out)
 
     ids = {tok: backend.token_to_id(tok) for tok in SPECIAL_TOKENS}
     special = dict(bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT])
+    if vision:
+        return _build_vision(
+            out,
+            tokenizer,
+            special,
+            model_vocab=model_vocab,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            max_position=max_position,
+            tie_embeddings=tie_embeddings,
+            dtype=dtype,
+            seed=seed,
+            max_pixels=max_pixels,
+        )
     config_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
     config = config_cls(
         vocab_size=model_vocab,
@@ -242,6 +303,71 @@ def build(
     return out
 
 
+def _build_vision(
+    out: Path,
+    tokenizer,
+    special: dict,
+    *,
+    model_vocab: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position: int,
+    tie_embeddings: bool,
+    dtype: str,
+    seed: int,
+    max_pixels: int,
+) -> Path:
+    """The Qwen2.5-VL-style model and its image processor (``build(vision=True)``)."""
+    import torch
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    # M-RoPE splits the head's frequency pairs into (temporal, height, width) sections, in Qwen2.5-VL's 2:3:3 ratio
+    pairs = hidden_size // num_heads // 2
+    hw = (pairs - pairs // 4) // 2
+    mrope_section = [pairs - 2 * hw, hw, hw]
+    vocab = tokenizer.get_vocab()
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=model_vocab,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+            **special,
+        ),
+        vision_config=dict(VISION_DEFAULTS, out_hidden_size=hidden_size),
+        image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+        tie_word_embeddings=tie_embeddings,
+        **special,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    transformers.GenerationConfig(**special).save_pretrained(out)
+    patch, merge = VISION_DEFAULTS["patch_size"], VISION_DEFAULTS["spatial_merge_size"]
+    unit = (patch * merge) ** 2  # the smallest image: one merged patch
+    Qwen2VLImageProcessorPil(
+        size={"shortest_edge": 4 * unit, "longest_edge": max(max_pixels, 4 * unit)},
+        patch_size=patch,
+        merge_size=merge,
+        temporal_patch_size=VISION_DEFAULTS["temporal_patch_size"],
+    ).save_pretrained(out)
+    # the class name real Qwen2.5-VL checkpoints carry: transformers picks its PIL backend without torchvision
+    pre = out / "preprocessor_config.json"
+    pre.write_text(pre.read_text().replace('"Qwen2VLImageProcessorPil"', '"Qwen2VLImageProcessor"'))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("models/tiny"))
@@ -257,6 +383,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tools", action="store_true", help="tool-calling chat template and tool-call tokens (agentic RL)")
+    p.add_argument(
+        "--vision", action="store_true", help="a Qwen2.5-VL-style model with a tiny vision tower and image processor"
+    )
+    p.add_argument("--max-pixels", type=int, default=112 * 112, help="--vision: the image processor's largest image")
     args = p.parse_args(argv)
 
     start = time.perf_counter()
@@ -274,11 +404,14 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         seed=args.seed,
         tools=args.tools,
+        vision=args.vision,
+        max_pixels=args.max_pixels,
     )
     config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config", config)
     print(
-        f"built {config['model_type']} (vocab {config['vocab_size']}, hidden {config['hidden_size']}, "
-        f"{config['num_hidden_layers']} layers) at {out} in {time.perf_counter() - start:.1f}s"
+        f"built {config['model_type']} (vocab {text['vocab_size']}, hidden {text['hidden_size']}, "
+        f"{text['num_hidden_layers']} layers) at {out} in {time.perf_counter() - start:.1f}s"
     )
 
 

@@ -36,7 +36,7 @@ from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.value import load_value_model
 from rlspmd.protocol import Batch
-from rlspmd.models.policy import build_policy_module
+from rlspmd.models.sharded_load import build_policy_module
 from rlspmd.trainer.checkpoint import save_hf_model
 
 from batches import TEMPERATURE, B, R, global_batch, policy_loss  # tests/dist, the script's directory, is on sys.path

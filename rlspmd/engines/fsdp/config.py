@@ -17,9 +17,15 @@ from rlspmd.engines.fsdp.lora import LoraEngine
 from rlspmd.engines.optim import OptimConfig
 from rlspmd.models.loader import ModelConfig
 from rlspmd.models.lora import LoraConfig, apply_lora, initial_adapters
-from rlspmd.models.policy import build_policy_module
-from rlspmd.models.sharded_load import WeightPlan, meta_policy_module, meta_sequence_scorer, meta_value_model
+from rlspmd.models.sharded_load import (
+    WeightPlan,
+    build_policy_module,
+    meta_policy_module,
+    meta_sequence_scorer,
+    meta_value_model,
+)
 from rlspmd.models.value import load_sequence_scorer, load_value_model
+from rlspmd.models.vision import freeze_vision_tower
 
 
 @dataclass
@@ -30,6 +36,7 @@ class FSDPConfig(TrainingEngineConfig):
     name: ClassVar[str] = "fsdp"
     supports_lora: ClassVar[bool] = True
     supports_mesh_tp: ClassVar[bool] = True
+    supports_vision: ClassVar[bool] = True
     lends_weights: ClassVar[bool] = True
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of unsharded parameters. ``auto``: bfloat16 on CUDA, float32 on CPU."""
@@ -59,9 +66,12 @@ class FSDPConfig(TrainingEngineConfig):
         section: str,
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
+        freeze_vision: bool = False,
     ) -> TrainingEngine:
         lora = lora if lora is not None and lora.enabled else None
         module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
+        if freeze_vision:
+            freeze_vision_tower(module.hf)
         kw = dict(
             mesh=mesh,
             device=device,

@@ -51,6 +51,7 @@ from rlspmd.engines.optim import OptimConfig, Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
+from rlspmd.models.vision import vision_blocks
 
 
 class FSDPOptions(Protocol):
@@ -154,12 +155,13 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
 def apply_fsdp(
     module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPOptions, device: torch.device
 ) -> None:
-    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads)."""
+    """``fully_shard`` each decoder layer (and each block of a vision tower), then the root (embeddings, final norm,
+    heads; a vision tower's patch embedding and merger)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for layer in decoder_layers(hf_model):
+    for layer in [*vision_blocks(hf_model), *decoder_layers(hf_model)]:
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
     for m in module.modules():
@@ -218,6 +220,11 @@ class FSDPEngine:
             # FSDP2's CPU offload keeps the sharded parameters in host memory
             materialize(module, device=torch.device("cpu") if fsdp.cpu_offload else device)
             weights.load(module)
+        if vision_blocks(hf_model):
+            # FSDP2 decides which module is the root at the first forward. The colocated native rollout runs a vision
+            # tower's blocks (FSDP units of their own) inside ``unsharded`` before the root's first forward: decide the
+            # root now, as that forward would.
+            module._get_fsdp_state()._lazy_init()
         self.module = module
         self.hf_model = hf_model
         if optim is None:

@@ -35,16 +35,17 @@ def write_hf_dir(
     shutil.rmtree(tmp, ignore_errors=True)
     hf_model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    gen = Path(source_dir) / "generation_config.json"
-    if gen.is_file():
-        shutil.copy(gen, tmp / "generation_config.json")
+    for name in ("generation_config.json", "preprocessor_config.json"):
+        if (Path(source_dir) / name).is_file():
+            shutil.copy(Path(source_dir) / name, tmp / name)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
 
 
-MODEL_FILES = ("config.json", "generation_config.json")
+MODEL_FILES = ("config.json", "generation_config.json", "preprocessor_config.json")
+"""Copied beside the weights; ``preprocessor_config.json`` is a vision-language model's image processor."""
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
