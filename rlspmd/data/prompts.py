@@ -182,9 +182,17 @@ class PromptDataset:
                 info = dict(row.get("extra_info") or {})
                 info.setdefault("index", i)
                 self.rows.append(
-                    {"data_source": row["data_source"], "ground_truth": gt, "extra_info": info, "prompt_text": text,
-                     "prompt_messages": messages, "where": (path, i), "agent_name": row.get("agent_name"),
-                     "images": images, "image_tokens": counts}
+                    {
+                        "data_source": row["data_source"],
+                        "ground_truth": gt,
+                        "extra_info": info,
+                        "prompt_text": text,
+                        "prompt_messages": messages,
+                        "where": (path, i),
+                        "agent_name": row.get("agent_name"),
+                        "images": images,
+                        "image_tokens": counts,
+                    }
                 )
             if texts:
                 self.prompt_ids.extend(tokenizer(texts, add_special_tokens=False)["input_ids"])
@@ -203,7 +211,13 @@ class PromptDataset:
                 )
         self.n_dropped = len(self.prompt_ids) - len(keep)
         if self.n_dropped:
-            log.warning("%s: dropped %d of %d prompts longer than %d tokens", field_name, self.n_dropped, len(self.prompt_ids), max_prompt_length)
+            log.warning(
+                "%s: dropped %d of %d prompts longer than %d tokens",
+                field_name,
+                self.n_dropped,
+                len(self.prompt_ids),
+                max_prompt_length,
+            )
         if not keep:
             raise ValueError(f"{field_name}: every prompt is longer than data.max_prompt_length={max_prompt_length}")
         self.prompt_ids = [self.prompt_ids[j] for j in keep]
@@ -259,7 +273,11 @@ class EpochSampler:
 
     def _order(self) -> np.ndarray:
         if self._perm is None or self._perm[0] != self.epoch:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.size) if self.shuffle else np.arange(self.size)
+            order = (
+                np.random.default_rng([self.seed, self.epoch]).permutation(self.size)
+                if self.shuffle
+                else np.arange(self.size)
+            )
             self._perm = (self.epoch, order)
         return self._perm[1]
 

@@ -130,18 +130,32 @@ class LlamaFamilyDecoder:
     def params(self):
         """The weights ``decode_step`` reads, as plain tensors (the step's inputs, not module state). Read once per
         generation: colocated with FSDP2, they are the parameters gathered in place for its duration."""
+
         def w(mod):
             return None if mod is None else mod.weight
 
         layers = []
         for layer in self.base.layers:
             a, m = layer.self_attn, layer.mlp
-            layers.append((
-                layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
-                a.v_proj.weight, a.v_proj.bias, w(getattr(a, "q_norm", None)), w(getattr(a, "k_norm", None)),
-                a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
-                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
-            ))
+            layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    a.q_proj.weight,
+                    a.q_proj.bias,
+                    a.k_proj.weight,
+                    a.k_proj.bias,
+                    a.v_proj.weight,
+                    a.v_proj.bias,
+                    w(getattr(a, "q_norm", None)),
+                    w(getattr(a, "k_norm", None)),
+                    a.o_proj.weight,
+                    a.o_proj.bias,
+                    layer.post_attention_layernorm.weight,
+                    m.gate_proj.weight,
+                    m.up_proj.weight,
+                    m.down_proj.weight,
+                )
+            )
         head = self.model.get_output_embeddings()
         return self.base.embed_tokens.weight, tuple(layers), self.base.norm.weight, head.weight, head.bias
 
@@ -182,8 +196,9 @@ class LlamaFamilyDecoder:
         def attend(i, q, k, v):
             if S == 1:
                 return decode_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], mask)
-            return F.scaled_dot_product_attention(q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask,
-                                                  enable_gqa=KV != H)
+            return F.scaled_dot_product_attention(
+                q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask, enable_gqa=KV != H
+            )
 
         h = decoder_layers(base, h, cos, sin, n_heads=H, n_kv=KV, head_dim=D, eps=self.eps, write=write, attend=attend)
         self.length = end
@@ -191,8 +206,19 @@ class LlamaFamilyDecoder:
         return linear(h, self.model.get_output_embeddings()).float()
 
 
-def decoder_layers(base: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, *, n_heads: int,
-                   n_kv: int, head_dim: int, eps: float, write, attend) -> torch.Tensor:
+def decoder_layers(
+    base: nn.Module,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    *,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    eps: float,
+    write,
+    attend,
+) -> torch.Tensor:
     """The decoder layers of a Llama-family ``base`` model over hidden states ``h`` (B, S, hidden), with the caller's
     KV cache: ``write(i, k, v)`` stores layer ``i``'s new keys and values (B, KV, S, D) and ``attend(i, q, k, v)``
     returns its attention output (B, H, S, D). The static-batch decoder (``LlamaFamilyDecoder``) and the continuous
@@ -217,7 +243,9 @@ def decoder_layers(base: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin_sign
     return h
 
 
-def decode_step(params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_table, sin_table, H: int, KV: int, D: int, eps: float):
+def decode_step(
+    params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_table, sin_table, H: int, KV: int, D: int, eps: float
+):
     """One decode step with static shapes: writes this token's K/V at ``slot_1`` of each layer's preallocated cache
     (``(B, KV, L, D)``) and attends over all ``L`` slots under ``mask_BL`` (additive: -inf at prompt padding and at
     slots not written yet). Same arithmetic as ``LlamaFamilyDecoder._forward`` for one token; a function of its tensor
@@ -229,7 +257,11 @@ def decode_step(params, k_caches, v_caches, tok_B, pos_B, slot_1, mask_BL, cos_t
     mask = mask_BL[:, None, None, :].expand(B, KV, G, L).reshape(B * KV, G, L)
     for i, (in_w, qw, qb, kw, kb, vw, vb, qn, kn, ow, ob, post_w, gw, uw, dw) in enumerate(layers):
         x = rms_norm(h, in_w, eps)
-        q, k, v = F.linear(x, qw, qb).view(B, 1, H, D), F.linear(x, kw, kb).view(B, 1, KV, D), F.linear(x, vw, vb).view(B, 1, KV, D)
+        q, k, v = (
+            F.linear(x, qw, qb).view(B, 1, H, D),
+            F.linear(x, kw, kb).view(B, 1, KV, D),
+            F.linear(x, vw, vb).view(B, 1, KV, D),
+        )
         if qn is not None:
             q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -49,6 +49,7 @@ class ModelConfig:
     loads the whole model on every rank with ``from_pretrained`` and shards it (for ``*.bin`` checkpoints, or
     architectures whose checkpoints need transformers' key conversions)."""
 
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -58,6 +59,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the config's spelling)."""
     return next(k for k, v in DTYPES.items() if v == dtype)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
 
@@ -97,7 +100,9 @@ def check_model_dir(path: str | Path, *, field_name: str) -> Path:
         raise FileNotFoundError(f"{field_name}: {p} has no *.safetensors weights")
     index = p / "model.safetensors.index.json"
     if index.is_file():
-        missing = sorted({f for f in json.loads(index.read_text()).get("weight_map", {}).values() if not (p / f).is_file()})
+        missing = sorted(
+            {f for f in json.loads(index.read_text()).get("weight_map", {}).values() if not (p / f).is_file()}
+        )
         if missing:
             raise FileNotFoundError(f"{field_name}: {index} lists shard(s) {missing} that are not in {p}")
     for f in weights:
@@ -120,7 +125,9 @@ def load_tokenizer(path: str | Path, *, field_name: str, require_chat_template: 
     p = check_tokenizer_dir(path, field_name=field_name)
     tok = AutoTokenizer.from_pretrained(str(p))
     if require_chat_template and not tok.chat_template:
-        raise ValueError(f"{field_name}: the tokenizer in {p} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        raise ValueError(
+            f"{field_name}: the tokenizer in {p} has no chat template (chat_template.jinja or tokenizer_config.json)"
+        )
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 
-
 @dataclass
 class LoraConfig:
     """LoRA fine-tuning of the policy through ``peft`` (``rank`` > 0): only the adapters train, are sharded with the
@@ -51,6 +50,7 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+
 ADAPTER = "default"
 """peft's adapter name: the one adapter a policy trains."""
 BASE = ".base_layer."
@@ -61,9 +61,18 @@ def peft_config(cfg: LoraConfig, *, base_model: str | None = None, target_module
     """``peft.LoraConfig`` for ``actor.lora`` (``target_modules``: the resolved module names, for export)."""
     import peft
 
-    targets = target_modules or (cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else list(cfg.target_modules))
-    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, bias="none",
-                           task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+    targets = target_modules or (
+        cfg.target_modules[0] if cfg.target_modules == ["all-linear"] else list(cfg.target_modules)
+    )
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    )
 
 
 def apply_lora(hf_model: nn.Module, cfg: LoraConfig, *, field_name: str = "actor.lora.target_modules") -> None:

@@ -76,7 +76,9 @@ def megatron_arch(hf_config: dict, *, field_name: str) -> MegatronArch:
     rope = hf_config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" or hf_config.get("rope_scaling"):
-        raise ValueError(f"{where}: rope_scaling / rope_parameters.rope_type={rope_type!r} is not supported (default RoPE only)")
+        raise ValueError(
+            f"{where}: rope_scaling / rope_parameters.rope_type={rope_type!r} is not supported (default RoPE only)"
+        )
     rope_theta = rope.get("rope_theta", hf_config.get("rope_theta"))
     if rope_theta is None:
         raise ValueError(f"{where}: no rope_theta (in rope_parameters or at the top level)")
@@ -109,8 +111,12 @@ def megatron_arch(hf_config: dict, *, field_name: str) -> MegatronArch:
 
 def check_parallel(arch: MegatronArch, *, tp: int, pp: int, field_prefix: str) -> None:
     """``ValueError`` (naming ``<field_prefix>.tp`` / ``.pp``) when the degrees do not divide the model."""
-    for what, n in (("num_key_value_heads", arch.num_kv_heads), ("num_attention_heads", arch.num_heads),
-                    ("vocab_size", arch.vocab_size), ("intermediate_size", arch.ffn_hidden_size)):
+    for what, n in (
+        ("num_key_value_heads", arch.num_kv_heads),
+        ("num_attention_heads", arch.num_heads),
+        ("vocab_size", arch.vocab_size),
+        ("intermediate_size", arch.ffn_hidden_size),
+    ):
         if n % tp:
             raise ValueError(f"{field_prefix}.tp={tp} does not divide the model's {what}={n}")
     if arch.num_layers % pp:
@@ -124,7 +130,11 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Per-layer megatron suffix -> the HF tensors it fuses (suffixes under ``model.layers.<i>.``).
 _LAYER_MAP = {
     "input_layernorm.weight": ("input_layernorm.weight",),
-    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attention.linear_qkv.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
     "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
     "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
@@ -138,10 +148,21 @@ _TOP_MAP = {
 }
 # HF tensor suffix -> the dim it is split along under tensor parallelism (None: replicated).
 _SHARD_DIM = {
-    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0,
-    "o_proj.weight": 1, "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1,
-    "embed_tokens.weight": 0, "lm_head.weight": 0, "input_layernorm.weight": None,
-    "post_attention_layernorm.weight": None, "norm.weight": None,
+    "q_proj.weight": 0,
+    "k_proj.weight": 0,
+    "v_proj.weight": 0,
+    "q_proj.bias": 0,
+    "k_proj.bias": 0,
+    "v_proj.bias": 0,
+    "o_proj.weight": 1,
+    "gate_proj.weight": 0,
+    "up_proj.weight": 0,
+    "down_proj.weight": 1,
+    "embed_tokens.weight": 0,
+    "lm_head.weight": 0,
+    "input_layernorm.weight": None,
+    "post_attention_layernorm.weight": None,
+    "norm.weight": None,
 }
 
 
@@ -164,8 +185,12 @@ def stage_names(arch: MegatronArch, layers: range, *, first: bool, last: bool, w
     """The megatron names (global layer indices) a pipeline stage holds, in model order: the embedding on the first
     stage, ``layers``, the final norm and (``with_head``, untied) the head on the last."""
     names = megatron_names(arch, layers, with_head=with_head)
-    return [n for n in names if (first or not n.startswith("embedding.")) and
-            (last or n not in ("decoder.final_layernorm.weight", "output_layer.weight"))]
+    return [
+        n
+        for n in names
+        if (first or not n.startswith("embedding."))
+        and (last or n not in ("decoder.final_layernorm.weight", "output_layer.weight"))
+    ]
 
 
 def hf_shapes(arch: MegatronArch) -> dict[str, tuple[int, ...]]:
@@ -173,10 +198,18 @@ def hf_shapes(arch: MegatronArch) -> dict[str, tuple[int, ...]]:
     H, hd, V, F = arch.hidden_size, arch.head_dim, arch.vocab_size, arch.ffn_hidden_size
     q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
     per_layer = {
-        "input_layernorm.weight": (H,), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-        "self_attn.v_proj.weight": (kv, H), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.weight": (H, q), "post_attention_layernorm.weight": (H,),
-        "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+        "input_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (q, H),
+        "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (H, q),
+        "post_attention_layernorm.weight": (H,),
+        "mlp.gate_proj.weight": (F, H),
+        "mlp.up_proj.weight": (F, H),
+        "mlp.down_proj.weight": (H, F),
     }
     shapes = {"model.embed_tokens.weight": (V, H)}
     for m in megatron_names(arch):
@@ -238,7 +271,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_kv_heads:
     return torch.cat([q_g, k_g, v_g], dim=1).reshape(-1, *tail)
 
 
-def split_qkv(qkv: torch.Tensor, *, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_qkv(
+    qkv: torch.Tensor, *, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of ``fuse_qkv``: ``(q, k, v)`` from interleaved ``linear_qkv`` rows."""
     tail = qkv.shape[1:]
     groups = qkv.reshape(num_kv_heads, -1, *tail)
@@ -290,7 +325,9 @@ def tp_chunk(hf_name: str, full: torch.Tensor, *, tp: int, tp_rank: int) -> torc
     return full if dim is None or tp == 1 else full.chunk(tp, dim=dim)[tp_rank]
 
 
-def tp_shard(megatron_name: str, hf_full: list[torch.Tensor], arch: MegatronArch, *, tp: int, tp_rank: int) -> torch.Tensor:
+def tp_shard(
+    megatron_name: str, hf_full: list[torch.Tensor], arch: MegatronArch, *, tp: int, tp_rank: int
+) -> torch.Tensor:
     """A megatron parameter's TP shard from the full HF tensors it fuses (``hf_names_of`` order)."""
     pieces = [tp_chunk(h, t, tp=tp, tp_rank=tp_rank) for h, t in zip(hf_names_of(megatron_name), hf_full)]
     return join_megatron(megatron_name, pieces, num_kv_heads=arch.num_kv_heads // tp, head_dim=arch.head_dim)

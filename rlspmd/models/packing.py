@@ -128,7 +128,9 @@ def kernel_problem(kernel: str, *, device: torch.device, dtype: torch.dtype, bac
         if device.type != "cuda":
             return f"varlen_attn runs on CUDA only, this run's device is {device.type}"
         if dtype not in HALF:
-            return f"varlen_attn needs bfloat16 or float16 compute, this role computes in {dtype} (see fsdp.param_dtype)"
+            return (
+                f"varlen_attn needs bfloat16 or float16 compute, this role computes in {dtype} (see fsdp.param_dtype)"
+            )
         if torch.cuda.get_device_capability(device) < (8, 0):
             return f"varlen_attn (FlashAttention-2) needs an sm80+ GPU, {torch.cuda.get_device_name(device)} is older"
         return None
@@ -165,8 +167,14 @@ def packed_kernel(attn_kernel: str, device: torch.device, compute_dtype: torch.d
 
 
 def check_attn_kernel(
-    kernel: str, *, attn_implementation: str, packing: bool, device: torch.device, dtype: torch.dtype,
-    field_name: str, backward: bool = True,
+    kernel: str,
+    *,
+    attn_implementation: str,
+    packing: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    field_name: str,
+    backward: bool = True,
 ) -> str:
     """Start-up check of a role's ``model.attn_kernel`` (call it before models load); returns what the run log
     reports: the kernel name, or what runs instead when packing is off or transformers' own flash path packs.
@@ -260,8 +268,11 @@ class PackedBatch:
         the ``cu_seq_lens``/``max_length`` keys of transformers' own flash-attention integration."""
         a = self.attention
         return dict(
-            packed_attention=a, cu_seq_lens_q=a.cu_seqlens, cu_seq_lens_k=a.cu_seqlens,
-            max_length_q=a.max_seqlen, max_length_k=a.max_seqlen,
+            packed_attention=a,
+            cu_seq_lens_q=a.cu_seqlens,
+            cu_seq_lens_k=a.cu_seqlens,
+            max_length_q=a.max_seqlen,
+            max_length_k=a.max_seqlen,
         )
 
     def unpack(self, x_T: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
@@ -330,7 +341,9 @@ def _locate_responses(packed: PackedBatch, valid_BL: torch.Tensor, R: int, *, n_
     target_N = where_BL[rows_N * L + (L - R) + cols_N]
     if dev.type == "cpu":  # invariants; reading them on CUDA would be a host sync per micro-batch
         assert bool((target_N >= 0).all()), "a response position is a padding token"
-        assert not bool(torch.isin(target_N, packed.cu_seqlens[:-1].long()).any()), "a response token has no token before it"
+        assert not bool(torch.isin(target_N, packed.cu_seqlens[:-1].long()).any()), (
+            "a response token has no token before it"
+        )
     packed.response_len, packed.target_pos_N = R, target_N
     packed.response_rows_N, packed.response_cols_N = rows_N, cols_N
 
@@ -355,14 +368,17 @@ def document_causal_block_mask(lengths_B: torch.Tensor, T: int, *, block: int = 
     full = (j < i) & (first[None, :] == last[:, None])
 
     def blocks(m):  # (counts, indices) with the selected blocks first, in increasing order
-        return (m.sum(-1, dtype=torch.int32)[None, None],
-                torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[None, None])
+        return (
+            m.sum(-1, dtype=torch.int32)[None, None],
+            torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[None, None],
+        )
 
     def document_causal(b, h, q_idx, kv_idx):
         return (doc_T[q_idx] == doc_T[kv_idx]) & (q_idx >= kv_idx)
 
-    return BlockMask.from_kv_blocks(*blocks(touch & ~full), *blocks(full), BLOCK_SIZE=block, mask_mod=document_causal,
-                                    seq_lengths=(T, T))
+    return BlockMask.from_kv_blocks(
+        *blocks(touch & ~full), *blocks(full), BLOCK_SIZE=block, mask_mod=document_causal, seq_lengths=(T, T)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,8 +394,13 @@ def sdpa_loop_attention(q_THD, k_TKD, v_TKD, lengths: Sequence[int], *, scale: f
             outs.append(q)
             continue
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, dropout_p=dropout, enable_gqa=KV != H,
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            scale=scale,
+            dropout_p=dropout,
+            enable_gqa=KV != H,
         )
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
@@ -388,8 +409,18 @@ def sdpa_loop_attention(q_THD, k_TKD, v_TKD, lengths: Sequence[int], *, scale: f
 def _flash_attn_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, a.cu_seqlens, a.cu_seqlens, a.max_seqlen, a.max_seqlen, dropout_p=dropout,
-                                  softmax_scale=scale, causal=True)
+    return flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        a.cu_seqlens,
+        a.cu_seqlens,
+        a.max_seqlen,
+        a.max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scale,
+        causal=True,
+    )
 
 
 def _varlen_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
@@ -404,7 +435,9 @@ def _varlen_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
     if "scale" in params:
         kw["scale"] = scale
     elif abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-        raise ValueError(f"varlen_attn of torch {torch.__version__} has no scale argument; this model scales by {scale}")
+        raise ValueError(
+            f"varlen_attn of torch {torch.__version__} has no scale argument; this model scales by {scale}"
+        )
     if "enable_gqa" in params:  # torch >= 2.12 refuses fewer KV heads unless asked
         kw["enable_gqa"] = k.shape[1] != q.shape[1]
     return fn(q, k, v, a.cu_seqlens, a.cu_seqlens, a.max_seqlen, a.max_seqlen, **kw)
@@ -415,8 +448,14 @@ def _flex_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
         raise ValueError("attn_kernel='flex' has no attention dropout; use flash_attn or sdpa_loop")
     # compiled on CUDA; CPU only runs forwards (tests, no-grad roles) and compiling there costs more than it saves
     fn = _compiled_flex() if q.is_cuda else _flex_api()[0]
-    out = fn(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=a.block_mask,
-             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    out = fn(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=a.block_mask,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
     return out[0].transpose(0, 1)
 
 
@@ -424,7 +463,12 @@ def _sdpa_loop_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float)
     return sdpa_loop_attention(q, k, v, a.lengths, scale=scale, dropout=dropout)
 
 
-KERNELS = {"flash_attn": _flash_attn_kernel, "varlen": _varlen_kernel, "flex": _flex_kernel, "sdpa_loop": _sdpa_loop_kernel}
+KERNELS = {
+    "flash_attn": _flash_attn_kernel,
+    "varlen": _varlen_kernel,
+    "flex": _flex_kernel,
+    "sdpa_loop": _sdpa_loop_kernel,
+}
 
 
 def cu_seqlens_from_position_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -455,13 +499,17 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
         position_ids = kwargs.get("position_ids")
         cu = cu_seqlens_from_position_ids(position_ids.expand(B, -1)) if fresh and position_ids is not None else None
         if cu is None or cu.numel() - 1 == B:  # a padded batch, a KV-cached step, or one sample per row
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         lengths = tuple(cu.diff().tolist())
         meta = PackedAttention("sdpa_loop", cu, max(lengths), lengths)
     assert B == 1 and key.shape[2] == S, "a packed forward is one sequence without a KV cache"
     window = kwargs.get("sliding_window")
     if window is not None and meta.max_seqlen > window:
-        raise ValueError(f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; set model.packing=False")
+        raise ValueError(
+            f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; set model.packing=False"
+        )
     scale = scaling if scaling is not None else D**-0.5
     # (1, heads, T, D) -> contiguous (T, heads, D): each sample a contiguous slice (on CPU, SDPA on strided per-sample
     # views of the (heads, T, D) layout measured 1.5-3x slower, forward + backward), FlashAttention's own layout
@@ -475,11 +523,22 @@ def packed_attention_mask(*, attention_mask=None, q_offset=0, kv_offset=0, q_len
     sample boundaries itself); transformers' SDPA mask in every other case."""
     from transformers.masking_utils import sdpa_mask
 
-    fresh = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0 and q_length == kv_length
+    fresh = (
+        isinstance(q_offset, int)
+        and isinstance(kv_offset, int)
+        and q_offset == kv_offset == 0
+        and q_length == kv_length
+    )
     if attention_mask is None and fresh:
         return None
-    return sdpa_mask(attention_mask=attention_mask, q_offset=q_offset, kv_offset=kv_offset, q_length=q_length,
-                     kv_length=kv_length, **kwargs)
+    return sdpa_mask(
+        attention_mask=attention_mask,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        q_length=q_length,
+        kv_length=kv_length,
+        **kwargs,
+    )
 
 
 def register_packed_attention() -> str:
@@ -524,6 +583,12 @@ def packed_hidden_states(
     if decoder.config._attn_implementation == PACKED_ATTENTION:
         mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=packed.input_ids_1T.device)
     ids = dict(input_ids=packed.input_ids_1T) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
-    out = decoder(**ids, position_ids=packed.position_ids_1T, attention_mask=mask, use_cache=False,
-                  **packed.attention_kwargs(), **extra)
+    out = decoder(
+        **ids,
+        position_ids=packed.position_ids_1T,
+        attention_mask=mask,
+        use_cache=False,
+        **packed.attention_kwargs(),
+        **extra,
+    )
     return out.last_hidden_state[0]

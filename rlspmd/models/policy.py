@@ -34,7 +34,12 @@ class CausalLMPolicy(nn.Module):
     """Wraps an HF ``*ForCausalLM``; ``forward`` returns ``(logprobs_BR, entropy_BR)`` of the response tokens."""
 
     def __init__(
-        self, hf_model: nn.Module, *, logprob_chunk: int | None = DEFAULT_CHUNK, packing: bool = False, attn_kernel: str = "auto"
+        self,
+        hf_model: nn.Module,
+        *,
+        logprob_chunk: int | None = DEFAULT_CHUNK,
+        packing: bool = False,
+        attn_kernel: str = "auto",
     ):
         super().__init__()
         self.hf = hf_model
@@ -68,11 +73,19 @@ class CausalLMPolicy(nn.Module):
         kw = dict(bias=head.bias, temperature=temperature, chunk_size=self.logprob_chunk, with_entropy=with_entropy)
         if not self.packing:
             hidden = self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL)
-            return chunked_logprobs(response_hidden(hidden, response_len), head.weight, input_ids_BL[:, -response_len:], **kw)
+            return chunked_logprobs(
+                response_hidden(hidden, response_len), head.weight, input_ids_BL[:, -response_len:], **kw
+            )
         kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, head.weight.dtype)
-        packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len, counts=counts)
+        packed = pack(
+            input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len, counts=counts
+        )
         hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
         targets_N = packed.target_pos_N
-        lp_N, ent_N = chunked_logprobs(hidden_TH.index_select(0, targets_N - 1), head.weight,
-                                       packed.input_ids_1T[0].index_select(0, targets_N), **kw)
+        lp_N, ent_N = chunked_logprobs(
+            hidden_TH.index_select(0, targets_N - 1),
+            head.weight,
+            packed.input_ids_1T[0].index_select(0, targets_N),
+            **kw,
+        )
         return packed.scatter_responses(lp_N), packed.scatter_responses(ent_N)

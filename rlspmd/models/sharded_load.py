@@ -42,9 +42,18 @@ from torch.distributed.tensor import DTensor
 from rlspmd.models.loader import DTYPES, check_model_dir
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 LOADABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 """File dtypes converted to a floating parameter's dtype (fp8 is a quantised format: it needs its scales)."""
@@ -136,8 +145,10 @@ class SafetensorsIndex:
         else:
             files = sorted(d.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"{field_name}: {d} has no *.safetensors weights (sharded loading reads safetensors only; "
-                                    f"set model.sharded_load=False for *.bin checkpoints)")
+            raise FileNotFoundError(
+                f"{field_name}: {d} has no *.safetensors weights (sharded loading reads safetensors only; "
+                f"set model.sharded_load=False for *.bin checkpoints)"
+            )
         entries: dict[str, TensorEntry] = {}
         for f in files:
             for key, entry in _read_header(f, field_name=field_name).items():
@@ -149,7 +160,9 @@ class SafetensorsIndex:
     def __contains__(self, key: str) -> bool:
         return key in self.entries
 
-    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...], *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The block ``[offsets, offsets + sizes)`` of tensor ``key`` in the file's dtype, on the CPU. Only its run of
         dim-0 rows is read; ``out`` (a contiguous CPU tensor of the file's dtype and the block's shape) receives it
         without a copy when the block is contiguous in the file."""
@@ -167,7 +180,11 @@ class SafetensorsIndex:
         nbytes = rows * row_numel * e.itemsize
         if nbytes:
             start = e.start + (offsets[0] if offsets else 0) * row_numel * e.itemsize
-            view = memoryview(slab.view(-1).view(torch.uint8).numpy()) if slab.dim() else memoryview(slab.view(1).view(torch.uint8).numpy())
+            view = (
+                memoryview(slab.view(-1).view(torch.uint8).numpy())
+                if slab.dim()
+                else memoryview(slab.view(1).view(torch.uint8).numpy())
+            )
             with open(e.file, "rb", buffering=0) as fh:
                 fh.seek(start)
                 got = fh.readinto(view)
@@ -189,7 +206,9 @@ def _read_header(path: Path, *, field_name: str) -> dict[str, TensorEntry]:
             raise ValueError(f"{field_name}: {path} is not a safetensors file (shorter than its 8-byte header length)")
         n = int.from_bytes(head, "little")
         if n > size - 8:
-            raise ValueError(f"{field_name}: {path} is truncated or not a safetensors file (header of {n} bytes, file of {size})")
+            raise ValueError(
+                f"{field_name}: {path} is truncated or not a safetensors file (header of {n} bytes, file of {size})"
+            )
         try:
             header = json.loads(fh.read(n))
         except ValueError as e:
@@ -201,11 +220,15 @@ def _read_header(path: Path, *, field_name: str) -> dict[str, TensorEntry]:
             continue
         begin, end = info["data_offsets"]
         if base + end > size:
-            raise ValueError(f"{field_name}: {path} is truncated: tensor {key!r} ends at byte {base + end}, the file has {size}")
+            raise ValueError(
+                f"{field_name}: {path} is truncated: tensor {key!r} ends at byte {base + end}, the file has {size}"
+            )
         dtype = SAFETENSORS_DTYPES.get(info["dtype"])
         shape = tuple(info["shape"])
         if dtype is not None and (end - begin) != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
-            raise ValueError(f"{field_name}: {path}: tensor {key!r} has {end - begin} bytes for shape {list(shape)} {info['dtype']}")
+            raise ValueError(
+                f"{field_name}: {path}: tensor {key!r} has {end - begin} bytes for shape {list(shape)} {info['dtype']}"
+            )
         out[key] = TensorEntry(path, key, dtype, info["dtype"], shape, base + begin)
     return out
 
@@ -264,23 +287,37 @@ class WeightPlan:
             if name in self.inits:
                 continue
             if name not in self.keys:
-                hint = (" (config.json has tie_word_embeddings=false: an untied LM head needs its own weights; a checkpoint "
-                        "saved with tied embeddings needs tie_word_embeddings=true)") if tied_hint and "lm_head" in name else ""
-                raise ValueError(f"{field_name}: no tensor in {self.index.directory} holds parameter {name!r} "
-                                 f"(files: {sorted({e.file.name for e in self.index.entries.values()})}){hint}")
+                hint = (
+                    (
+                        " (config.json has tie_word_embeddings=false: an untied LM head needs its own weights; a checkpoint "
+                        "saved with tied embeddings needs tie_word_embeddings=true)"
+                    )
+                    if tied_hint and "lm_head" in name
+                    else ""
+                )
+                raise ValueError(
+                    f"{field_name}: no tensor in {self.index.directory} holds parameter {name!r} "
+                    f"(files: {sorted({e.file.name for e in self.index.entries.values()})}){hint}"
+                )
             e = self.index.entries[self.keys[name]]
             if e.shape != tuple(p.shape):
-                raise ValueError(f"{field_name}: {e.where()} has shape {list(e.shape)}, but parameter {name!r} of the model "
-                                 f"built from config.json has {list(p.shape)}")
+                raise ValueError(
+                    f"{field_name}: {e.where()} has shape {list(e.shape)}, but parameter {name!r} of the model "
+                    f"built from config.json has {list(p.shape)}"
+                )
             if e.dtype not in LOADABLE or not p.dtype.is_floating_point:
-                raise ValueError(f"{field_name}: {e.where()} is stored as {e.dtype_name}, which cannot load into parameter "
-                                 f"{name!r} ({p.dtype}): only float64/float32/float16/bfloat16 checkpoints convert "
-                                 f"(quantised or integer weights are not supported)")
+                raise ValueError(
+                    f"{field_name}: {e.where()} is stored as {e.dtype_name}, which cannot load into parameter "
+                    f"{name!r} ({p.dtype}): only float64/float32/float16/bfloat16 checkpoints convert "
+                    f"(quantised or integer weights are not supported)"
+                )
         unexpected = sorted(k for k in self.index.entries if k not in used and not STALE_KEYS.search(k))
         if unexpected:
             e = self.index.entries[unexpected[0]]
-            raise ValueError(f"{field_name}: {e.where()} belongs to no parameter of the {type(module).__name__} built from "
-                             f"config.json ({len(unexpected)} such tensors: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})")
+            raise ValueError(
+                f"{field_name}: {e.where()} belongs to no parameter of the {type(module).__name__} built from "
+                f"config.json ({len(unexpected)} such tensors: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''})"
+            )
         return self
 
 
@@ -298,7 +335,9 @@ def _local_block(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(o) for o in chunk.offsets), tuple(int(s) for s in chunk.sizes)
 
 
-def match_keys(module: nn.Module, index: SafetensorsIndex, *, prefix: str, candidates: Callable[[str], list[str]]) -> dict[str, str]:
+def match_keys(
+    module: nn.Module, index: SafetensorsIndex, *, prefix: str, candidates: Callable[[str], list[str]]
+) -> dict[str, str]:
     """``{parameter name: file key}`` for the parameters of ``module`` under ``prefix`` (the HF model inside a role
     module), each looked up by ``candidates(hf name)`` in order. Aliases share one tensor (tied embeddings, a module
     registered twice): the first alias under ``prefix`` whose candidates a file holds feeds all of them."""
@@ -307,7 +346,9 @@ def match_keys(module: nn.Module, index: SafetensorsIndex, *, prefix: str, candi
         groups.setdefault(id(p), []).append(name)
     keys = {}
     for names in groups.values():
-        found = next((k for n in names if n.startswith(prefix) for k in candidates(n[len(prefix):]) if k in index), None)
+        found = next(
+            (k for n in names if n.startswith(prefix) for k in candidates(n[len(prefix) :]) if k in index), None
+        )
         if found is not None:
             keys.update({n: found for n in names})
     return keys
@@ -319,7 +360,7 @@ def tied_keys(module: nn.Module, index: SafetensorsIndex, *, prefix: str, keys: 
     groups: dict[int, list[str]] = {}
     for name, p in _all_parameter_names(module):
         if name.startswith(prefix):
-            groups.setdefault(id(p), []).append(name[len(prefix):])
+            groups.setdefault(id(p), []).append(name[len(prefix) :])
     return {n for names in groups.values() if len(names) > 1 for n in names if n in index} - set(keys.values())
 
 
@@ -365,8 +406,17 @@ def build_policy_module(
     )
 
 
-def meta_policy_module(path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False,
-                       attn_kernel: str = "auto", lora=None, seed: int = 0):
+def meta_policy_module(
+    path: str | Path,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    field_name: str,
+    packing: bool = False,
+    attn_kernel: str = "auto",
+    lora=None,
+    seed: int = 0,
+):
     """``CausalLMPolicy`` over a causal LM built on meta, and where its weights come from (checked against the files).
     ``lora`` (``LoraConfig`` with rank > 0): adapters injected (``models/lora.py``), initialised from ``seed``; the base
     weights of adapted layers (``q_proj.base_layer.weight``) read the checkpoint's ``q_proj.weight``."""
@@ -387,8 +437,16 @@ def meta_policy_module(path: str | Path, *, dtype: str, attn_implementation: str
     return module, plan.check(module, tied_hint=not hf.config.tie_word_embeddings, field_name=field_name)
 
 
-def meta_value_model(path: str | Path, *, dtype: str, attn_implementation: str, seed: int, field_name: str,
-                     packing: bool = False, attn_kernel: str = "auto"):
+def meta_value_model(
+    path: str | Path,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    seed: int,
+    field_name: str,
+    packing: bool = False,
+    attn_kernel: str = "auto",
+):
     """``ValueModel`` (backbone + scalar head) built on meta, as ``value.load_value_model`` builds it: the backbone from
     a causal LM, base model or reward model directory (its LM head or classifier head unused), the head from the
     directory's ``value_head.*`` or one-label ``score.*`` tensors, else new (``value.initial_value_head``)."""
@@ -406,8 +464,10 @@ def meta_value_model(path: str | Path, *, dtype: str, attn_implementation: str, 
     module = ValueModel(backbone, head, packing=packing, attn_kernel=attn_kernel)
     prefix = backbone.base_model_prefix
     keys = match_keys(module, index, prefix="hf.", candidates=lambda n: [n, f"{prefix}.{n}"])
-    stored = next((pre for pre in HEAD_PREFIXES if f"{pre}weight" in index
-                   and index.entries[f"{pre}weight"].shape[:1] == (1,)), None)
+    stored = next(
+        (pre for pre in HEAD_PREFIXES if f"{pre}weight" in index and index.entries[f"{pre}weight"].shape[:1] == (1,)),
+        None,
+    )
     inits: dict[str, Init] = {}
     if stored is not None:
         keys["value_head.weight"] = f"{stored}weight"
@@ -424,8 +484,15 @@ def meta_value_model(path: str | Path, *, dtype: str, attn_implementation: str, 
     return module, plan.check(module, field_name=field_name)
 
 
-def meta_sequence_scorer(path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False,
-                         attn_kernel: str = "auto"):
+def meta_sequence_scorer(
+    path: str | Path,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    field_name: str,
+    packing: bool = False,
+    attn_kernel: str = "auto",
+):
     """``SequenceScorer`` over a ``*ForSequenceClassification`` model built on meta (``value.load_sequence_scorer``)."""
     from transformers import AutoModelForSequenceClassification
 

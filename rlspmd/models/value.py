@@ -43,13 +43,20 @@ class ValueModel(nn.Module):
     def config(self):
         return self.hf.config
 
-    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int,
-                counts: TokenCounts | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids_BL, attention_mask_BL, position_ids_BL, *, response_len: int, counts: TokenCounts | None = None
+    ) -> torch.Tensor:
         """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only)."""
         if self.packing:  # valid tokens only (rlspmd.models.packing); 0 at padded response positions
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.value_head.weight.dtype)
-            packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len,
-                          counts=counts)
+            packed = pack(
+                input_ids_BL,
+                attention_mask_BL,
+                position_ids_BL,
+                kernel=kernel,
+                response_len=response_len,
+                counts=counts,
+            )
             hidden_TH = packed_hidden_states(self.hf, packed)
             values_N = _scalar_head(self.value_head, hidden_TH.index_select(0, packed.target_pos_N - 1))
             return packed.scatter_responses(values_N)
@@ -72,15 +79,21 @@ def _head_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
         for f in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    if key.startswith(prefix) and key[len(prefix):] in ("weight", "bias"):
-                        found[key[len(prefix):]] = st.get_tensor(key)
+                    if key.startswith(prefix) and key[len(prefix) :] in ("weight", "bias"):
+                        found[key[len(prefix) :]] = st.get_tensor(key)
         if "weight" in found and found["weight"].shape[0] == 1:
             return found
     return {}
 
 
 def load_value_model(
-    path: str | Path, *, dtype: str, attn_implementation: str, seed: int, field_name: str, packing: bool = False,
+    path: str | Path,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    seed: int,
+    field_name: str,
+    packing: bool = False,
     attn_kernel: str = "auto",
 ) -> ValueModel:
     """A value model initialised from ``path`` (causal LM, base model, or reward model directory).
@@ -90,9 +103,13 @@ def load_value_model(
     small (std ~0.1 for unit-scale hidden states) and identical on every rank and every run.
     """
     p = check_model_dir(path, field_name=field_name)
-    attn_implementation = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    attn_implementation = training_attn_implementation(
+        attn_implementation, packing=packing, field_name="model.attn_implementation"
+    )
     config = AutoConfig.from_pretrained(str(p))
-    backbone = AutoModel.from_pretrained(str(p), config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    backbone = AutoModel.from_pretrained(
+        str(p), config=config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+    )
     backbone.config.use_cache = False
     head = value_head(p, hidden=backbone.config.hidden_size, dtype=DTYPES[dtype], seed=seed)
     return ValueModel(backbone, head, packing=packing, attn_kernel=attn_kernel)
@@ -139,7 +156,9 @@ class SequenceScorer(nn.Module):
                 f"(a *ForSequenceClassification model with num_labels=1)"
             )
 
-    def forward(self, input_ids_BL, attention_mask_BL, position_ids_BL, *, counts: TokenCounts | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids_BL, attention_mask_BL, position_ids_BL, *, counts: TokenCounts | None = None
+    ) -> torch.Tensor:
         if self.packing:  # the last valid token of each sample ends its segment of the pack
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.hf.score.weight.dtype)
             packed = pack(input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, counts=counts)
@@ -155,13 +174,22 @@ class SequenceScorer(nn.Module):
 
 
 def load_sequence_scorer(
-    path: str | Path, *, dtype: str, attn_implementation: str, field_name: str, packing: bool = False,
+    path: str | Path,
+    *,
+    dtype: str,
+    attn_implementation: str,
+    field_name: str,
+    packing: bool = False,
     attn_kernel: str = "auto",
 ) -> SequenceScorer:
     p = check_model_dir(path, field_name=field_name)
-    attn_implementation = training_attn_implementation(attn_implementation, packing=packing, field_name="model.attn_implementation")
+    attn_implementation = training_attn_implementation(
+        attn_implementation, packing=packing, field_name="model.attn_implementation"
+    )
     check_sequence_classifier(p, field_name=field_name)
-    model = AutoModelForSequenceClassification.from_pretrained(str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        str(p), dtype=DTYPES[dtype], attn_implementation=attn_implementation
+    )
     model.config.use_cache = False
     return SequenceScorer(model, packing=packing, attn_kernel=attn_kernel)
 
@@ -170,4 +198,6 @@ def check_sequence_classifier(model_dir: Path, *, field_name: str) -> None:
     """``model_dir``'s config names a ``*ForSequenceClassification`` architecture."""
     archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ValueError(f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model")
+        raise ValueError(
+            f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model"
+        )

@@ -52,9 +52,14 @@ def make_row(expression: str, *, split: str, index: int) -> dict[str, Any]:
         "prompt": [{"role": "user", "content": f"Calculate {expression}."}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
-        "extra_info": {"split": split, "index": index, "expression": expression, "need_tools_kwargs": True,
-                       # verl's layout; the calculator needs nothing per sample (parquet cannot store an empty struct)
-                       "tools_kwargs": {TOOL: {"create_kwargs": {"expression": expression}}}},
+        "extra_info": {
+            "split": split,
+            "index": index,
+            "expression": expression,
+            "need_tools_kwargs": True,
+            # verl's layout; the calculator needs nothing per sample (parquet cannot store an empty struct)
+            "tools_kwargs": {TOOL: {"create_kwargs": {"expression": expression}}},
+        },
     }
 
 
@@ -62,13 +67,27 @@ def demonstration(expression: str, *, use_tool: bool) -> list[dict[str, str]]:
     answer = _arithmetic().solve(expression)[1]
     user = {"role": "user", "content": f"Calculate {expression}."}
     if use_tool:
-        return [user, {"role": "assistant", "content": tool_call(expression)}, {"role": "tool", "content": str(answer)},
-                {"role": "assistant", "content": f"#### {answer}"}]
+        return [
+            user,
+            {"role": "assistant", "content": tool_call(expression)},
+            {"role": "tool", "content": str(answer)},
+            {"role": "assistant", "content": f"#### {answer}"},
+        ]
     return [user, {"role": "assistant", "content": f"{expression} = {answer} #### {answer}"}]
 
 
-def generate(*, num_train: int = 5000, num_test: int = 200, num_sft: int = 8000, min_terms: int = 2, max_terms: int = 2,
-             max_value: int = 999, ops: str = "+-", sft_tool_share: float = 0.3, seed: int = 0) -> dict[str, list[dict]]:
+def generate(
+    *,
+    num_train: int = 5000,
+    num_test: int = 200,
+    num_sft: int = 8000,
+    min_terms: int = 2,
+    max_terms: int = 2,
+    max_value: int = 999,
+    ops: str = "+-",
+    sft_tool_share: float = 0.3,
+    seed: int = 0,
+) -> dict[str, list[dict]]:
     if not 0.0 <= sft_tool_share <= 1.0:
         raise ValueError(f"--sft-tool-share must be in [0, 1], got {sft_tool_share}")
     arithmetic = _arithmetic()
@@ -80,8 +99,13 @@ def generate(*, num_train: int = 5000, num_test: int = 200, num_sft: int = 8000,
     train_rng, sft_rng, style_rng = stream("train"), stream("sft"), stream("sft-style")
     train = [make_row(arithmetic.make_problem(train_rng, **shape), split="train", index=i) for i in range(num_train)]
     sft_expr = [arithmetic.make_problem(sft_rng, **shape) for _ in range(num_sft)]
-    sft = [{**make_row(e, split="sft", index=i), "messages": demonstration(e, use_tool=style_rng.random() < sft_tool_share)}
-           for i, e in enumerate(sft_expr)]
+    sft = [
+        {
+            **make_row(e, split="sft", index=i),
+            "messages": demonstration(e, use_tool=style_rng.random() < sft_tool_share),
+        }
+        for i, e in enumerate(sft_expr)
+    ]
     seen = {r["extra_info"]["expression"] for r in train} | set(sft_expr)
     test_rng, test = stream("test"), []
     for _ in range(100 * num_test + 10_000):
@@ -109,9 +133,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sft-tool-share", type=float, default=0.3, help="share of demonstrations that call the calculator")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    splits = generate(num_train=args.num_train, num_test=args.num_test, num_sft=args.num_sft, min_terms=args.min_terms,
-                      max_terms=args.max_terms, max_value=args.max_value, ops=args.ops, sft_tool_share=args.sft_tool_share,
-                      seed=args.seed)
+    splits = generate(
+        num_train=args.num_train,
+        num_test=args.num_test,
+        num_sft=args.num_sft,
+        min_terms=args.min_terms,
+        max_terms=args.max_terms,
+        max_value=args.max_value,
+        ops=args.ops,
+        sft_tool_share=args.sft_tool_share,
+        seed=args.seed,
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_rows = _arithmetic().write_rows
     for split, rows in splits.items():

@@ -164,8 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default="+-", help=f"operators to draw from, a subset of {SUPPORTED_OPS!r}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
-    p.add_argument("--sft-other-style", type=float, default=0.0,
-                   help="fraction of SFT responses ending 'The answer is N.' instead of '#### N' (not accepted by the reward)")
+    p.add_argument(
+        "--sft-other-style",
+        type=float,
+        default=0.0,
+        help="fraction of SFT responses ending 'The answer is N.' instead of '#### N' (not accepted by the reward)",
+    )
     args = p.parse_args(argv)
 
     splits = generate(

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 DATA_SOURCE = "openai/gsm8k"
-INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 
 
 def extract_answer(answer: str, *, where: str) -> str:
@@ -81,9 +81,7 @@ def load_splits(input_path: Path, *, split: str | None = None) -> dict[str, list
 
         loaded = datasets.load_from_disk(str(input_path))
         parts = loaded if isinstance(loaded, datasets.DatasetDict) else {split or "train": loaded}
-        return {
-            name: convert_records(ds, split=name, source=f"{input_path} [{name}]") for name, ds in parts.items()
-        }
+        return {name: convert_records(ds, split=name, source=f"{input_path} [{name}]") for name, ds in parts.items()}
     files = {name: input_path / f"{name}.jsonl" for name in ("train", "test")}
     found = {name: f for name, f in files.items() if f.is_file()}
     if not found:

@@ -41,7 +41,7 @@ SYSTEM_PROMPT = (
     f"the `{TOOL}` tool; it tells you whether the answer is correct, so revise and submit again if it is not. "
     "Finish with the final answer on its own line as `#### <number>`."
 )
-INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 INTERACTION_SYSTEM_PROMPT = (
     "You are a careful math solver. Work through the problem step by step. If the user tells you that your answer is "
     "wrong, reconsider it carefully. Finish with the final answer on its own line as `#### <number>`."
@@ -64,10 +64,14 @@ def to_multiturn(row: dict[str, Any], *, question: str, interaction: bool = Fals
     if interaction:
         return {
             **row,
-            "prompt": [{"role": "system", "content": INTERACTION_SYSTEM_PROMPT},
-                       {"role": "user", "content": question + INSTRUCTION}],
-            "extra_info": {**row["extra_info"],
-                           "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": truth}},
+            "prompt": [
+                {"role": "system", "content": INTERACTION_SYSTEM_PROMPT},
+                {"role": "user", "content": question + INSTRUCTION},
+            ],
+            "extra_info": {
+                **row["extra_info"],
+                "interaction_kwargs": {"name": "gsm8k", "query": question, "ground_truth": truth},
+            },
         }
     return {
         **row,
@@ -81,37 +85,55 @@ def to_multiturn(row: dict[str, Any], *, question: str, interaction: bool = Fals
     }
 
 
-def from_gsm8k(input_path: Path, *, split: str | None = None, interaction: bool = False) -> dict[str, list[dict[str, Any]]]:
+def from_gsm8k(
+    input_path: Path, *, split: str | None = None, interaction: bool = False
+) -> dict[str, list[dict[str, Any]]]:
     gsm8k = _sibling("gsm8k")
-    return {name: [to_multiturn(r, question=r["extra_info"]["question"], interaction=interaction) for r in rows]
-            for name, rows in gsm8k.load_splits(input_path, split=split).items()}
+    return {
+        name: [to_multiturn(r, question=r["extra_info"]["question"], interaction=interaction) for r in rows]
+        for name, rows in gsm8k.load_splits(input_path, split=split).items()
+    }
 
 
-def from_gsm_symbolic(*, num_train: int, num_test: int, seed: int = 0,
-                      interaction: bool = False) -> dict[str, list[dict[str, Any]]]:
+def from_gsm_symbolic(
+    *, num_train: int, num_test: int, seed: int = 0, interaction: bool = False
+) -> dict[str, list[dict[str, Any]]]:
     splits = _sibling("reasoning_gym").generate(["gsm_symbolic"], num_train=num_train, num_test=num_test, seed=seed)
-    return {name: [to_multiturn(r, question=json.loads(r["extra_info"]["entry"])["question"], interaction=interaction)
-                   for r in rows]
-            for name, rows in splits.items()}
+    return {
+        name: [
+            to_multiturn(r, question=json.loads(r["extra_info"]["entry"])["question"], interaction=interaction)
+            for r in rows
+        ]
+        for name, rows in splits.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--input", type=Path, help="a local GSM8K copy (official jsonl dir, jsonl file, save_to_disk dir)")
+    source.add_argument(
+        "--input", type=Path, help="a local GSM8K copy (official jsonl dir, jsonl file, save_to_disk dir)"
+    )
     source.add_argument("--gsm-symbolic", action="store_true", help="generate GSM8K-style problems with reasoning-gym")
     p.add_argument("--split", default=None, help="--input: split name for a single file or a saved Dataset")
     p.add_argument("--num-train", type=int, default=5000, help="--gsm-symbolic: train problems")
     p.add_argument("--num-test", type=int, default=200, help="--gsm-symbolic: test problems")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--interaction", action="store_true",
-                   help="interaction-only rows (verl's gsm8k_multiturn_w_interaction): no tools, interaction_kwargs")
+    p.add_argument(
+        "--interaction",
+        action="store_true",
+        help="interaction-only rows (verl's gsm8k_multiturn_w_interaction): no tools, interaction_kwargs",
+    )
     p.add_argument("--out-dir", type=Path, default=Path("data/gsm8k_tool"))
     args = p.parse_args(argv)
 
-    splits = (from_gsm8k(args.input.expanduser(), split=args.split, interaction=args.interaction) if args.input is not None
-              else from_gsm_symbolic(num_train=args.num_train, num_test=args.num_test, seed=args.seed,
-                                     interaction=args.interaction))
+    splits = (
+        from_gsm8k(args.input.expanduser(), split=args.split, interaction=args.interaction)
+        if args.input is not None
+        else from_gsm_symbolic(
+            num_train=args.num_train, num_test=args.num_test, seed=args.seed, interaction=args.interaction
+        )
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_rows = _sibling("gsm8k").write_rows
     for name, rows in splits.items():

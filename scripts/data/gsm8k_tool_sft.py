@@ -47,8 +47,10 @@ def solution(row: dict[str, Any], *, where: str) -> str:
         entry = json.loads(info["entry"]) if isinstance(info["entry"], str) else info["entry"]
         text = (entry.get("metadata") or {}).get("answer_cot")
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{where}: no worked solution (extra_info.answer, GSM8K's; or extra_info.entry's "
-                         "metadata.answer_cot, reasoning-gym's) to demonstrate")
+        raise ValueError(
+            f"{where}: no worked solution (extra_info.answer, GSM8K's; or extra_info.entry's "
+            "metadata.answer_cot, reasoning-gym's) to demonstrate"
+        )
     text = _ANNOTATION.sub("", text.rsplit("####", 1)[0]).strip()
     if not text:
         raise ValueError(f"{where}: the worked solution is empty once its '#### N' line is cut")
@@ -59,12 +61,20 @@ def demonstration(row: dict[str, Any], *, where: str) -> dict[str, Any]:
     truth = str(row["reward_model"]["ground_truth"])
     messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
     if not messages or messages[-1]["role"] != "user":
-        raise ValueError(f"{where}: the prompt must end with the user's question, got roles {[m['role'] for m in messages]}")
-    messages += [{"role": "assistant", "content": solution(row, where=where) + "\n" + tool_call(truth)},
-                 {"role": "tool", "content": VERDICT},
-                 {"role": "assistant", "content": f"#### {truth}"}]
-    return {"data_source": row["data_source"], "reward_model": row["reward_model"], "messages": messages,
-            "extra_info": {"index": (row.get("extra_info") or {}).get("index")}}
+        raise ValueError(
+            f"{where}: the prompt must end with the user's question, got roles {[m['role'] for m in messages]}"
+        )
+    messages += [
+        {"role": "assistant", "content": solution(row, where=where) + "\n" + tool_call(truth)},
+        {"role": "tool", "content": VERDICT},
+        {"role": "assistant", "content": f"#### {truth}"},
+    ]
+    return {
+        "data_source": row["data_source"],
+        "reward_model": row["reward_model"],
+        "messages": messages,
+        "extra_info": {"index": (row.get("extra_info") or {}).get("index")},
+    }
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -92,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _write_rows(rows: list[dict[str, Any]], path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("rlspmd_scripts_data_gsm8k", Path(__file__).resolve().parent / "gsm8k.py")
+    spec = importlib.util.spec_from_file_location(
+        "rlspmd_scripts_data_gsm8k", Path(__file__).resolve().parent / "gsm8k.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.write_rows(rows, path, "parquet")

@@ -65,9 +65,7 @@ def make_row(item: dict[str, Any], *, task: str, split: str, index: int) -> dict
     }
 
 
-def generate(
-    tasks: list[str], *, num_train: int, num_test: int, seed: int = 0
-) -> dict[str, list[dict[str, Any]]]:
+def generate(tasks: list[str], *, num_train: int, num_test: int, seed: int = 0) -> dict[str, list[dict[str, Any]]]:
     """Rows per split (``train``/``test``), ``num_train``/``num_test`` per task, tasks concatenated in order."""
     rg = import_reasoning_gym()
     splits: dict[str, list[dict[str, Any]]] = {"train": [], "test": []}
