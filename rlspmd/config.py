@@ -408,6 +408,27 @@ class TrainedRoleConfig:
 
 
 @dataclass
+class MoEConfig:
+    """The actor's mixture-of-experts options (Qwen3-MoE / Qwen2-MoE models; ``models/moe.py``, docs/moe.md). Expert
+    parallelism is a mesh dim: ``mesh.actor_ep``."""
+
+    aux_loss_coef: float | None = None
+    """Coefficient of the router's load-balancing loss in the actor's loss (``actor/moe_aux_loss`` is logged either
+    way); None: the model's own ``router_aux_loss_coef`` (config.json), 0: off."""
+    router_replay: Literal["off", "R2", "R3"] = "off"
+    """Routing replay in the actor's passes. ``R2``: the update reuses the experts the old-log-prob pass routed each
+    token to (so the ratio's numerator and denominator route alike). ``R3``: the old-log-prob pass and the update
+    both use the experts the rollout engine routed each token to, recorded with the sample (native engine; vLLM
+    where it can return them), so training routes as generation did. The gate weights always come from the current
+    router (it keeps its gradient)."""
+
+    def problems(self) -> list[Problem]:
+        if self.aux_loss_coef is not None and not self.aux_loss_coef >= 0:
+            return [("aux_loss_coef", self.aux_loss_coef, "must be >= 0, or None (the model's router_aux_loss_coef)")]
+        return []
+
+
+@dataclass
 class ActorConfig(TrainedRoleConfig):
     """The policy being trained (its engine and model also serve the reference)."""
 
@@ -440,6 +461,8 @@ class ActorConfig(TrainedRoleConfig):
     kl_loss_type: str = "k3"
     """KL estimator for the loss term: k1 (kl), abs, k2 (mse), k3 (low_var_kl), or any of them with '+' (the value
     of that estimator with k2's gradient, e.g. ``k3+``, ``low_var_kl+``, ``abs+``): verl's names."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts options: the load-balancing loss, routing replay (ignored for a dense model)."""
 
 
 @dataclass
@@ -1099,6 +1122,12 @@ class MeshConfig:
     group runs its members' micro-batches together. Must divide the actor's ranks and the model's attention and KV
     heads; the FSDP engine only (megatron has ``actor.engine.tp``), no ``actor.lora``, and the native rollout
     then keeps its own copy of the weights (synced through the weight stream) instead of reading them in place."""
+    actor_ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts actor and its reference (FSDP engine): consecutive groups of
+    ``actor_ep`` ranks split each MoE layer's experts between them (``E / actor_ep`` each) and send every token to
+    its experts' rank with ``all_to_all``; dense parameters stay FSDP2-sharded over all the actor's ranks. Must
+    divide the actor's ranks and the model's experts; not with ``actor_tp`` > 1 or ``actor.lora``; the native
+    rollout then keeps its own copy of the weights (docs/moe.md)."""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from rlspmd.config import (
     TrainedRoleConfig,
 )
 from rlspmd.distributed.runtime import UserError
+from rlspmd.roles.moe import config_problems as moe_problems
 
 LOGGERS = ("console", "jsonl", "tensorboard")
 
@@ -122,6 +123,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
         _critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     if cfg.mesh.actor_tp > 1:
         _actor_tp(p, cfg, with_critic=with_critic, check_files=check_files)
+    for name, value, why in moe_problems(cfg, check_files=check_files):  # actor.moe, mesh.actor_ep
+        p.add(name, value, why)
     _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     _reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
     _gdpo(p, cfg.algorithm, cfg.reward, agent=r.agent.enabled)

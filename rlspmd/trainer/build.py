@@ -47,6 +47,7 @@ from rlspmd.engines.lora import LoraEngine
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import DTYPES, eos_token_ids, load_causal_lm, load_tokenizer
 from rlspmd.models.lora import apply_lora, initial_adapters
+from rlspmd.models.moe import is_moe
 from rlspmd.models.packing import check_attn_kernel
 from rlspmd.models.sharded_load import WeightPlan, meta_policy_module, meta_sequence_scorer, meta_value_model
 from rlspmd.models.value import load_sequence_scorer, load_value_model
@@ -67,6 +68,7 @@ from rlspmd.roles.policy import (
 from rlspmd.rewards.functions import spec_name
 from rlspmd.roles.reward import NoReward, Reward, component_columns, component_manager
 from rlspmd.roles.reward_model import RewardModel
+from rlspmd.roles.moe import MoEActor, NoMoE
 from rlspmd.agent import build_agent_loop
 from rlspmd.agent import check_rows as check_agent_rows
 from rlspmd.agent.loop import AgentLoop
@@ -179,11 +181,13 @@ def build_engine(
     section: str,
     lora: LoraConfig | None = None,
     train_mesh=None,
+    expert_mesh=None,
 ) -> TrainingEngine:
     """A role's model on its training engine: ``engine``, the engine component of the role's config ``section``.
     ``kind``: a causal LM returning log-probs (policy, reference) or a value model (critic); ``optim=None``: frozen.
     ``lora`` (rank > 0): a policy training LoRA adapters only (``LoraEngine``). ``train_mesh``: the ``(dp, tp)`` mesh of
-    ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked)."""
+    ``mesh.actor_tp`` > 1 (fsdp only, no LoRA: ``rlspmd.validate`` checked); ``expert_mesh``: the ``(edp, ep)`` mesh of
+    ``mesh.actor_ep`` > 1 (the same conditions)."""
     assert train_mesh is None or (isinstance(engine, FSDPConfig) and not (lora is not None and lora.enabled)), (
         "validate: mesh.actor_tp"
     )
@@ -218,6 +222,8 @@ def build_engine(
     )
     if train_mesh is not None:
         kw["train_mesh"] = train_mesh
+    if expert_mesh is not None:
+        kw["expert_mesh"] = expert_mesh
     if lora is not None and lora.enabled:
         return LoraEngine(module, module.hf, lora=lora, **kw)
     return FSDPEngine(module, module.hf, **kw)
@@ -278,7 +284,10 @@ def build_policy(
     old_logprobs: OldLogProbs = "recompute",
     seed: int = 0,
     train_mesh=None,
+    expert_mesh=None,
+    rollout_routing: bool = False,
 ) -> Policy:
+    """``rollout_routing``: the rollout engine records the experts of a MoE model's tokens (``roles/moe.py``)."""
     engine = build_engine(
         "policy",
         cfg.model.path,
@@ -294,6 +303,20 @@ def build_policy(
         section="actor",
         lora=cfg.lora,
         train_mesh=train_mesh,
+        expert_mesh=expert_mesh,
+    )
+    hf_config = engine.hf_model.config
+    moe = (
+        MoEActor(
+            cfg.moe,
+            model_aux_loss_coef=hf_config.router_aux_loss_coef,
+            num_experts=hf_config.num_experts,
+            rollout_routing=rollout_routing,
+            metrics_in_update=old_logprobs != "recompute",
+            mesh=mesh,
+        )
+        if is_moe(hf_config)
+        else NoMoE()
     )
     return Policy(
         cfg,
@@ -303,6 +326,7 @@ def build_policy(
         correction=correction,
         old_logprobs=old_logprobs,
         seed=seed,
+        moe=moe,
     )
 
 
@@ -315,6 +339,7 @@ def build_reference(
     temperature: float,
     policy: Policy | None = None,
     train_mesh=None,
+    expert_mesh=None,
 ) -> Reference:
     """The reference runs on the actor's engine and layout. With LoRA it is the actor's own engine with the adapters
     switched off (the base model: no second copy of the weights)."""
@@ -337,6 +362,7 @@ def build_reference(
         field_name="ref.model_path",
         section="actor",
         train_mesh=train_mesh,
+        expert_mesh=expert_mesh,
     )
     offload = resolve_ref_offload(
         cfg, device=device, cpu_offload=isinstance(actor.engine, FSDPConfig) and actor.engine.cpu_offload
@@ -567,7 +593,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         device=rt.device,
         seed=trainer.seed,
         max_prompt_length=cfg.data.max_prompt_length,
-        in_place_capable=isinstance(cfg.actor.engine, FSDPConfig) and cfg.mesh.actor_tp == 1,
+        in_place_capable=isinstance(cfg.actor.engine, FSDPConfig) and cfg.mesh.actor_tp == 1 and cfg.mesh.actor_ep == 1,
         episodes=episodes,
         max_staleness=trainer.max_staleness,
     )
@@ -625,6 +651,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     old_logprobs = old_logprob_source(
         a, single_update=a_plan.single_update, correction=correction, use_kl_in_reward=cfg.algorithm.use_kl_in_reward
     )
+    expert_mesh = meshes.expert_mesh("actor")
     actor = build_policy(
         a,
         mesh=mesh,
@@ -635,6 +662,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         old_logprobs=old_logprobs,
         seed=trainer.seed,
         train_mesh=train_mesh,
+        expert_mesh=expert_mesh,
+        rollout_routing=records_routing(cfg.rollout),
     )
     ref: ReferenceRole = (
         build_reference(
@@ -645,6 +674,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             temperature=cfg.rollout.temperature,
             policy=actor,
             train_mesh=train_mesh,
+            expert_mesh=expert_mesh,
         )
         if plan.reference
         else NoReference()
@@ -771,12 +801,20 @@ def old_logprob_source(
     cfg: ActorConfig, *, single_update: bool, correction: ResolvedRolloutCorrection, use_kl_in_reward: bool
 ) -> OldLogProbs:
     """Bypass mode: the rollout's log-probs. One update per step and no consumer of old log-probs before it (KL in the
-    reward reads them): the update's own forward. Otherwise a forward of their own."""
+    reward reads them; MoE router replay R2 replays its routing): the update's own forward. Otherwise a forward of
+    their own."""
     if correction.bypass:
         return "rollout"
-    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward:
+    # R2 replays the routing of the old-log-prob pass: it needs that pass
+    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward and cfg.moe.router_replay != "R2":
         return "update"
     return "recompute"
+
+
+def records_routing(cfg: RolloutConfig) -> bool:
+    """The rollout engine records a MoE model's routing with every sample (``rollout_routing_BL``): the native
+    engine's single-turn generation does; vLLM's and the agent loop's do not (``rlspmd.validate`` refuses R3 there)."""
+    return cfg.engine == "native" and not cfg.agent.enabled
 
 
 def dtype_name(dtype: torch.dtype) -> str:
