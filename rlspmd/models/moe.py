@@ -121,10 +121,19 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def grouped_swiglu(x_SH: torch.Tensor, counts_E: torch.Tensor, gate_up_EIH, down_EHI, act) -> torch.Tensor:
+def can_group(x: torch.Tensor) -> bool:
+    """Whether ``grouped_swiglu`` runs one grouped GEMM per projection for ``x``: CUDA, half precision, a torch with
+    ``torch.nn.functional.grouped_mm``."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "grouped_mm")
+
+
+def grouped_swiglu(
+    x_SH: torch.Tensor, counts_E: torch.Tensor, gate_up_EIH, down_EHI, act, *, grouped: bool | None = None
+) -> torch.Tensor:
     """SwiGLU experts over rows sorted by expert: rows ``[sum(counts[:e]), sum(counts[:e+1]))`` go to expert ``e``.
-    ``gate_up_EIH`` is ``(E, 2I, H)`` (gate rows, then up rows), ``down_EHI`` ``(E, H, I)``."""
-    if x_SH.is_cuda and x_SH.dtype in (torch.bfloat16, torch.float16) and hasattr(F, "grouped_mm"):
+    ``gate_up_EIH`` is ``(E, 2I, H)`` (gate rows, then up rows), ``down_EHI`` ``(E, H, I)``. ``grouped``: the grouped
+    GEMM or the loop (None: the grouped GEMM where ``can_group``)."""
+    if can_group(x_SH) if grouped is None else grouped:
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
         gate, up = F.grouped_mm(x_SH, gate_up_EIH.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return F.grouped_mm(act(gate) * up, down_EHI.transpose(-2, -1), offs=offs)
@@ -147,10 +156,17 @@ def _combine(y_SH: torch.Tensor, order_S: torch.Tensor, weights_TK: torch.Tensor
 
 
 def experts_forward(
-    experts: nn.Module, x_TH: torch.Tensor, used_TK: torch.Tensor, weights_TK: torch.Tensor, *, ep_group=None
+    experts: nn.Module,
+    x_TH: torch.Tensor,
+    used_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    *,
+    ep_group=None,
+    grouped: bool | None = None,
 ) -> torch.Tensor:
     """The routed experts' output per token: ``sum_k w_tk * expert_{used_tk}(x_t)``. ``ep_group``: the experts are
-    sharded over this group (``apply_ep``) and tokens travel to them with ``all_to_all``."""
+    sharded over this group (``apply_ep``) and tokens travel to them with ``all_to_all``. ``grouped``: see
+    ``grouped_swiglu`` (benchmarks force the loop)."""
     T, K = used_TK.shape
     E = experts.num_experts
     flat = used_TK.reshape(-1)
@@ -159,13 +175,13 @@ def experts_forward(
     x_sorted = x_TH[order // K]
     gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
     if ep_group is None:
-        y = grouped_swiglu(x_sorted, counts, gate_up, down, experts.act_fn)
+        y = grouped_swiglu(x_sorted, counts, gate_up, down, experts.act_fn, grouped=grouped)
     else:
-        y = _ep_experts(x_sorted, counts, gate_up, down, experts.act_fn, group=ep_group)
+        y = _ep_experts(x_sorted, counts, gate_up, down, experts.act_fn, group=ep_group, grouped=grouped)
     return _combine(y, order, weights_TK).to(x_TH.dtype)
 
 
-def _ep_experts(x_SH, counts_E, gate_up, down, act, *, group) -> torch.Tensor:
+def _ep_experts(x_SH, counts_E, gate_up, down, act, *, group, grouped: bool | None) -> torch.Tensor:
     """Expert parallel: rows sorted by (global) expert go to the rank holding their expert, are computed there and come
     back in the same order. Rank ``r`` of ``group`` holds experts ``[r * El, (r + 1) * El)``."""
     import torch.distributed as dist
@@ -183,7 +199,7 @@ def _ep_experts(x_SH, counts_E, gate_up, down, act, *, group) -> torch.Tensor:
     # received rows come by source rank, then expert: regroup them by local expert
     local_expert = torch.repeat_interleave(torch.arange(El, device=x_SH.device).repeat(P), recv.reshape(-1))
     regroup = torch.argsort(local_expert, stable=True)
-    y = grouped_swiglu(x_recv[regroup], recv.sum(0), gate_up, down, act)
+    y = grouped_swiglu(x_recv[regroup], recv.sum(0), gate_up, down, act, grouped=grouped)
     back = torch.empty_like(regroup)
     back[regroup] = torch.arange(regroup.numel(), device=regroup.device)
     return wait_tensor(all_to_all_single_autograd(y[back], send_splits, recv_splits, group))
