@@ -30,7 +30,7 @@ def runs(tiny_moe, tmp_path_factory):
 def test_expert_parallel_equals_fsdp_alone(runs):
     ep, one = runs[0][2], runs[0][1]
     # the experts are split: 4 of the 8 per rank over ep, FSDP2 over the (here single-rank) edp dim on their rows
-    assert ep["placements"][GATE_UP] == ["S(1)", "S(0)"] and ep["local_shapes"][GATE_UP] == (4, 352, 128)
+    assert ep["placements"][GATE_UP] == ["S(1)", "S(0)"] and ep["local_shapes"][GATE_UP] == (4, 384, 128)
     assert one["placements"][GATE_UP] == ["S(0)"]
     for key in ("logprobs", "entropy"):
         assert one[key].abs().sum() > 0

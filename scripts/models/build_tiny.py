@@ -186,7 +186,7 @@ def build(
     tools: bool = False,
     num_experts: int = 8,
     top_k: int = 2,
-    moe_intermediate_size: int = 176,
+    moe_intermediate_size: int = 192,
 ) -> Path:
     """Write the tokenizer and model to ``out`` and return it. ``vocab_size=None`` sizes the model from
     the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes). ``tools``: the tool-calling
@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (same as --arch qwen3_moe)")
     p.add_argument("--num-experts", type=int, default=8, help="experts per MoE layer")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--moe-intermediate-size", type=int, default=176, help="an expert's intermediate size")
+    p.add_argument("--moe-intermediate-size", type=int, default=192,
+                   help="an expert's intermediate size (vLLM's CPU build needs a multiple of 32)")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-heads", type=int, default=4)
