@@ -92,3 +92,22 @@ def test_bad_expert_parallel_settings_are_refused(tiny_moe, tiny_model):
     r3_vllm = problems(tiny_moe, moe=MoEConfig(router_replay="R3"), rollout=RolloutConfig(engine="vllm"))
     assert any("actor.moe.router_replay='R3'" in p and "rollout.engine=native" in p for p in r3_vllm)
     assert any("aux_loss_coef=-1" in p for p in problems(tiny_moe, moe=MoEConfig(aux_loss_coef=-1)))
+
+
+def test_the_moe_quickstart_configs_pass_the_start_up_checks(tiny_moe, arithmetic_data):
+    """``MODEL=moe bash scripts/quickstart.sh``'s configs: expert parallel 2 and R3, and nothing else for the checks to
+    refuse on 2 ranks with a tiny Qwen3-MoE (its learning figures are measured by hand: docs/moe.md)."""
+    from conftest import ROOT
+    from rlspmd.config import SFTConfig, load_config_file
+
+    cfg = load_config_file(ROOT / "configs/quickstart_moe.py")
+    assert cfg.mesh.actor_ep == 2 and cfg.actor.moe.router_replay == "R3"
+    data = dataclasses.replace(
+        cfg.data,
+        train_files=[str(arithmetic_data / "train.parquet")],
+        val_files=[str(arithmetic_data / "test.parquet")],
+    )
+    actor = dataclasses.replace(cfg.actor, model=ModelConfig(path=str(tiny_moe)))
+    assert config_problems(dataclasses.replace(cfg, actor=actor, data=data), world_size=2) == []
+    sft = load_config_file(ROOT / "configs/sft_quickstart_moe.py", SFTConfig)
+    assert sft.model.path == "models/tiny-moe" and sft.output_dir == "outputs/quickstart-moe-sft"
