@@ -183,9 +183,32 @@ class Prompts:
         self.results[key] = tokens
 
 
+@pytest.fixture(scope="module")
+def decisive(tmp_path_factory):
+    """``decisive(path)``: the tiny MoE with its experts and routers scaled by 10, saved (per-expert layout). A random
+    tiny model greedily repeats one token whatever the prompt; scaled experts dominate the residual stream and
+    decisive routers spread the tokens, so greedy continuations differ per prompt and depend on every expert."""
+    made = {}
+
+    def make(path):
+        if path not in made:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for p in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, layer.mlp.gate.weight):
+                        p.mul_(10)
+            out = tmp_path_factory.mktemp("decisive") / path.parent.name
+            model.save_pretrained(out)
+            load_tokenizer(path, field_name="m").save_pretrained(out)
+            made[path] = out
+        return made[path]
+
+    return make
+
+
 @pytest.mark.parametrize("fixture", MODELS)
-def test_greedy_native_generation_equals_generate_and_records_the_trainers_routing(fixture, request):
-    path = request.getfixturevalue(fixture)
+def test_greedy_native_generation_equals_generate_and_records_the_trainers_routing(fixture, request, decisive):
+    path = decisive(request.getfixturevalue(fixture))
     tok = load_tokenizer(path, field_name="model")
     model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
@@ -231,9 +254,10 @@ def test_greedy_native_generation_equals_generate_and_records_the_trainers_routi
     assert same_expert_set(routing[valid], used[valid]).all()
 
 
-def test_eos_rows_record_no_routing_past_their_end(tiny_moe):
-    tok = load_tokenizer(tiny_moe, field_name="model")
-    model = load_causal_lm(tiny_moe, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+def test_eos_rows_record_no_routing_past_their_end(tiny_moe, decisive):
+    path = decisive(tiny_moe)
+    tok = load_tokenizer(path, field_name="model")
+    model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
     ids, mask = encode(tok)
     # a random model rarely samples its EOS: a third of the vocabulary ends a row, so rows end at different steps
     engine = NativeEngine(

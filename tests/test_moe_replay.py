@@ -1,8 +1,8 @@
 """Router replay (``actor.moe.router_replay``, ``rlspmd/roles/moe.py``): which routing each pass replays, the
 load-balancing term's weighting and the routing metrics, on the trainer's module; end to end on 2 ranks, with a
 bfloat16 rollout against a float32 trainer (routing differs on some tokens): R3 makes the trainer route every token as
-the rollout did and lowers the logged mismatch KL against the same run without replay; R2 replays the old-log-prob
-pass in the update."""
+the rollout did and lowers the logged mismatch KL (k3) against the same run without replay; R2 replays the
+old-log-prob pass in the update."""
 
 import json
 
@@ -115,12 +115,14 @@ def run_replay(tiny_moe, arithmetic_data, tmp_path, mode: str) -> list[dict]:
 @pytest.mark.dist
 def test_r3_routes_as_the_rollout_and_lowers_the_mismatch(tiny_moe, arithmetic_data, tmp_path):
     off, r3, r2 = (run_replay(tiny_moe, arithmetic_data, tmp_path, mode)[-1] for mode in ("off", "R3", "R2"))
-    # step 1: the same samples (same seed, same bf16 rollout weights), so the same router agreement in every run
-    assert off["moe/router_agreement"] == r3["moe/router_agreement"] == r2["moe/router_agreement"] < 1.0
+    # step 1: the same samples (same seed, same bf16 rollout weights): the same free routing without replay in the
+    # old-log-prob pass (R3's router sees the replayed layers' outputs, so its own choices differ a little)
+    assert off["moe/router_agreement"] == r2["moe/router_agreement"] < 1.0
     assert off["moe/routing_agreement"] == off["moe/router_agreement"]
     assert r3["moe/routing_agreement"] == 1.0  # every token of every layer routed as the rollout routed it
+    # k3, the non-negative estimator (k1's sign and size at this scale are sampling noise: docs/moe.md has both on the
+    # warm-started model)
     assert r3["rollout_corr/mismatch/kl_k3"] < off["rollout_corr/mismatch/kl_k3"]
-    assert abs(r3["rollout_corr/mismatch/kl_k1"]) < abs(off["rollout_corr/mismatch/kl_k1"])
     assert r2["moe/routing_agreement"] == off["moe/routing_agreement"]  # R2 replays only inside the update
     for m in (off, r3, r2):
         assert m["actor/moe_aux_loss"] > 0 and m["moe/expert_load"] >= 1.0
