@@ -55,6 +55,7 @@ from rlspmd.engines.megatron.config import MegatronConfig
 from rlspmd.engines.optim import OptimConfig
 from rlspmd.models.loader import ModelConfig
 from rlspmd.models.lora import LoraConfig
+from rlspmd.models.moe import MoEConfig
 from rlspmd.rewards.config import OverlongBufferConfig, RewardConfig, RewardModelConfig
 from rlspmd.rollout.base import ROLLOUT_ENGINES
 from rlspmd.rollout.native import NativeConfig
@@ -66,7 +67,7 @@ __all__ = [  # the sections below, and the components and sections a config file
     "ActorConfig", "AdaptiveKL", "AgentConfig", "AlgorithmConfig", "CISPO", "CheckpointConfig", "ClipCov",
     "CodeRunnerConfig", "Config", "CriticConfig", "DataConfig", "DistConfig", "FSDPConfig", "FilterGroupsConfig",
     "FixedKL", "GAE", "GDPO", "GMPO", "GPG", "GPGAdvantage", "GRPO", "GRPOPassK", "GSPO", "KLCov", "LoraConfig",
-    "MegatronConfig", "MeshConfig", "ModelConfig", "NativeConfig", "OPO", "OptimConfig", "OverlongBufferConfig",
+    "MegatronConfig", "MeshConfig", "ModelConfig", "MoEConfig", "NativeConfig", "OPO", "OptimConfig", "OverlongBufferConfig",
     "PPOClip", "RLOO", "RefConfig", "ReinforcePP", "ReinforcePPBaseline", "ReMax", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "SAPO", "SFTConfig", "SFTDataConfig",
     "SampleLogConfig", "StepStage", "TrainedRoleConfig", "TrainerConfig", "VllmConfig", "load_config_file",
@@ -145,6 +146,8 @@ class ActorConfig(TrainedRoleConfig):
     freeze_vision_tower: bool = False
     """A vision-language model (docs/vision.md): train the language model only; the vision tower and its merger keep
     their weights (no gradients, no optimiser state)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts options: the load-balancing loss, routing replay (ignored for a dense model)."""
 
 
 @dataclass

@@ -188,6 +188,16 @@ def nll_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor:
     return -(logp * mb["loss_mask_BR"]).sum() / global_tokens
 
 
+def router_aux_loss(module, mb: Batch, global_tokens: float) -> torch.Tensor | float:
+    """A mixture-of-experts model's load-balancing loss after ``nll_loss``'s forward, times its
+    ``router_aux_loss_coef`` (as transformers adds it when fine-tuning), this micro-batch's share of the tokens; 0 for a
+    dense model (``models/moe.py``)."""
+    if module.moe is None:
+        return 0.0
+    share = mb["loss_mask_BR"].sum() / global_tokens
+    return module.config.router_aux_loss_coef * module.moe.aux_loss() * share
+
+
 @spmd_main
 def main(argv: list[str] | None = None) -> None:
     cfg, dry_run = parse_args(argv, SFTConfig, prog="rlspmd.sft")
@@ -307,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         def loss_fn(module, mb):
             loss = nll_loss(module, mb, tokens)
             mb_losses.append(loss.detach())
-            return loss
+            return loss + router_aux_loss(module, mb, tokens)
 
         stats = engine.optimizer_step(batch.split(cfg.micro_batch_size), loss_fn)
         losses.append(float(all_reduce_sum(torch.stack(mb_losses).sum(), mesh=mesh)))

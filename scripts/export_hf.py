@@ -110,7 +110,7 @@ def _export_lora(
         base,
         dtype="float32",
         attn_implementation="sdpa",
-        field_name="--base-model" if base_model else f"the run's actor.model.path (meta.json; --base-model overrides)",
+        field_name="--base-model" if base_model else "the run's actor.model.path (meta.json; --base-model overrides)",
     )
     adapters = {
         k[len(PREFIX) :]: torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -95,6 +95,22 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> Path:
+    """The MoE quickstart's tiny Qwen3-MoE (``build_tiny.py --moe``: 8 experts, top-2), random init."""
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("tiny_moe") / "model", arch="qwen3_moe"
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory) -> Path:
+    """A tiny Qwen2-MoE: routed experts plus a gated shared expert, attention with biases."""
+    return load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("tiny_qwen2_moe") / "model", arch="qwen2_moe"
+    )
+
+
+@pytest.fixture(scope="session")
 def smollm2_l2() -> Path:
     """SmolLM2-135M-Instruct truncated to 2 layers: the real tokenizer and chat template, fast enough for CPU tests.
 

@@ -98,7 +98,7 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     by = {}
     for x in lines:
         by.setdefault(x.get("bench") or x.get("benchmark"), []).append(x)
-    for phase in ("build", "attention", "rlspmd", "trl", "generation", "tests", "q15"):
+    for phase in ("build", "attention", "rlspmd", "trl", "generation", "tests", "moe", "q15"):
         (status,) = by[f"gpu_suite/{phase}"]
         assert status["returncode"] == 0 and not status["timed_out"], status
         assert (out / f"{phase}.log").is_file()
@@ -131,6 +131,9 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     assert set(gens) == {(8, 8), (4, 8)} and all(g["ratio"] > 0 for g in gens.values())
     (tests,) = by["gpu_tests"]
     assert tests["failed"] == 0 and (tests["passed"] > 0 or not torch.cuda.is_available())
+    moe = {x["path"]: x for x in by["moe_experts"]}
+    assert moe["loop"]["ms"] > 0 and moe["loop"]["rel_err"] < 1e-5  # float32 loop against itself (smoke)
+    assert "skipped" in moe["grouped"] or moe["grouped"]["rel_err"] < 2e-2
     (summary,) = by["gpu_suite/summary"]
     targets = summary["targets"]
     assert targets["gen_tokens_per_s_256x256"]["value"] == gens[(8, 8)]["native"]["tokens_per_s"]

@@ -32,6 +32,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from rlspmd.models.moe import per_expert_tensors
+
 VLLM_VERSION = "0.32.0"
 
 
@@ -275,6 +277,47 @@ def _rebind_cpu_gemms(worker) -> int:
     return n
 
 
+CPU_MOE_ALIGNMENT = 32
+"""vLLM 0.32's CPU grouped-GEMM MoE kernel pads an expert's intermediate size to a multiple of this."""
+
+
+def _check_cpu_moe(model_path: str) -> None:
+    """A mixture-of-experts model whose expert width vLLM's CPU build would pad: its in-place weight reload then copies
+    the padded kernel tensors back into unpadded parameters and fails (``The size of tensor a (384) must match the
+    size of tensor b (352)``, seen with an expert width of 176). Refused at start-up, naming why."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path).get_text_config()
+    width = getattr(cfg, "moe_intermediate_size", None) if getattr(cfg, "num_experts", 0) else None
+    if isinstance(width, int) and width % CPU_MOE_ALIGNMENT:
+        raise ValueError(
+            f"rollout.engine=vllm: vLLM {VLLM_VERSION}'s CPU build pads a MoE expert's intermediate size to a multiple "
+            f"of {CPU_MOE_ALIGNMENT}, and its in-place weight reload then fails; {model_path} has "
+            f"moe_intermediate_size={width}. Use rollout.engine=native, or a model whose expert width is a multiple "
+            f"of {CPU_MOE_ALIGNMENT}"
+        )
+
+
+def _repack_cpu_moe(worker) -> int:
+    """vLLM 0.32 on CPU: pack the MoE experts' weights into the CPU kernel's layout again after an in-place reload.
+
+    The CPU experts (``CPUUnquantizedExperts``) prepack ``w13_weight`` / ``w2_weight`` for their grouped GEMM in their
+    ``process_weights_after_loading``, which the unquantized MoE method only calls the first time (when its kernel
+    does not exist yet). The layer-wise reload runs the method again on a fresh copy, where the kernel already exists:
+    the fresh weights are copied back unpacked, and the kernel reads them as packed (every routed expert computes
+    garbage; seen as log-probs 0.05-0.5 off the trainer's while greedy tokens of a random model still agreed). Redoing
+    the experts' packing on the layer restores them. Returns the layers repacked."""
+    model = worker.model_runner.get_model()
+    n = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(experts, "isa") and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            n += 1
+    return n
+
+
 class VllmBackend:
     """One ``vllm.LLM`` in this process, part of a TP group of consecutive torchrun ranks.
 
@@ -312,6 +355,8 @@ class VllmBackend:
                 f"vLLM {vllm.__version__} is installed; rlspmd's adapter targets {VLLM_VERSION}", stacklevel=2
             )
         self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu:
+            _check_cpu_moe(model_path)
         # sleep mode is a CUDA allocator feature; elsewhere the engine keeps its memory and sleep/wake do nothing
         self.releases_memory = sleeps and current_platform.is_sleep_mode_available()
         if self.on_cpu and kv_cache_memory_bytes is None:
@@ -391,13 +436,16 @@ class VllmBackend:
         def stream():
             for name, tensor in weights:
                 counted["bytes"] += tensor.numel() * tensor.element_size()
-                names.add(name)
-                yield name, tensor
+                # fused MoE experts (transformers' in-memory layout) go as the checkpoint's per-expert tensors
+                for ckpt_name, t in per_expert_tensors(name, tensor):
+                    names.add(ckpt_name)
+                    yield ckpt_name, t
 
         # in-process (external_launcher) the iterator reaches the worker by reference, nothing is pickled
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
         if self.on_cpu:
             self.llm.collective_rpc(_rebind_cpu_gemms)
+            self.llm.collective_rpc(_repack_cpu_moe)
         missing = sorted(self._checkpoint_names - names)
         if check_coverage and missing:
             raise RuntimeError(f"vLLM weight load left {len(missing)} checkpoint tensors unloaded, e.g. {missing[:5]}")

@@ -15,6 +15,12 @@ it does for megatron. The FSDP engine gets a second, 2-D ``(dp, tp)`` mesh over 
 ``tp`` fastest, so a TP group is consecutive ranks): tensor parallelism over ``tp``, FSDP2 over ``dp``, and a TP
 group runs its members' micro-batches together (``distributed/tp_batch.py``).
 
+**Expert parallelism** (``mesh.actor_ep``) is another engine layout over the actor's ranks: a 2-D ``(edp, ep)`` mesh
+(``expert_mesh``; ``ep`` fastest, so an EP group is consecutive ranks). A mixture-of-experts layer's experts are
+sharded over ``ep`` and FSDP2-sharded over ``edp`` (the ranks holding the same experts); the dense parameters stay
+FSDP2-sharded over the role's flat DP mesh, and data stays per rank (tokens reach their experts by ``all_to_all``
+inside the layer, ``models/moe.py``). Only the actor and its reference are expert-parallel (``EXPERT_PARALLEL``).
+
 The RL config (``MeshConfig``) places the actor and the rollout; ``ref``, ``critic`` and ``reward`` follow the actor
 (``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
 one over both rank sets (prompts, samples and control move on it) and one over the actor's first rank plus
@@ -56,13 +62,22 @@ class MeshConfig:
     group runs its members' micro-batches together. Must divide the actor's ranks and the model's attention and KV
     heads; the FSDP engine only (megatron has ``actor.engine.tp``), no ``actor.lora``, and the native rollout
     then keeps its own copy of the weights (synced through the weight stream) instead of reading them in place."""
+    actor_ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts actor and its reference (FSDP engine): consecutive groups of
+    ``actor_ep`` ranks split each MoE layer's experts between them (``E / actor_ep`` each) and send every token to
+    its experts' rank with ``all_to_all``; dense parameters stay FSDP2-sharded over all the actor's ranks. Must
+    divide the actor's ranks and the model's experts; not with ``actor_tp`` > 1 or ``actor.lora``; the native
+    rollout then keeps its own copy of the weights (docs/moe.md)."""
 
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 FOLLOWERS = ("ref", "critic", "reward")  # the RL config places them on the actor's ranks
 TRAINED = ("actor", "ref", "critic")  # the roles whose FSDP engine ``mesh.actor_tp`` tensor-parallelises
+EXPERT_PARALLEL = ("actor", "ref")  # the roles whose FSDP engine ``mesh.actor_ep`` expert-parallelises
 DP = "dp"
 TP = "tp"
+EP = "ep"
+EDP = "edp"
 LINK = "link"
 
 
@@ -98,6 +113,8 @@ class ParallelDims:
     role_tp: dict[str, int] = field(default_factory=dict)
     train_tp: int = 1
     """Tensor-parallel degree of the training engines of ``TRAINED`` roles (``mesh.actor_tp``); not a data dim."""
+    train_ep: int = 1
+    """Expert-parallel degree of the ``EXPERT_PARALLEL`` roles' engines (``mesh.actor_ep``); not a data dim."""
 
     def __post_init__(self):
         for role in ROLES:
@@ -119,6 +136,19 @@ class ParallelDims:
         for role in TRAINED:
             if self.train_tp > 1 and self.role_ranks[role] != self.role_ranks["actor"]:
                 raise ValueError(f"mesh.actor_tp={self.train_tp}: the {role} must live on the actor's ranks")
+        if self.train_ep < 1 or n % self.train_ep:
+            raise ValueError(
+                f"mesh.actor_ep={self.train_ep} must be a positive divisor of the actor's {n} ranks "
+                f"(mesh.actor_ranks); consecutive ranks form an expert-parallel group"
+            )
+        if self.train_ep > 1 and self.train_tp > 1:
+            raise ValueError(
+                f"mesh.actor_ep={self.train_ep} and mesh.actor_tp={self.train_tp}: expert and tensor parallelism do "
+                "not combine yet; use one of them"
+            )
+        for role in EXPERT_PARALLEL:
+            if self.train_ep > 1 and self.role_ranks[role] != self.role_ranks["actor"]:
+                raise ValueError(f"mesh.actor_ep={self.train_ep}: the {role} must live on the actor's ranks")
 
     @classmethod
     def from_config(cls, cfg: MeshConfig, world_size: int) -> "ParallelDims":
@@ -126,7 +156,13 @@ class ParallelDims:
         actor = parse_ranks(cfg.actor_ranks, world_size, field_name="mesh.actor_ranks")
         ranks = {"actor": actor, "rollout": parse_ranks(cfg.rollout_ranks, world_size, field_name="mesh.rollout_ranks")}
         ranks.update({role: list(actor) for role in FOLLOWERS})
-        return cls(world_size=world_size, role_ranks=ranks, role_tp={"rollout": cfg.rollout_tp}, train_tp=cfg.actor_tp)
+        return cls(
+            world_size=world_size,
+            role_ranks=ranks,
+            role_tp={"rollout": cfg.rollout_tp},
+            train_tp=cfg.actor_tp,
+            train_ep=cfg.actor_ep,
+        )
 
     def dp_size(self, role: str) -> int:
         return len(self.role_ranks[role]) // self.role_tp[role]
@@ -150,6 +186,8 @@ class ParallelDims:
                 if role in TRAINED and self.train_tp > 1
                 else ""
             )
+            if role in EXPERT_PARALLEL and self.train_ep > 1:
+                train = f" (experts: edp={len(ranks) // self.train_ep} x ep={self.train_ep})"
             lines.append(f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}{train}")
         return "\n".join(lines)
 
@@ -185,6 +223,12 @@ class RoleMeshes:
             ranks = dims.role_ranks["actor"]
             layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // dims.train_tp, dims.train_tp)
             self._train = DeviceMesh(device_type, layout, mesh_dim_names=(DP, TP))
+        # The expert-parallel (edp, ep) mesh (mesh.actor_ep > 1), over the actor's ranks, ep fastest.
+        self._experts: DeviceMesh | None = None
+        if dims.train_ep > 1:
+            ranks = dims.role_ranks["actor"]
+            layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // dims.train_ep, dims.train_ep)
+            self._experts = DeviceMesh(device_type, layout, mesh_dim_names=(EDP, EP))
         # Split placement: the actor <-> rollout links (every rank takes part in creating their groups).
         self._links: dict[tuple[str, str, bool], DeviceMesh] = {}
         if dims.disjoint("actor", "rollout"):
@@ -213,6 +257,13 @@ class RoleMeshes:
         if role not in self._meshes:
             raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
         return self._train if role in TRAINED and self.hosts(role) else None
+
+    def expert_mesh(self, role: str) -> DeviceMesh | None:
+        """The 2-D ``(edp, ep)`` mesh an expert-parallel role's FSDP engine shards its experts over (``mesh.actor_ep``
+        > 1); None with ``actor_ep`` 1, for roles outside ``EXPERT_PARALLEL``, and on ranks without the role."""
+        if role not in self._meshes:
+            raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        return self._experts if role in EXPERT_PARALLEL and self.hosts(role) else None
 
     def dp_rank(self, role: str) -> int | None:
         mesh = self.get(role, DP)

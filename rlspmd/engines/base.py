@@ -131,6 +131,7 @@ class TrainingEngineConfig(Component):
 
     Traits the rest of the run reads: ``supports_lora`` (``actor.lora``), ``supports_mesh_tp`` (``mesh.actor_tp``
     is this engine's tensor parallelism), ``supports_vision`` (vision-language models, ``docs/vision.md``),
+    ``supports_moe`` (mixture-of-experts models and ``mesh.actor_ep``, ``docs/moe.md``),
     ``lends_weights`` (a colocated native rollout engine reads the gathered weights in place: an
     ``InPlaceEngine``)."""
 
@@ -138,6 +139,7 @@ class TrainingEngineConfig(Component):
     supports_lora: ClassVar[bool] = False
     supports_mesh_tp: ClassVar[bool] = False
     supports_vision: ClassVar[bool] = False
+    supports_moe: ClassVar[bool] = False
     lends_weights: ClassVar[bool] = False
     param_dtype: str = "auto"
 
@@ -165,11 +167,13 @@ class TrainingEngineConfig(Component):
         section: str,
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         """A role's model on this engine. ``kind``: what the module computes; ``optim=None``: frozen; ``field_name``
         and ``section`` name the config fields in errors (``actor.model.path``, ``actor``); ``lora``: a policy training
         LoRA adapters only (engines with ``supports_lora``); ``train_mesh``: the ``(dp, tp)`` mesh of
-        ``mesh.actor_tp`` > 1 (engines with ``supports_mesh_tp``); ``freeze_vision``: a vision-language policy trains
+        ``mesh.actor_tp`` > 1 (engines with ``supports_mesh_tp``); ``expert_mesh``: the ``(edp, ep)`` mesh of
+        ``mesh.actor_ep`` > 1 (engines with ``supports_moe``); ``freeze_vision``: a vision-language policy trains
         its language model only (``actor.freeze_vision_tower``). Collective over ``mesh``."""
         raise NotImplementedError

@@ -26,6 +26,9 @@ gathered with ``full_tensor()``; a unit's full tensors are packed into one buffe
 (``UnitSpec.world == 1``), so everything downstream (``unpack_unit``, the split placement's bridge) is unchanged.
 Every rank of the actor gets every tensor, as with FSDP alone.
 
+**Expert parallel + FSDP2** (the engine's ``expert_mesh``): the experts are 2-D DTensors on ``(edp, ep)``, gathered
+the same way as tensor-parallel weights (every unit through the per-tensor path).
+
 Simplifications: on the FSDP path parameters must be FSDP2 ``Shard(0)`` DTensors on a 1-D mesh; HSDP is not handled.
 The gather of unit k+1 does not overlap the hand-off of unit k. The TP path gathers per tensor (one collective per
 tensor, not one per unit) and hands out full tensors, not rollout-TP shards.
@@ -187,7 +190,8 @@ class WeightStream:
         self.device = engine.device
         self.dtype = dtype
         self._units = _units(self.hf_model)
-        self.tensor_parallel = engine.train_mesh is not None
+        # TP and EP weights are 2-D DTensors: gathered per tensor
+        self.tensor_parallel = engine.train_mesh is not None or engine.expert_mesh is not None
         # the TP path hands out whole tensors: each unit laid out as on one rank
         world = 1 if self.tensor_parallel else self.mesh.size()
         self.manifest = WeightManifest(

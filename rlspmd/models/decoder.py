@@ -7,6 +7,10 @@ cache. It reuses the model's rotary module, so every RoPE variant transformers i
 Numerics follow transformers' own implementation (RMSNorm in float32, SDPA attention), which is what
 makes greedy outputs equal ``generate``'s.
 
+Mixture-of-experts models of that family (Qwen3-MoE, Qwen2-MoE) run the same path with their sparse blocks computed
+by ``models/moe.py: moe_mlp``; the decoder then keeps the experts each token of its last forward used
+(``routing``, ``(B, S, N, K)``), which the engine records with the sample (router replay).
+
 ``HFDecoder`` is the fallback for other architectures: the model's own forward with a ``DynamicCache``.
 
 Both expose ``start(prompt_ids_BP, prompt_mask_BP, max_new_tokens) -> logits_BV``, ``step(tokens_B) ->
@@ -23,12 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlspmd.models.moe import MOE_MODEL_TYPES, is_sparse_block, moe_mlp
+
 LLAMA_FAMILY = {"llama", "qwen2", "qwen3", "mistral"}
+FUSED_FAMILY = LLAMA_FAMILY | MOE_MODEL_TYPES
+"""What ``LlamaFamilyDecoder`` runs: the dense family, and its mixture-of-experts members."""
 
 
 def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
     """The eager decoder for ``hf_model``: the fused Llama-family path, or the model's own forward."""
-    if hf_model.config.model_type in LLAMA_FAMILY:
+    if hf_model.config.model_type in FUSED_FAMILY:
         return LlamaFamilyDecoder(hf_model)
     return HFDecoder(hf_model)
 
@@ -73,6 +81,8 @@ class LlamaFamilyDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = cfg.rms_norm_eps
         self.n_layers = len(base.layers)
+        self.routing: torch.Tensor | None = None
+        """MoE models: the experts each token of the last forward used, ``(B, S, N, K)``; None for dense models."""
 
     def _params_dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
@@ -200,7 +210,11 @@ class LlamaFamilyDecoder:
                 q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask, enable_gqa=KV != H
             )
 
-        h = decoder_layers(base, h, cos, sin, n_heads=H, n_kv=KV, head_dim=D, eps=self.eps, write=write, attend=attend)
+        routes: list[torch.Tensor] = []
+        h = decoder_layers(
+            base, h, cos, sin, n_heads=H, n_kv=KV, head_dim=D, eps=self.eps, write=write, attend=attend, routes=routes
+        )
+        self.routing = torch.stack(routes, 2) if routes else None
         self.length = end
         h = rms_norm(h[:, -1], base.norm.weight, self.eps)
         return linear(h, self.model.get_output_embeddings()).float()
@@ -218,11 +232,13 @@ def decoder_layers(
     eps: float,
     write,
     attend,
+    routes: list | None = None,
 ) -> torch.Tensor:
     """The decoder layers of a Llama-family ``base`` model over hidden states ``h`` (B, S, hidden), with the caller's
     KV cache: ``write(i, k, v)`` stores layer ``i``'s new keys and values (B, KV, S, D) and ``attend(i, q, k, v)``
     returns its attention output (B, H, S, D). The static-batch decoder (``LlamaFamilyDecoder``) and the continuous
-    batching one (``rollout/continuous.py``) differ only in those two."""
+    batching one (``rollout/continuous.py``) differ only in those two. ``routes``: each sparse layer appends the
+    experts its tokens used, ``(B, S, K)``."""
     B, S, H, KV, D = h.shape[0], h.shape[1], n_heads, n_kv, head_dim
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
@@ -238,9 +254,18 @@ def decoder_layers(
         a = attend(i, q, k, v)
         h = h + linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
         x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
-        mlp = layer.mlp
-        h = h + linear(F.silu(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+        h = h + feed_forward(layer.mlp, x, routes)
     return h
+
+
+def feed_forward(mlp: nn.Module, x: torch.Tensor, routes: list | None) -> torch.Tensor:
+    """A layer's MLP: SwiGLU, or a sparse block (whose experts per token go to ``routes``)."""
+    if is_sparse_block(mlp):
+        y, used, _, _ = moe_mlp(mlp, x)
+        if routes is not None:
+            routes.append(used.view(*x.shape[:-1], used.shape[-1]))
+        return y
+    return linear(F.silu(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
 
 
 def decode_step(

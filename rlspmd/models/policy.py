@@ -10,6 +10,10 @@ With ``packing`` (the default, ``model.packing``) the micro-batch's valid tokens
 and compute dtype), and the LM head sees only the valid response positions; the outputs are scattered back to the
 padded ``(B, R)`` layout with zeros at padding. Without it the padded batch runs as is.
 
+A mixture-of-experts model (``models/moe.py``) gets rlspmd's sparse blocks (``adapt_moe``); ``moe`` is then the
+``RoutingState`` they share: a forward replays ``replay_BL`` when given, and leaves what it routed and its
+load-balancing loss there for the role to read. ``moe`` is None for a dense model.
+
 On CUDA the packed forward and backward read nothing back to the host except the micro-batch's token counts (one
 copy, skipped when the caller passes ``counts``): positions are gathered with ``nonzero_static`` and ``index_put``,
 never with boolean indexing or ``masked_scatter``.
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
+from rlspmd.models.moe import adapt_moe
 from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
 
 
@@ -46,6 +51,7 @@ class CausalLMPolicy(nn.Module):
         self.logprob_chunk = logprob_chunk
         self.packing = packing
         self.attn_kernel = attn_kernel
+        self.moe = adapt_moe(hf_model)
 
     @property
     def config(self):
@@ -67,11 +73,15 @@ class CausalLMPolicy(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = True,
         counts: TokenCounts | None = None,
+        replay_BL: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only)."""
+        """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only).
+        ``replay_BL``: MoE routing to replay, ``(B, L, N, K)`` (``models/moe.py: RoutingState.begin``)."""
         head = self.hf.get_output_embeddings()
         kw = dict(bias=head.bias, temperature=temperature, chunk_size=self.logprob_chunk, with_entropy=with_entropy)
         if not self.packing:
+            if self.moe is not None:
+                self.moe.begin(input_ids_BL.shape, mask_BL=attention_mask_BL, replay_BL=replay_BL)
             hidden = self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL)
             return chunked_logprobs(
                 response_hidden(hidden, response_len), head.weight, input_ids_BL[:, -response_len:], **kw
@@ -80,6 +90,8 @@ class CausalLMPolicy(nn.Module):
         packed = pack(
             input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len, counts=counts
         )
+        if self.moe is not None:
+            self.moe.begin(packed.shape, token_index_T=packed.token_index_T, replay_BL=replay_BL)
         hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
         targets_N = packed.target_pos_N
         lp_N, ent_N = chunked_logprobs(

@@ -19,8 +19,12 @@ head, a pointer to ``tie_word_embeddings``), a tensor no parameter takes, a shap
 float (quantised or integer checkpoints). Floating dtypes convert to the model's dtype as ``from_pretrained`` does
 (bf16 checkpoints into float32 master weights).
 
+Fused mixture-of-experts parameters (``mlp.experts.gate_up_proj`` ``(E, 2I, H)``, ``down_proj``) are *stacked* from the
+checkpoint's per-expert tensors (``mlp.experts.{e}.gate_proj.weight``, ...; ``models/moe.py: fused_expert_keys``): a
+shard reads, for each expert in its slice, the rows of each piece it holds, straight into place.
+
 Simplifications: keys are matched by name (the module's, the module's under the checkpoint's base-model prefix, or a
-tied alias); transformers' per-architecture key conversions (old layouts, fused MoE experts) are not applied:
+tied alias); transformers' other per-architecture key conversions (old layouts) are not applied:
 ``model.sharded_load=False`` loads those with ``from_pretrained``. A slice that is not contiguous in the file (a
 tensor-parallel ``Shard(1)``) is read as its contiguous run of rows and narrowed: a transient of those rows.
 """
@@ -252,6 +256,9 @@ class WeightPlan:
     """Parameter name -> initialiser, for parameters no file holds."""
     also_used: set[str] = field(default_factory=set)
     """File keys that feed no parameter on purpose (a tied alias saved twice, a head the role does not use)."""
+    stacks: dict[str, list[list[str]]] = field(default_factory=dict)
+    """Parameter name -> file keys of a stacked parameter: ``param[i]`` is the concatenation (along its dim 0) of the
+    tensors ``stacks[name][i]`` (fused MoE experts, ``match_stacks``)."""
 
     @torch.no_grad()
     def load(self, module: nn.Module) -> int:
@@ -268,6 +275,9 @@ class WeightPlan:
                     block = block.narrow(dim, o, s)
                 local.copy_(block)
                 continue
+            if name in self.stacks:
+                nbytes += self._load_stacked(self.stacks[name], local, offsets, sizes)
+                continue
             key = self.keys[name]  # WeightPlan.check guarantees it
             if local.numel() == 0:
                 continue
@@ -279,12 +289,31 @@ class WeightPlan:
             nbytes += block.numel() * e.itemsize
         return nbytes
 
+    def _load_stacked(self, pieces: list[list[str]], local: torch.Tensor, offsets, sizes) -> int:
+        """Fill the block ``[offsets, offsets + sizes)`` of a stacked parameter: each of its dim-0 entries from the
+        rows of that entry's pieces that the block holds."""
+        nbytes = 0
+        for i in range(sizes[0]):
+            row = 0  # first row of the current piece along the parameter's dim 1
+            for key in pieces[offsets[0] + i]:
+                e = self.index.entries[key]
+                lo, hi = max(row, offsets[1]), min(row + e.shape[0], offsets[1] + sizes[1])
+                if lo < hi:
+                    block = self.index.read(key, (lo - row, *offsets[2:]), (hi - lo, *sizes[2:]))
+                    local[i, lo - offsets[1] : hi - offsets[1]].copy_(block)
+                    nbytes += block.numel() * e.itemsize
+                row += e.shape[0]
+        return nbytes
+
     def check(self, module: nn.Module, *, tied_hint: bool = False, field_name: str) -> "WeightPlan":
         """Every parameter of ``module`` has a source of the right shape and a loadable dtype, and every file tensor is
         used (or in ``also_used``); raises a ``ValueError`` naming the file and tensor otherwise."""
-        used = set(self.keys.values()) | self.also_used
+        used = set(self.keys.values()) | self.also_used | {k for s in self.stacks.values() for ks in s for k in ks}
         for name, p in _all_parameter_names(module):
             if name in self.inits:
+                continue
+            if name in self.stacks:
+                self._check_stacked(name, p, field_name=field_name)
                 continue
             if name not in self.keys:
                 hint = (
@@ -320,6 +349,28 @@ class WeightPlan:
             )
         return self
 
+    def _check_stacked(self, name: str, p: torch.Tensor, *, field_name: str) -> None:
+        pieces = self.stacks[name]
+        if len(pieces) != p.shape[0]:
+            raise ValueError(
+                f"{field_name}: parameter {name!r} has {p.shape[0]} entries (experts), the checkpoint {len(pieces)}"
+            )
+        for keys in pieces:
+            entries = [self.index.entries[k] for k in keys]
+            shape = (sum(e.shape[0] for e in entries), *entries[0].shape[1:])
+            if shape != tuple(p.shape[1:]) or any(e.shape[1:] != entries[0].shape[1:] for e in entries):
+                raise ValueError(
+                    f"{field_name}: {entries[0].where()} and the tensors stacked with it "
+                    f"({[e.key for e in entries]}: {[list(e.shape) for e in entries]}) do not make one "
+                    f"{list(p.shape[1:])} entry of parameter {name!r} built from config.json"
+                )
+            bad = next((e for e in entries if e.dtype not in LOADABLE), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{field_name}: {bad.where()} is stored as {bad.dtype_name}, which cannot load into "
+                    f"parameter {name!r} ({p.dtype}): only float64/float32/float16/bfloat16 convert"
+                )
+
 
 def _all_parameter_names(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """Every name of every parameter (tied aliases included), unwrapped."""
@@ -352,6 +403,32 @@ def match_keys(
         if found is not None:
             keys.update({n: found for n in names})
     return keys
+
+
+def match_stacks(
+    module: nn.Module,
+    index: SafetensorsIndex,
+    *,
+    prefix: str,
+    keys: dict[str, str],
+    candidates: Callable[[str], list[str]],
+) -> dict[str, list[list[str]]]:
+    """``{parameter name: per-entry file keys}`` for the parameters under ``prefix`` that no file key feeds directly but
+    that the checkpoint stores one tensor per entry (fused MoE experts: ``models/moe.py``), each key looked up by
+    ``candidates``; a parameter is stacked only when the files hold every one of its pieces."""
+    from rlspmd.models.moe import fused_expert_keys
+
+    stacks = {}
+    for name, p in _all_parameter_names(module):
+        if name in keys or not name.startswith(prefix):
+            continue
+        pieces = fused_expert_keys(name[len(prefix) :], p.shape[0])
+        if pieces is None:
+            continue
+        found = [[next((c for c in candidates(k) if c in index), None) for k in ks] for ks in pieces]
+        if all(k is not None for ks in found for k in ks):
+            stacks[name] = found
+    return stacks
 
 
 def tied_keys(module: nn.Module, index: SafetensorsIndex, *, prefix: str, keys: dict[str, str]) -> set[str]:
@@ -433,7 +510,8 @@ def meta_policy_module(
         apply_lora(hf, lora)  # peft puts the adapters where the base weights are: on meta
         inits = {name: (lambda t=t: t) for name, t in initial_adapters(module, seed=seed).items()}
     keys = match_keys(module, index, prefix="hf.", candidates=lambda n: checkpoint_keys(base_name(n)))
-    plan = WeightPlan(index, keys, inits, also_used=tied_keys(module, index, prefix="hf.", keys=keys))
+    stacks = match_stacks(module, index, prefix="hf.", keys=keys, candidates=lambda n: [n])
+    plan = WeightPlan(index, keys, inits, also_used=tied_keys(module, index, prefix="hf.", keys=keys), stacks=stacks)
     return module, plan.check(module, tied_hint=not hf.config.tie_word_embeddings, field_name=field_name)
 
 
@@ -464,6 +542,7 @@ def meta_value_model(
     module = ValueModel(backbone, head, packing=packing, attn_kernel=attn_kernel)
     prefix = backbone.base_model_prefix
     keys = match_keys(module, index, prefix="hf.", candidates=lambda n: [n, f"{prefix}.{n}"])
+    stacks = match_stacks(module, index, prefix="hf.", keys=keys, candidates=lambda n: [n, f"{prefix}.{n}"])
     stored = next(
         (pre for pre in HEAD_PREFIXES if f"{pre}weight" in index and index.entries[f"{pre}weight"].shape[:1] == (1,)),
         None,
@@ -480,7 +559,9 @@ def meta_value_model(
         inits["value_head.bias"] = lambda: torch.zeros(1)
     # what the backbone does not use: the LM head of a causal LM, the classifier of a reward model
     unused = {k for k in index.entries if k.startswith(("lm_head.", *HEAD_PREFIXES))} - set(keys.values())
-    plan = WeightPlan(index, keys, inits, also_used=unused | tied_keys(module, index, prefix="hf.", keys=keys))
+    plan = WeightPlan(
+        index, keys, inits, also_used=unused | tied_keys(module, index, prefix="hf.", keys=keys), stacks=stacks
+    )
     return module, plan.check(module, field_name=field_name)
 
 
@@ -505,5 +586,6 @@ def meta_sequence_scorer(
     hf = _from_config(AutoModelForSequenceClassification, index.directory, dtype=dtype, attn_implementation=attn)
     module = SequenceScorer(hf, packing=packing, attn_kernel=attn_kernel)
     keys = match_keys(module, index, prefix="hf.", candidates=lambda n: [n])
-    plan = WeightPlan(index, keys, also_used=tied_keys(module, index, prefix="hf.", keys=keys))
+    stacks = match_stacks(module, index, prefix="hf.", keys=keys, candidates=lambda n: [n])
+    plan = WeightPlan(index, keys, also_used=tied_keys(module, index, prefix="hf.", keys=keys), stacks=stacks)
     return module, plan.check(module, field_name=field_name)

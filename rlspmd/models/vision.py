@@ -189,6 +189,7 @@ class VisionLanguagePolicy(nn.Module):
         self.packing = packing
         self.attn_kernel = attn_kernel
         self.spec = VisionSpec.of(hf_model.config)
+        self.moe = None  # no mixture-of-experts layers (``CausalLMPolicy.moe``: rlspmd runs no MoE vision model)
 
     @property
     def config(self):

@@ -12,6 +12,9 @@ Rollout correction (``algorithm.rollout_correction``, `rlspmd.roles.rollout_corr
 log-probs the trainer's correction stage has already put ``rollout_is_weights_BR`` on the batch and taken the rejected
 tokens out of ``loss_mask_BR``; otherwise the loss computes the correction itself, against the current policy's
 detached log-probs (``policy_gradient_inputs``).
+
+Mixture-of-experts models (``roles/moe.py``, held as ``moe``): the passes replay routing (R2 / R3), the old-log-prob
+pass returns what it routed, and the update adds the router's load-balancing loss.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
+from rlspmd.roles.moe import MoEActor, NoMoE
 from rlspmd.distributed.micro_batches import forward_micro_batches
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, record_correction_metrics
 
@@ -47,15 +51,18 @@ def compute_logprobs(
     with_entropy: bool = False,
     max_tokens: int | None = None,
     mesh: DeviceMesh | None = None,
+    moe: MoEActor | NoMoE = NoMoE(),
 ):
     """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch.
 
     ``max_tokens`` forms micro-batches by token budget instead (``split_micro_batches``; collective over ``mesh``).
+    ``moe`` (a MoE actor's ``MoEActor``): replay its routing, and also return the routing the forwards used and the
+    router's own, ``(B, L, N, K)`` each (``models/moe.py: RoutingState.routed_BL``).
     """
     R = batch["responses_BR"].shape[1]
-    return forward_micro_batches(
-        batch,
-        lambda mb: module(
+
+    def forward(mb: Batch):
+        out = module(
             mb["input_ids_BL"],
             mb["attention_mask_BL"],
             mb["position_ids_BL"],
@@ -63,11 +70,18 @@ def compute_logprobs(
             temperature=temperature,
             with_entropy=with_entropy,
             **vision_inputs(mb),
-        ),
-        micro_batch_size=micro_batch_size,
-        max_tokens=max_tokens,
-        mesh=mesh,
-    )
+            **moe.replay(mb, update=False),
+        )
+        if not moe.routing:
+            return out
+        used, own = module.moe.routed_BL()
+        return (*out, used, own)
+
+    out = forward_micro_batches(batch, forward, micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh)
+    if not moe.routing:
+        return out
+    lp, ent, used, own = out
+    return lp, ent, used.to(torch.int16), own.to(torch.int16)
 
 
 def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuffer) -> None:
@@ -129,14 +143,17 @@ class Policy:
         correction: ResolvedRolloutCorrection | None = None,
         old_logprobs: OldLogProbs = "recompute",
         seed: int = 0,
+        moe: MoEActor | NoMoE = NoMoE(),
     ):
         """``old_logprobs``: where the old log-probs come from (the builder decided: ``update`` and ``rollout`` need one
         update per step). ``correction``: the resolved rollout correction (the trainer always has one; None trains on
-        batches as given, for tools and tests). ``seed``: Clip-Cov's token draws (offset per DP rank)."""
+        batches as given, for tools and tests). ``seed``: Clip-Cov's token draws (offset per DP rank). ``moe``: a MoE
+        model's replay, load-balancing loss and routing metrics (``roles/moe.py``)."""
         assert plan.single_update or old_logprobs == "recompute", f"old_logprobs={old_logprobs!r} needs a single update"
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.temperature = temperature
         self.old_logprobs, self.correction = old_logprobs, correction
+        self.moe = moe
         # Clip-Cov draws its tokens with a generator of its own, seeded per DP rank
         self.loss_fn = cfg.policy_loss.build(
             generator=torch.Generator().manual_seed(seed + engine.mesh.get_local_rank())
@@ -144,28 +161,37 @@ class Policy:
 
     def log_prob(self, batch: Batch) -> torch.Tensor:
         """``(B, R)`` log-probs of the sampled tokens under the current policy (no grad)."""
-        lp, _ = compute_logprobs(
+        return self._log_prob(batch)[0]
+
+    def _log_prob(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Log-probs, and a MoE model's routing (used, own; empty for a dense model), replayed as
+        ``actor.moe.router_replay`` says."""
+        lp, _, *routed = compute_logprobs(
             self.engine.module,
             batch,
             micro_batch_size=self.cfg.logprob_micro_batch_size,
             temperature=self.temperature,
             max_tokens=self.cfg.logprob_max_tokens_per_micro_batch,
             mesh=self.engine.mesh,
+            moe=self.moe,
         )
-        return lp
+        return lp, routed
 
     def old_log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         if self.old_logprobs == "update":  # the update's forward provides them
             return batch
         if self.old_logprobs == "rollout":  # bypass: no forward at all
             return batch.set(old_logprobs_BR=batch["rollout_logprobs_BR"])
-        old = self.log_prob(batch)
+        old, routed = self._log_prob(batch)
+        batch = self.moe.routed(batch, routed, metrics)
+        self.moe.flush(metrics)
         logprob_gap(batch, old, metrics)
         return batch.set(old_logprobs_BR=old)
 
     def update(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         steps = ppo_updates(self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), self.plan)
         record_updates(steps, metrics, prefix="actor", loss_name="pg_loss", engine=self.engine)
+        self.moe.flush(metrics)
         return batch
 
     def _loss(self, module, mb: Batch, agg: AggArgs, metrics: MetricBuffer) -> torch.Tensor:
@@ -178,6 +204,7 @@ class Policy:
             response_len=R,
             temperature=self.temperature,
             **vision_inputs(mb),
+            **self.moe.replay(mb, update=True),
         )
         mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()
@@ -199,6 +226,7 @@ class Policy:
             metrics.mean("actor/kl_loss", (kl.detach() * mask).sum(), n_tok)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mask, agg=agg)
+        loss = loss + self.moe.loss_term(module, mb, agg, metrics)
         metrics.mean("actor/entropy", (entropy.detach() * mask).sum(), n_tok)
         metrics.mean("actor/pg_loss", pg_loss.detach(), 0.0)
         for k, v in pg_stats.items():

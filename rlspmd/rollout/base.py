@@ -59,12 +59,14 @@ class RolloutEngineConfig(Component):
     (``lends_weights``) and in the actor's compute dtype, it reads them where they are instead of a streamed copy;
     ``kernels`` is None when the engine samples with the trainer's own kernels (rollout correction's ``auto`` then
     stays off for it), else how its numerics differ (the reason logged when ``auto`` switches the correction on);
-    ``serves_images``, it passes a prompt's images to a vision-language model (docs/vision.md);
+    ``serves_images``, it passes a prompt's images to a vision-language model (docs/vision.md); ``records_routing``,
+    its single-turn samples carry a mixture-of-experts model's routing (``rollout_routing_BL``: R3, docs/moe.md);
     ``colocated_only`` is None when the engine also runs on ranks of its own (split placement), else why not."""
 
     registry = ROLLOUT_ENGINES
     reads_in_place: ClassVar[bool] = False
     serves_images: ClassVar[bool] = False
+    records_routing: ClassVar[bool] = False
     kernels: ClassVar[str | None] = None
     colocated_only: ClassVar[str | None] = None
 

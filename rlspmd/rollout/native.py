@@ -10,6 +10,10 @@ from CUDA graphs, sampling on the device and no host sync per token (``rlspmd/ro
 (CPU, other architectures) the eager decoder, where finished rows stop costing compute: once a quarter of the active
 rows have produced EOS they are dropped from the batch and the KV cache is compacted (compacting at every EOS would
 copy the cache too often).
+
+Mixture-of-experts models (eager decoding only; their routing is data-dependent, no static graph) also return the
+experts every token was routed to, ``rollout_routing_BL`` ``(B, L, N, K)`` int16 in the sample layout (``-1`` where
+no forward ran the token: the last sampled token, padding), which router replay R3 replays in the trainer.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import torch
 from torch import nn
 
 from rlspmd.components import Problem
-from rlspmd.models.decoder import LLAMA_FAMILY
+from rlspmd.models.decoder import FUSED_FAMILY
 from rlspmd.models.loader import dtype_name, load_causal_lm
 from rlspmd.models.vision import VISION_MODEL_TYPES, vision_inputs
 from rlspmd.models.vision_decoder import rollout_decoder
+from rlspmd.models.moe import is_moe
 from rlspmd.protocol import Batch
 from rlspmd.rollout.base import RolloutEngineConfig, assemble_rollout
 from rlspmd.rollout.continuous import RequestSource, SlotDecoder, serve
@@ -42,6 +47,7 @@ class NativeConfig(RolloutEngineConfig):
     name: ClassVar[str] = "native"
     reads_in_place: ClassVar[bool] = True
     serves_images: ClassVar[bool] = True
+    records_routing: ClassVar[bool] = True
     max_batch_size: int = 256
     """Most sequences the native engine decodes at once on one rank."""
     compile_decode: bool = False
@@ -101,6 +107,23 @@ class OwnWeights:
         return n_bytes
 
 
+class RoutingLog:
+    """The experts a MoE generation routed each token to, in the sample layout ``(B, P + T, N, K)`` (``-1`` until a
+    forward runs the token), filled from the decoder's ``routing`` after the prefill and after every decode step."""
+
+    def __init__(self, B: int, P: int, T: int):
+        self.shape, self.P = (B, P + T), P
+        self.routing_BL: torch.Tensor | None = None
+
+    def prompts(self, routing_BPNK: torch.Tensor) -> None:
+        self.routing_BL = routing_BPNK.new_full((*self.shape, *routing_BPNK.shape[2:]), -1, dtype=torch.int16)
+        self.routing_BL[:, : self.P] = routing_BPNK
+
+    def token(self, t: int, rows: torch.Tensor, routing_B1NK: torch.Tensor) -> None:
+        """Response token ``t`` of the original rows ``rows`` ran through the decoder."""
+        self.routing_BL[rows, self.P + t] = routing_B1NK[:, 0].to(torch.int16)
+
+
 @torch.inference_mode()
 def generate_tokens(
     decoder,
@@ -113,12 +136,14 @@ def generate_tokens(
     generator: torch.Generator | None,
     compact_fraction: float = 0.25,
     images: list | None = None,
+    routing: RoutingLog | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to ``params.max_new_tokens`` per row -> (tokens_BR, lengths_B, logprobs_BR).
 
     ``lengths_B`` counts generated tokens including the EOS token; tokens past it are ``pad_id``. A
     ``StaticDecoder`` runs its own loop (static shapes, CUDA graphs); the eager decoders run the loop below.
     ``images``: the rows' images, for a vision-language decoder's prefill (``models/vision_decoder.py``).
+    ``routing``: filled with a MoE model's routing (an eager ``LlamaFamilyDecoder``).
     """
     if isinstance(decoder, StaticDecoder):
         return decoder.generate(
@@ -135,6 +160,16 @@ def generate_tokens(
         logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T)
     else:
         logits = decoder.start(prompt_ids_BP, prompt_mask_BP, T, images=images)
+    if routing is not None:
+        routing.prompts(decoder.routing)
+
+    def step(t: int, tok: torch.Tensor) -> torch.Tensor:
+        out = decoder.step(tok)
+        if routing is not None:  # the rows still generating (finished ones run until the batch is compacted)
+            live = ~done
+            routing.token(t, rows[live], decoder.routing[live])
+        return out
+
     suppress = params.ignore_eos and eos_ids.numel() > 0
     stops = eos_ids.numel() > 0 and not suppress
     any_done = False  # while no row has finished (and none was dropped), rows == arange(B): plain column writes
@@ -152,7 +187,7 @@ def generate_tokens(
             logprobs[:, t] = lp
         if not stops:
             if t + 1 < T:
-                logits = decoder.step(tok)
+                logits = step(t, tok)
             continue
         newly = torch.isin(tok, eos_ids) if live is None else live & torch.isin(tok, eos_ids)
         if newly.any():
@@ -166,7 +201,7 @@ def generate_tokens(
                 decoder.keep(keep)
                 rows, tok, done = rows[keep], tok[keep], done[keep]
         if t + 1 < T:
-            logits = decoder.step(tok)
+            logits = step(t, tok)
     return tokens, lengths, logprobs
 
 
@@ -195,14 +230,17 @@ class NativeEngine:
 
     def generate(self, prompts: Batch, params: SamplingParams, *, generator: torch.Generator | None) -> Batch:
         batch = prompts.repeat(params.n) if params.n > 1 else prompts
-        outs = []
+        outs, routed = [], []
         with self.weights.model() as hf_model:
             # The static decoder lives for this generation only: its graphs read the weights gathered for it.
             static = static_decoder(
                 hf_model, device=self.device, cuda_graphs=self.cuda_graphs, compile=self.compile_decode
             )
             decoder = static or rollout_decoder(hf_model)
+            moe = is_moe(hf_model.config)
             for part in batch.split(self.max_batch_size):
+                P = part["prompts_BP"].shape[1]
+                log = RoutingLog(len(part), P, params.max_new_tokens) if moe else None
                 outs.append(
                     generate_tokens(
                         decoder,
@@ -213,12 +251,18 @@ class NativeEngine:
                         pad_id=self.pad_id,
                         generator=generator,
                         **vision_inputs(part),
+                        routing=log,
                     )
                 )
+                if log is not None:
+                    routed.append(log.routing_BL)
             if static is not None:
                 self.capture_s += static.capture_s
         tokens, lengths, logprobs = (torch.cat(x) for x in zip(*outs))
-        return assemble_rollout(batch, tokens, lengths, logprobs, pad_id=self.pad_id)
+        out = assemble_rollout(batch, tokens, lengths, logprobs, pad_id=self.pad_id)
+        if routed:
+            out.set(rollout_routing_BL=torch.cat(routed)[:, : out["input_ids_BL"].shape[1]])
+        return out
 
     def serve(self, source: RequestSource, params: SamplingParams, *, max_len: int, max_requests: int) -> dict:
         """Request-level generation (``rollout/continuous.py``): continuous batching of ``source``'s requests over a
@@ -226,10 +270,10 @@ class NativeEngine:
         ``max_requests``, the most that can be in flight, is smaller). Eager Llama-family decoding."""
         slots = max(1, min(self.max_batch_size, max_requests))
         with self.weights.model() as hf_model:
-            if hf_model.config.model_type not in (*LLAMA_FAMILY, *VISION_MODEL_TYPES):
+            if hf_model.config.model_type not in (*FUSED_FAMILY, *VISION_MODEL_TYPES):
                 raise ValueError(
                     f"rollout.agent: the native engine's request-level generation supports Llama-family "
-                    f"models ({sorted(LLAMA_FAMILY)}) and {list(VISION_MODEL_TYPES)}, not "
+                    f"models ({sorted(FUSED_FAMILY)}) and {list(VISION_MODEL_TYPES)}, not "
                     f"model_type={hf_model.config.model_type!r}"
                 )
             decoder = SlotDecoder(hf_model, slots=slots, max_len=max_len, device=self.device)

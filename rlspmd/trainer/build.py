@@ -49,6 +49,7 @@ from rlspmd.trainer.build_models import (
     build_reward_model,
     critic_plan,
     old_logprob_source,
+    records_routing,
 )
 from rlspmd.trainer.build_rollout import build_episodes, build_rollout, build_rollout_correction
 from rlspmd.trainer.checkpoint import Checkpointer, read_meta
@@ -143,7 +144,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         device=rt.device,
         seed=trainer.seed,
         max_prompt_length=cfg.data.max_prompt_length,
-        in_place_capable=cfg.actor.engine.lends_weights and cfg.mesh.actor_tp == 1,
+        in_place_capable=cfg.actor.engine.lends_weights and cfg.mesh.actor_tp == 1 and cfg.mesh.actor_ep == 1,
         episodes=episodes,
         max_staleness=trainer.max_staleness,
     )
@@ -204,6 +205,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     old_logprobs = old_logprob_source(
         a, single_update=a_plan.single_update, correction=correction, use_kl_in_reward=cfg.algorithm.use_kl_in_reward
     )
+    expert_mesh = meshes.expert_mesh("actor")
     actor = build_policy(
         a,
         mesh=mesh,
@@ -214,6 +216,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         old_logprobs=old_logprobs,
         seed=trainer.seed,
         train_mesh=train_mesh,
+        expert_mesh=expert_mesh,
+        rollout_routing=records_routing(cfg.rollout),
     )
     ref: ReferenceRole = (
         build_reference(
@@ -224,6 +228,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             temperature=cfg.rollout.temperature,
             policy=actor,
             train_mesh=train_mesh,
+            expert_mesh=expert_mesh,
         )
         if plan.reference
         else NoReference()

@@ -10,11 +10,13 @@ from typing import Literal
 
 import torch
 
-from rlspmd.config import ActorConfig, Config, CriticConfig, ModelConfig, RefConfig, TrainedRoleConfig
+from rlspmd.config import ActorConfig, Config, CriticConfig, ModelConfig, RefConfig, RolloutConfig, TrainedRoleConfig
 from rlspmd.engines.fsdp import LoraEngine
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.roles.base import UpdatePlan, update_plan
+from rlspmd.models.moe import is_moe
 from rlspmd.roles.critic import Critic
+from rlspmd.roles.moe import MoEActor, NoMoE
 from rlspmd.roles.policy import OldLogProbs, Policy, Reference, resolve_ref_offload
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection
@@ -61,7 +63,10 @@ def build_policy(
     old_logprobs: OldLogProbs = "recompute",
     seed: int = 0,
     train_mesh=None,
+    expert_mesh=None,
+    rollout_routing: bool = False,
 ) -> Policy:
+    """``rollout_routing``: the rollout engine records the experts of a MoE model's tokens (``roles/moe.py``)."""
     engine = cfg.engine.build(
         "policy",
         cfg.model.path,
@@ -76,7 +81,21 @@ def build_policy(
         section="actor",
         lora=cfg.lora,
         train_mesh=train_mesh,
+        expert_mesh=expert_mesh,
         freeze_vision=cfg.freeze_vision_tower,
+    )
+    hf_config = engine.hf_model.config
+    moe = (
+        MoEActor(
+            cfg.moe,
+            model_aux_loss_coef=hf_config.router_aux_loss_coef,
+            num_experts=hf_config.num_experts,
+            rollout_routing=rollout_routing,
+            metrics_in_update=old_logprobs != "recompute",
+            mesh=mesh,
+        )
+        if is_moe(hf_config)
+        else NoMoE()
     )
     return Policy(
         cfg,
@@ -86,6 +105,7 @@ def build_policy(
         correction=correction,
         old_logprobs=old_logprobs,
         seed=seed,
+        moe=moe,
     )
 
 
@@ -98,6 +118,7 @@ def build_reference(
     temperature: float,
     policy: Policy | None = None,
     train_mesh=None,
+    expert_mesh=None,
 ) -> Reference:
     """The reference runs on the actor's engine and layout. With LoRA it is the actor's own engine with the adapters
     switched off (the base model: no second copy of the weights)."""
@@ -119,6 +140,7 @@ def build_reference(
         field_name="ref.model_path",
         section="actor",
         train_mesh=train_mesh,
+        expert_mesh=expert_mesh,
     )
     offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.engine.params_on_host())
     return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
@@ -168,9 +190,18 @@ def old_logprob_source(
     cfg: ActorConfig, *, single_update: bool, correction: ResolvedRolloutCorrection, use_kl_in_reward: bool
 ) -> OldLogProbs:
     """Bypass mode: the rollout's log-probs. One update per step and no consumer of old log-probs before it (KL in the
-    reward reads them): the update's own forward. Otherwise a forward of their own."""
+    reward reads them; MoE router replay R2 replays its routing): the update's own forward. Otherwise a forward of
+    their own."""
     if correction.bypass:
         return "rollout"
-    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward:
+    # R2 replays the routing of the old-log-prob pass: it needs that pass
+    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward and cfg.moe.router_replay != "R2":
         return "update"
     return "recompute"
+
+
+def records_routing(cfg: RolloutConfig) -> bool:
+    """The rollout engine records a MoE model's routing with every sample (``rollout_routing_BL``): an engine with
+    ``records_routing`` (the native engine's single-turn generation); not the agent loop's (``rlspmd.validate``
+    refuses R3 where the routing is not recorded)."""
+    return cfg.engine.records_routing and not cfg.agent.enabled

@@ -23,6 +23,7 @@ from rlspmd.config import (
     Config,
     SFTConfig,
 )
+from rlspmd.roles.moe import config_problems as moe_problems
 from rlspmd.validate.files import check_context, check_data_files, check_files_exist, check_model_files
 from rlspmd.validate.problems import ConfigError, Problems, check_types
 from rlspmd.validate.sections import (
@@ -108,6 +109,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
         check_critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     if cfg.mesh.actor_tp > 1:
         check_actor_tp(p, cfg, with_critic=with_critic, check_files=check_files)
+    for name, value, why in moe_problems(cfg, check_files=check_files):  # actor.moe, mesh.actor_ep
+        p.add(name, value, why)
     check_algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     check_reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
     check_gdpo(p, cfg.algorithm, cfg.reward, agent=r.agent.enabled)

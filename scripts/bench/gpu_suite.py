@@ -16,13 +16,14 @@ traps SIGTERM to checkpoint, so the kill is SIGKILL), in this order:
   grpo_vs_trl the step-time ratio
   generation  native engine (eager and CUDA graphs) vs HF ``generate`` at 256 x 256 and 64 x 256 (``gen_vs_hf.py``)
   tests       the ``gpu``-marked tests of the CUDA paths (``gpu_tests.py``: kernels vs the per-sample path, CUDA-graph
-              decoding vs eager, no host syncs), as one JSON line
+              decoding vs eager, no host syncs, MoE grouped GEMM vs the loop), as one JSON line
+  moe         one MoE layer's experts at Qwen3-30B-A3B's shapes, grouped GEMM vs per-expert loop (``moe_experts.py``)
   q15         the same GRPO step on the 1.3 B model, for MFU at a larger size (built in this phase)
   summary     every target of issue 12 with its measured value
 
 Every benchmark prints one JSON line; the suite re-prints them (plus one status line per phase: seconds, exit status,
 timed out or skipped, and the output's tail when it failed) and writes them to ``$OUT/gpu_suite.jsonl`` (``--out-dir``, default ``$OUT`` or ``outputs/gpu_suite``),
-with each phase's full output in ``<phase>.log``. The phase limits add up to ``--budget-s`` (470 s, under 8 minutes
+with each phase's full output in ``<phase>.log``. The phase limits add up to ``--budget-s`` (510 s, under 9 minutes
 on one H100 with the models already built; a first run also builds them); a phase starts only with at least 20 s of
 the budget left. ``--smoke`` runs the smoke configs (``configs/bench/grpo_q05.py:smoke``, ``grpo_q15.py:smoke``) on
 ``models/bench-tiny`` with generous limits.
@@ -94,6 +95,7 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
                 300,
             ),
             ("tests", ["scripts/bench/gpu_tests.py"], 300),
+            ("moe", ["scripts/bench/moe_experts.py", "--smoke"], 300),
             (
                 "q15",
                 ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py:smoke", "--profile-step", "0"],
@@ -142,6 +144,7 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
             80,
         ),
         ("tests", ["scripts/bench/gpu_tests.py"], 90),
+        ("moe", ["scripts/bench/moe_experts.py"], 40),
         (
             "q15",
             [
@@ -274,11 +277,11 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny versions of every phase (CPU is fine)")
     p.add_argument("--out-dir", default=os.environ.get("OUT") or str(ROOT / "outputs" / "gpu_suite"))
     p.add_argument(
-        "--budget-s", type=float, default=None, help="total seconds for all phases (default 470; smoke 3600)"
+        "--budget-s", type=float, default=None, help="total seconds for all phases (default 510; smoke 3600)"
     )
     p.add_argument("--skip", default="", help="comma-separated phases to leave out")
     a = p.parse_args(argv)
-    budget = a.budget_s or (3600.0 if a.smoke else 470.0)
+    budget = a.budget_s or (3600.0 if a.smoke else 510.0)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sink = open(out_dir / "gpu_suite.jsonl", "w")

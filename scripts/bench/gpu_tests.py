@@ -1,5 +1,5 @@
-"""The ``gpu``-marked tests of the CUDA paths (packed-attention kernels, CUDA-graph decoding, stage timing), as one
-JSON line, so that the GPU suite checks correctness in the same run that measures speed.
+"""The ``gpu``-marked tests of the CUDA paths (packed-attention kernels, CUDA-graph decoding, stage timing, MoE grouped
+GEMM), as one JSON line, so that the GPU suite checks correctness in the same run that measures speed.
 
     python scripts/bench/gpu_tests.py          # pytest -m gpu on the files below; where pytest is absent, says so
 
@@ -13,7 +13,7 @@ import sys
 
 from common import ROOT, emit
 
-FILES = ["tests/test_packing.py", "tests/test_native_engine.py", "tests/test_timing.py"]
+FILES = ["tests/test_packing.py", "tests/test_native_engine.py", "tests/test_timing.py", "tests/test_moe.py"]
 
 
 def main() -> None:

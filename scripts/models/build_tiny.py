@@ -16,6 +16,10 @@ Hub. This script makes one from nothing:
   installs Qwen2's. Training with that same pipeline keeps ``tokenizer.json`` and ``AutoTokenizer``
   in exact agreement for both architectures. Its regex isolates every numeric character, so digits
   still tokenize one per token.
+* Model: a Qwen2 or Llama config with random weights drawn under ``torch.manual_seed(seed)``; with ``--moe`` (or
+  ``--arch qwen3_moe``) a Qwen3-MoE (every layer sparse: ``--num-experts`` experts of ``--moe-intermediate-size``,
+  ``--top-k`` per token, normalised top-k probabilities), with ``--arch qwen2_moe`` a Qwen2-MoE (the same plus a
+  gated shared expert of ``--intermediate-size``). Experts are saved one tensor each, as transformers writes them.
 * Model: a Qwen2 or Llama config with random weights drawn under ``torch.manual_seed(seed)``.
 * ``--vision``: a Qwen2.5-VL-style model instead: the same tokenizer plus Qwen2-VL's vision tokens
   (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, special), a chat template whose
@@ -28,6 +32,7 @@ Same arguments give byte-identical ``tokenizer.json`` and ``model.safetensors``.
 
     python scripts/models/build_tiny.py --out models/tiny
     python scripts/models/build_tiny.py --out models/b256 --hidden-size 256 --intermediate-size 688 --vocab-size 8192
+    python scripts/models/build_tiny.py --out models/tiny-moe --moe        # Qwen3-MoE, 8 experts, top-2
 """
 
 from __future__ import annotations
@@ -221,17 +226,23 @@ def build(
     tools: bool = False,
     vision: bool = False,
     max_pixels: int = 112 * 112,
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate_size: int = 192,
 ) -> Path:
     """Write the tokenizer and model to ``out`` and return it. ``vocab_size=None`` sizes the model from
     the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes). ``tools``: the tool-calling
     chat template and the ``TOOL_TOKENS`` (agentic RL); the same weights as without (the default vocabulary has room
     for the added tokens). ``vision``: a Qwen2.5-VL-style model (see the module docstring); ``max_pixels``: the image
-    processor's largest image (pixels; larger images are scaled down, keeping their aspect ratio)."""
+    processor's largest image (pixels; larger images are scaled down, keeping their aspect ratio). ``num_experts``,
+    ``top_k``, ``moe_intermediate_size``: the experts of a MoE ``arch``."""
     import torch
     import transformers
 
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"--arch must be qwen2 or llama, got {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {list(ARCHS)}, got {arch!r}")
+    if arch in MOE_ARCHS and not 0 < top_k <= num_experts:
+        raise ValueError(f"--top-k {top_k} must be between 1 and --num-experts {num_experts}")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if hidden_size % num_heads:
@@ -283,8 +294,17 @@ def build(
             seed=seed,
             max_pixels=max_pixels,
         )
-    config_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
-    config = config_cls(
+    moe = {}
+    if arch in MOE_ARCHS:
+        moe = dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=moe_intermediate_size,
+            norm_topk_prob=True,
+        )
+        if arch == "qwen2_moe":
+            moe["shared_expert_intermediate_size"] = intermediate_size
+    config = _config_class(arch)(
         vocab_size=model_vocab,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -294,6 +314,7 @@ def build(
         max_position_embeddings=max_position,
         tie_word_embeddings=tie_embeddings,
         **special,
+        **moe,
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -368,10 +389,34 @@ def _build_vision(
     return out
 
 
+ARCHS = ("qwen2", "llama", "qwen3_moe", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe")
+
+
+def _config_class(arch: str) -> Any:
+    import transformers
+
+    return {
+        "qwen2": transformers.Qwen2Config,
+        "llama": transformers.LlamaConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+    }[arch]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("models/tiny"))
-    p.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
+    p.add_argument("--arch", choices=list(ARCHS), default="qwen2")
+    p.add_argument("--moe", action="store_true", help="a Qwen3-MoE (same as --arch qwen3_moe)")
+    p.add_argument("--num-experts", type=int, default=8, help="experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument(
+        "--moe-intermediate-size",
+        type=int,
+        default=192,
+        help="an expert's intermediate size (vLLM's CPU build needs a multiple of 32)",
+    )
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-heads", type=int, default=4)
@@ -392,7 +437,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     out = build(
         args.out,
-        arch=args.arch,
+        arch="qwen3_moe" if args.moe else args.arch,
         hidden_size=args.hidden_size,
         num_layers=args.num_layers,
         num_heads=args.num_heads,
@@ -406,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
         tools=args.tools,
         vision=args.vision,
         max_pixels=args.max_pixels,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size,
     )
     config = json.loads((out / "config.json").read_text())
     text = config.get("text_config", config)

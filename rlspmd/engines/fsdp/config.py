@@ -37,6 +37,7 @@ class FSDPConfig(TrainingEngineConfig):
     supports_lora: ClassVar[bool] = True
     supports_mesh_tp: ClassVar[bool] = True
     supports_vision: ClassVar[bool] = True
+    supports_moe: ClassVar[bool] = True
     lends_weights: ClassVar[bool] = True
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of unsharded parameters. ``auto``: bfloat16 on CUDA, float32 on CPU."""
@@ -66,6 +67,7 @@ class FSDPConfig(TrainingEngineConfig):
         section: str,
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         lora = lora if lora is not None and lora.enabled else None
@@ -83,6 +85,8 @@ class FSDPConfig(TrainingEngineConfig):
         )
         if train_mesh is not None:
             kw["train_mesh"] = train_mesh
+        if expert_mesh is not None:
+            kw["expert_mesh"] = expert_mesh
         if lora is not None:
             return LoraEngine(module, module.hf, lora=lora, **kw)
         return FSDPEngine(module, module.hf, **kw)

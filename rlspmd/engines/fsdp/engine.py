@@ -16,6 +16,14 @@ matrix not split over ``tp``. ``fully_shard`` then runs on ``dp``, making every 
 trainer gives every rank its own rows (``engine.mesh`` stays the role's flat mesh over all its ranks); hooks on the
 root run the TP group's micro-batches together and hand each rank its own outputs (``distributed/tp_batch.py``).
 
+**Expert parallel + FSDP2.** Given an ``(edp, ep)`` mesh (``RoleMeshes.expert_mesh``, ``mesh.actor_ep`` > 1), the
+experts of every MoE layer (``models/moe.py: MoEBlock``) become ``DTensor``s sharded over ``ep`` (``apply_ep``) and
+each layer's experts module is ``fully_shard``-ed over ``edp`` on its dim 1 (the ranks that hold the same experts; dim
+1 so that every rank's shard stays one contiguous block of the global tensor), before the layer itself is sharded
+over the role's DP mesh with the dense parameters. Gradients of the experts are summed over ``edp``; their tokens'
+contributions from the other EP ranks arrive through the ``all_to_all``'s backward. The gradient norm is taken per
+mesh (``grad_norm_2d``), and the weight stream gathers each tensor whole (as with TP).
+
 Gradients are *summed* over DP ranks (gradient divide factor 1): losses are already normalised by the
 global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
 ranks or micro-batches.
@@ -42,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rlspmd.distributed.tp_batch import gather_group_rows, keep_own_rows
@@ -50,6 +58,7 @@ from rlspmd.engines.base import UpdateStats, compute_dtype
 from rlspmd.engines.optim import OptimConfig, Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
+from rlspmd.models.moe import apply_ep, moe_blocks
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
 from rlspmd.models.vision import vision_blocks
 
@@ -153,14 +162,24 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
 
 
 def apply_fsdp(
-    module: nn.Module, hf_model: nn.Module, *, mesh: DeviceMesh, cfg: FSDPOptions, device: torch.device
+    module: nn.Module,
+    hf_model: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    cfg: FSDPOptions,
+    device: torch.device,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """``fully_shard`` each decoder layer (and each block of a vision tower), then the root (embeddings, final norm,
-    heads; a vision tower's patch embedding and merger)."""
+    heads; a vision tower's patch embedding and merger). ``expert_mesh``: the MoE layers' expert-parallel experts are
+    sharded over its ``edp`` dim first (see the module docstring)."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if expert_mesh is not None:
+        for block in moe_blocks(module):
+            fully_shard(block.experts, **{**kwargs, "mesh": expert_mesh["edp"]}, shard_placement_fn=lambda p: Shard(1))
     for layer in [*vision_blocks(hf_model), *decoder_layers(hf_model)]:
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
@@ -199,20 +218,35 @@ class FSDPEngine:
         fused_optimizer: bool | None = None,
         weights: WeightPlan | None = None,
         train_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
     ):
         """``fused_optimizer``: fused AdamW; None picks it where the sharded parameters live on CUDA. ``weights``: where
-        the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor parallel + FSDP2."""
+        the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor parallel + FSDP2.
+        ``expert_mesh``: ``(edp, ep)``, expert parallel for the MoE layers + FSDP2."""
         self.mesh = mesh
         self.train_mesh = train_mesh
+        self.expert_mesh = expert_mesh
         self.device = device
         self.reshard_after_forward = fsdp.reshard_after_forward
         assert is_meta(module) == (weights is not None), "a meta-built module needs its WeightPlan, and only it"
         if train_mesh is not None:
             assert tuple(train_mesh.mesh.flatten().tolist()) == tuple(mesh.mesh.flatten().tolist()), "one set of ranks"
             apply_tp(hf_model, tp_mesh=train_mesh["tp"])
+        if expert_mesh is not None:
+            assert train_mesh is None and tuple(expert_mesh.mesh.flatten().tolist()) == tuple(
+                mesh.mesh.flatten().tolist()
+            )
+            apply_ep(module, ep_mesh=expert_mesh["ep"])
         if gradient_checkpointing:
             apply_ac(module, hf_model)
-        apply_fsdp(module, hf_model, mesh=mesh if train_mesh is None else train_mesh["dp"], cfg=fsdp, device=device)
+        apply_fsdp(
+            module,
+            hf_model,
+            mesh=mesh if train_mesh is None else train_mesh["dp"],
+            cfg=fsdp,
+            device=device,
+            expert_mesh=expert_mesh,
+        )
         if train_mesh is not None:
             # after fully_shard: FSDP2's forward hooks see the group's outputs, ours then cut this rank's rows
             TPGroupRows(module, train_mesh["tp"].get_group())
@@ -270,9 +304,9 @@ class FSDPEngine:
         for mb in micro_batches:
             loss_fn(self.module, mb).backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
-        if self.train_mesh is None:
+        if self.train_mesh is None and self.expert_mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.optim.max_norm)
-        else:  # parameters on two meshes (2-D TP weights, 1-D FSDP norms): norms per mesh, then clip_grad_norm_'s rule
+        else:  # parameters on two meshes (2-D TP or EP weights, 1-D FSDP ones): norms per mesh, then clip's rule
             grad_norm = grad_norm_2d(params)
             scale = self.optim.clip_coef(grad_norm)
             for p in params:
@@ -305,7 +339,9 @@ class FSDPEngine:
     @contextmanager
     def gathered_hf_model(self) -> Iterator[nn.Module]:
         """The HF model inside the root module with every parameter gathered in place (``unsharded``)."""
-        assert self.train_mesh is None, "tensor-parallel weights stay sharded in place: use weight_stream"
+        assert self.train_mesh is None and self.expert_mesh is None, (
+            "tensor- or expert-parallel weights stay sharded in place: use weight_stream"
+        )
         with self.unsharded():
             yield self.hf_model
 

@@ -56,9 +56,11 @@ class MegatronConfig(TrainingEngineConfig):
         section: str,
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         assert train_mesh is None and (lora is None or not lora.enabled), "rlspmd.validate: fsdp-only features"
+        assert expert_mesh is None, "rlspmd.validate: expert parallelism needs supports_moe"
         assert not freeze_vision, "rlspmd.validate: vision-language models need supports_vision"
         if kind == "scorer":
             from rlspmd.engines.fsdp import FSDPConfig
