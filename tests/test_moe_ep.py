@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from conftest import dist_script, torchrun
-from rlspmd.config import ActorConfig, Config, MegatronConfig, MeshConfig, ModelConfig, MoEConfig, RolloutConfig
+from rlspmd.config import (
+    ActorConfig,
+    Config,
+    MegatronConfig,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    RolloutConfig,
+    VllmConfig,
+)
 from rlspmd.distributed.mesh import ParallelDims
 from rlspmd.validate import config_problems
 
@@ -89,8 +98,8 @@ def test_bad_expert_parallel_settings_are_refused(tiny_moe, tiny_model):
         "mesh.actor_ep=2: is the fsdp engine's expert parallelism" in p
         for p in problems(tiny_moe, actor_ep=2, engine=MegatronConfig())
     )
-    r3_vllm = problems(tiny_moe, moe=MoEConfig(router_replay="R3"), rollout=RolloutConfig(engine="vllm"))
-    assert any("actor.moe.router_replay='R3'" in p and "rollout.engine=native" in p for p in r3_vllm)
+    r3_vllm = problems(tiny_moe, moe=MoEConfig(router_replay="R3"), rollout=RolloutConfig(engine=VllmConfig()))
+    assert any("actor.moe.router_replay='R3'" in p and "rollout.engine:vllm does not record it" in p for p in r3_vllm)
     assert any("aux_loss_coef=-1" in p for p in problems(tiny_moe, moe=MoEConfig(aux_loss_coef=-1)))
 
 

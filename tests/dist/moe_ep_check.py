@@ -2,7 +2,7 @@
 
 usage: moe_ep_check.py OUT_DIR MODEL_DIR
 
-Builds the policy engine as the trainer does (``trainer/build.py: build_engine``: meta-device model, sharded load
+Builds the policy engine as the trainer does (``FSDPConfig.build``: meta-device model, sharded load
 from the per-expert safetensors, activation checkpointing on, float32) twice: ``actor_ep=1`` (the experts FSDP2-
 sharded with everything else) and ``actor_ep=2`` (each rank holds 4 of the 8 experts, tokens move by ``all_to_all``).
 Each rank holds its own half of the global batch, as the trainer dispatches it. Records, per EP degree: the log-probs
@@ -28,7 +28,6 @@ from rlspmd.distributed.runtime import exit_process, init_distributed, shutdown,
 from rlspmd.protocol import Batch
 from rlspmd.roles.base import UpdatePlan, ppo_updates
 from rlspmd.roles.policy import compute_logprobs
-from rlspmd.trainer.build import build_engine
 
 from batches import TEMPERATURE, B, R, global_batch, policy_loss  # tests/dist, the script's directory, is on sys.path
 
@@ -40,10 +39,9 @@ STEPS = 3
 
 def engine(model_dir: str, *, mesh, expert_mesh, optim, sharded_load: bool = True):
     model = ModelConfig(path=model_dir, gradient_checkpointing=True, sharded_load=sharded_load)
-    return build_engine(
+    return FP32.build(
         "policy",
         model_dir,
-        engine=FP32,
         model=model,
         mesh=mesh,
         device=torch.device("cpu"),
