@@ -64,14 +64,14 @@ from rlspmd.stages import StepStage
 from rlspmd.trackers import TrackerConfig
 
 __all__ = [  # the sections below, and the components and sections a config file composes
-    "# the sections below", "AdaptiveKL", "AgentConfig", "AlgorithmConfig", "and the components and sections a
-    config file composes     "ActorConfig", "CheckpointConfig", "CISPO", "ClipCov", "CodeRunnerConfig", "Config",
-    "CriticConfig", "DataConfig", "DistConfig", "FilterGroupsConfig", "FixedKL", "FSDPConfig", "GAE", "GDPO",
-    "GMPO", "GPG", "GPGAdvantage", "GRPO", "GRPOPassK", "GSPO", "KLCov", "load_config_file", "LoraConfig",
-    "MegatronConfig", "MeshConfig", "ModelConfig", "MoEConfig", "NativeConfig", "OPO", "OptimConfig",
-    "OverlongBufferConfig", "PPOClip", "RefConfig", "ReinforcePP", "ReinforcePPBaseline", "ReMax", "RewardConfig",
-    "RewardModelConfig", "RLOO", "RolloutConfig", "RolloutCorrectionConfig", "SampleLogConfig", "SAPO", "SFTConfig",
-    "SFTDataConfig", "StepStage", "to_dict", "TrainedRoleConfig", "TrainerConfig", "VllmConfig",
+    "ActorConfig", "AdaptiveKL", "AgentConfig", "AlgorithmConfig", "CheckpointConfig", "CISPO", "ClipCov",
+    "CodeRunnerConfig", "Config", "CriticConfig", "DataConfig", "DistConfig", "FilterGroupsConfig", "FixedKL",
+    "FSDPConfig", "GAE", "GDPO", "GMPO", "GPG", "GPGAdvantage", "GRPO", "GRPOPassK", "GSPO", "KLCov",
+    "load_config_file", "LoraConfig", "MegatronConfig", "MeshConfig", "ModelConfig", "MoEConfig", "NativeConfig",
+    "OPO", "OptimConfig", "OverlongBufferConfig", "PPOClip", "RefConfig", "ReinforcePP", "ReinforcePPBaseline",
+    "ReMax", "RewardConfig", "RewardModelConfig", "RLOO", "RolloutConfig", "RolloutCorrectionConfig",
+    "SampleLogConfig", "SAPO", "SFTConfig", "SFTDataConfig", "StepStage", "to_dict", "TrainedRoleConfig",
+    "TrainerConfig", "VllmConfig", "TrackerConfig",
 ]  # fmt: skip
 
 Engine = TRAINING_ENGINES.choice()
