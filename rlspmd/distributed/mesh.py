@@ -75,12 +75,12 @@ class MeshConfig:
     divide the actor's ranks and the model's experts; not with ``actor_tp`` > 1 or ``actor.lora``; the native
     rollout then keeps its own copy of the weights (docs/moe.md)."""
     actor_sp: int = 1
-    """Sequence-parallel degree of the FSDP engine's training roles (actor, reference, critic): consecutive groups of
-    ``actor_sp`` ranks (after ``actor_tp``) split every packed micro-batch's tokens between them, so a response is no
-    longer bounded by one rank's memory. Data stays per rank: the group runs its members' micro-batches one after
-    the other (training) or together (no-grad passes), each rank computing its slice of the sequence. Attention sees
-    the whole sequence through ``actor_sp_mode``. Needs ``model.packing``; not with ``actor_ep`` > 1, a MoE or a
-    vision-language model (docs/sequence-parallel.md)."""
+    """Sequence-parallel degree of the FSDP engine's training roles (actor, reference, critic): groups of ``actor_sp``
+    ranks (consecutive ones; every ``actor_tp``-th one with tensor parallelism) split every packed micro-batch's tokens
+    between them, so a response is no longer bounded by one rank's memory. Data stays per rank: the group runs its
+    members' micro-batches one after the other (training) or together (no-grad passes), each rank computing its slice
+    of the sequence. Attention sees the whole sequence through ``actor_sp_mode``. Needs ``model.packing``; not with
+    ``actor_ep`` > 1, a MoE or a vision-language model (docs/sequence-parallel.md)."""
     actor_sp_mode: Literal["auto", "ulysses", "allgather"] = "auto"
     """How attention sees the whole sequence under ``actor_sp``: ``ulysses`` (an all-to-all trades the sequence split
     for a head split around attention; the attention heads must divide by ``actor_tp * actor_sp``), ``allgather``
