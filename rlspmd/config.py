@@ -39,12 +39,29 @@ from rlspmd.algorithms.estimators import (
     RLOO,
     GPGAdvantage,
     GRPOPassK,
+    MultiTurnOptimalTokenBaseline,
+    NoAdvantage,
+    OptimalTokenBaseline,
     ReinforcePP,
     ReinforcePPBaseline,
     ReMax,
 )
+from rlspmd.algorithms.distill import GKD, ReverseKL, TeacherConfig
 from rlspmd.algorithms.kl import KL_CONTROLS, AdaptiveKL, FixedKL
-from rlspmd.algorithms.losses import CISPO, GMPO, GPG, GSPO, POLICY_LOSSES, SAPO, ClipCov, KLCov, PPOClip
+from rlspmd.algorithms.losses import (
+    CISPO,
+    DPPOKL,
+    DPPOTV,
+    DRO,
+    GMPO,
+    GPG,
+    GSPO,
+    POLICY_LOSSES,
+    SAPO,
+    ClipCov,
+    KLCov,
+    PPOClip,
+)
 from rlspmd.algorithms.rollout_correction import RolloutCorrectionConfig
 from rlspmd.components import describe, picked_fields
 from rlspmd.distributed.mesh import MeshConfig
@@ -63,12 +80,14 @@ from rlspmd.stages import StepStage
 
 __all__ = [  # the sections below, and the components and sections a config file composes
     "ActorConfig", "AdaptiveKL", "AgentConfig", "AlgorithmConfig", "CISPO", "CheckpointConfig", "ClipCov",
-    "CodeRunnerConfig", "Config", "CriticConfig", "DataConfig", "DistConfig", "FSDPConfig", "FilterGroupsConfig",
-    "FixedKL", "GAE", "GDPO", "GMPO", "GPG", "GPGAdvantage", "GRPO", "GRPOPassK", "GSPO", "KLCov", "LoraConfig",
-    "MegatronConfig", "MeshConfig", "ModelConfig", "NativeConfig", "OPO", "OptimConfig", "OverlongBufferConfig",
-    "PPOClip", "RLOO", "RefConfig", "ReinforcePP", "ReinforcePPBaseline", "ReMax", "RewardConfig",
+    "CodeRunnerConfig", "Config", "CriticConfig", "DPPOKL", "DPPOTV", "DRO", "DataConfig", "DistConfig", "FSDPConfig",
+    "FilterGroupsConfig", "FixedKL", "GAE", "GDPO", "GKD", "GMPO", "GPG", "GPGAdvantage", "GRPO", "GRPOPassK", "GSPO",
+    "KLCov", "LoraConfig", "MegatronConfig", "MeshConfig", "ModelConfig", "MultiTurnOptimalTokenBaseline",
+    "NativeConfig", "NoAdvantage", "OPO", "OptimConfig", "OptimalTokenBaseline", "OverlongBufferConfig", "PPOClip",
+    "RLOO", "RefConfig", "ReinforcePP", "ReinforcePPBaseline", "ReMax", "ReverseKL", "RewardConfig",
     "RewardModelConfig", "RolloutConfig", "RolloutCorrectionConfig", "SAPO", "SFTConfig", "SFTDataConfig",
-    "SampleLogConfig", "TrainedRoleConfig", "TrainerConfig", "VllmConfig", "load_config_file", "to_dict",
+    "SampleLogConfig", "TeacherConfig", "TrainedRoleConfig", "TrainerConfig", "VllmConfig", "load_config_file",
+    "to_dict",
 ]  # fmt: skip
 
 Engine = TRAINING_ENGINES.choice()
@@ -128,9 +147,10 @@ class ActorConfig(TrainedRoleConfig):
     """Dynamic batching for the old-log-prob forward (no grad, so it can be larger than the update's). None: off."""
     policy_loss: PolicyLossChoice = field(default_factory=PPOClip)
     """Policy loss and its options: ``PPOClip()`` (the default), ``GSPO()``, ``CISPO()``, ``SAPO()``, ``GPG()``,
-    ``GMPO()``, ``ClipCov()``, ``KLCov()``. On the command line: ``actor.policy-loss:gspo`` picks one, then
-    ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever
-    ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
+    ``GMPO()``, ``ClipCov()``, ``KLCov()``, ``DPPOTV()``, ``DPPOKL()``, ``DRO()``. On the command line:
+    ``actor.policy-loss:gspo`` picks one, then ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their
+    loss ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the
+    KL and entropy terms."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= coef * entropy)."""
     use_kl_loss: bool = True
@@ -218,7 +238,8 @@ class DataConfig:
     max_prompt_length: int = 128
     """Prompts whose templated token count exceeds this are dropped (or rejected, see ``overlong_prompts``)."""
     overlong_prompts: Literal["drop", "error"] = "drop"
-    """What to do with prompts longer than ``max_prompt_length``: drop with a count in the log, or fail naming the row."""
+    """What to do with prompts longer than ``max_prompt_length``: drop with a count in the log, or fail naming the
+    row."""
     empty_prompts: Literal["error", "drop"] = "error"
     """What to do with a row whose prompt has no user message with text (empty or whitespace content): fail naming
     the file and row, or drop it with a count in the log."""
@@ -252,8 +273,9 @@ class AlgorithmConfig:
     adv_estimator: EstimatorChoice = field(default_factory=GRPO)
     """Advantage estimator and its options: ``GAE()`` (PPO, builds the critic), ``GRPO()`` (the default),
     ``GRPOPassK()``, ``RLOO()``, ``ReinforcePP()``, ``ReinforcePPBaseline()``, ``ReMax()`` (a greedy baseline
-    rollout), ``OPO()``, ``GPGAdvantage()``, ``GDPO()`` (several reward components). On the command line:
-    ``algorithm.adv-estimator:gae`` picks one, then ``--algorithm.adv-estimator.<option>``."""
+    rollout), ``OPO()``, ``GPGAdvantage()``, ``GDPO()`` (several reward components), ``OptimalTokenBaseline()``,
+    ``MultiTurnOptimalTokenBaseline()``, ``NoAdvantage()`` (none: pure distillation from a ``teacher``). On the
+    command line: ``algorithm.adv-estimator:gae`` picks one, then ``--algorithm.adv-estimator.<option>``."""
     use_kl_in_reward: bool = False
     """Subtract ``kl_ctrl.kl_coef * KL(policy || reference)`` from every response token's reward (InstructGPT-style
     PPO, REINFORCE++). Needs the reference model. Independent of ``actor.use_kl_loss``."""
@@ -354,6 +376,8 @@ class Config:
     """Policy being trained."""
     ref: RefConfig = field(default_factory=RefConfig)
     """Frozen reference policy (KL anchor)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """Frozen teacher of on-policy distillation and its signal (``rlspmd/algorithms/distill.py``); off by default."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value model (PPO with GAE only)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -487,7 +511,8 @@ class SFTConfig:
     total_steps: int = 500
     """Optimiser steps."""
     stop_at_step: int = 0
-    """Stop after this step with a checkpoint, before ``total_steps`` (0: run to the end); ``--resume auto`` continues."""
+    """Stop after this step with a checkpoint, before ``total_steps`` (0: run to the end); ``--resume auto``
+    continues."""
     output_dir: str = "outputs/sft"
     """Metrics go here; the fine-tuned Hugging Face model is written to ``output_dir/hf``."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])

@@ -43,6 +43,7 @@ from rlspmd.config import (
     RolloutConfig,
     RolloutCorrectionConfig,
     SFTConfig,
+    TeacherConfig,
     TrainedRoleConfig,
 )
 from rlspmd.components import Component
@@ -130,7 +131,14 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     if cfg.mesh.actor_tp > 1:
         _actor_tp(p, cfg, with_critic=with_critic, check_files=check_files)
     _algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
-    _reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
+    _reward(
+        p,
+        cfg.reward,
+        max_response_length=r.max_response_length,
+        agent=r.agent.enabled,
+        needed=cfg.algorithm.adv_estimator.uses_reward,
+    )
+    _teacher(p, cfg, split=split)
     _gdpo(p, cfg.algorithm, cfg.reward, agent=r.agent.enabled)
     _dist(p, cfg.dist)
     t = cfg.trainer
@@ -351,9 +359,10 @@ def _component(p: Problems, field: str, component) -> None:
         p.add(f"{field}.{name}", value, f"{why} ({component.name})")
 
 
-def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool) -> None:
-    # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions)
-    if rw.model.path is None and rw.rule_weight == 0 and not agent:
+def _reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool, needed: bool = True) -> None:
+    # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions); an
+    # estimator that reads no reward (pure distillation) needs none
+    if needed and rw.model.path is None and rw.rule_weight == 0 and not agent:
         p.add(
             "reward.rule_weight",
             rw.rule_weight,
@@ -398,6 +407,41 @@ def _gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig, *, agent: bool) -
         )
 
 
+def _teacher(p: Problems, cfg: Config, *, split: bool) -> None:
+    """The teacher section and what it, and the estimator, need from the rest of the run
+    (``rlspmd/algorithms/distill.py``; its files with the others in ``_files``)."""
+    from rlspmd.algorithms.distill import teacher_run_problems
+
+    t, est, engine = cfg.teacher, cfg.algorithm.adv_estimator, cfg.actor.engine
+    if t.enabled:
+        for name, value, why in t.problems():
+            p.add(f"teacher.{name}", value, why)
+        _component(p, "teacher.signal", t.signal)
+    for name, value, why in teacher_run_problems(
+        t,
+        uses_reward=est.uses_reward,
+        estimator=est.name,
+        vocab_outputs=engine.vocab_outputs,
+        engine=engine.name,
+        actor_tp=cfg.mesh.actor_tp,
+        filter_groups=cfg.algorithm.filter_groups.enable,
+    ):
+        p.add(name, value, why)
+    if est.uses_sum_pi_squared and not engine.vocab_outputs:
+        p.add(
+            "algorithm.adv_estimator",
+            est.name,
+            f"needs the sum of squared probabilities over the vocabulary, which actor.engine:{engine.name} does not "
+            "compute; use fsdp",
+        )
+    if est.uses_sum_pi_squared and cfg.algorithm.rollout_correction.bypass:
+        p.add(
+            "algorithm.rollout_correction.bypass",
+            True,
+            f"skips the old-log-prob forward, where {est.name} gets the sum of squared probabilities",
+        )
+
+
 def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
     """Model, tokenizer and data files, the reward function, the checkpoint to resume: every path the run reads."""
     a, rw = cfg.actor, cfg.reward
@@ -408,6 +452,8 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         _model_files(p, "ref.model_path", cfg.ref.model_path, tokenizer=None)
     if with_critic and cfg.critic.model_path is not None:
         _model_files(p, "critic.model_path", cfg.critic.model_path, tokenizer=None)
+    if cfg.teacher.enabled:
+        _teacher_files(p, cfg)
     if rw.model.path is not None:
         _model_files(p, "reward.model", rw.model.path, tokenizer=rw.model.tokenizer_path or rw.model.path)
     _data_files(p, "data.train_files", cfg.data.train_files)
@@ -416,6 +462,44 @@ def _files(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         p.file_check(check_function_spec, rw.function, field_name="reward.function")
     for i, spec in enumerate(rw.components):
         p.file_check(check_function_spec, spec, field_name=f"reward.components[{i}]")
+
+
+def _teacher_files(p: Problems, cfg: Config) -> None:
+    """The teacher's directory, its tokenizer against the student's (the same token ids, before any weights load) and,
+    for a signal over the whole vocabulary, the same vocabulary size."""
+    from rlspmd.models.loader import check_same_tokenizer
+
+    path, a = cfg.teacher.model_path, cfg.actor.model
+    _model_files(p, "teacher.model_path", path, tokenizer=None)
+    if not Path(path).expanduser().is_dir():
+        return  # reported once, above
+    student_field = "actor.model.tokenizer_path" if a.tokenizer_path else "actor.model.path"
+    p.file_check(
+        check_same_tokenizer,
+        path,
+        field_name="teacher.model_path",
+        student=a.tokenizer_path or a.path,
+        student_field=student_field,
+    )
+    if cfg.teacher.signal.full_vocab:
+        sizes = {f: _vocab_size(q) for f, q in (("teacher.model_path", path), ("actor.model.path", a.path))}
+        if None not in sizes.values() and len(set(sizes.values())) > 1:
+            p.add(
+                "teacher.model_path",
+                path,
+                f"has vocab_size={sizes['teacher.model_path']} in its config.json, the student "
+                f"{sizes['actor.model.path']}: teacher.signal:{cfg.teacher.signal.name} compares the whole "
+                "distributions, which needs the same number of logits",
+            )
+
+
+def _vocab_size(path: str) -> int | None:
+    try:
+        c = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None
 
 
 def _checkpoint(p: Problems, c: CheckpointConfig, *, check_files: bool) -> None:
@@ -457,7 +541,11 @@ def _context(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         if r.agent.enabled
         else "the generated tokens"
     )
-    models = [("actor.model.path", cfg.actor.model.path), ("ref.model_path", cfg.ref.model_path)]
+    models = [
+        ("actor.model.path", cfg.actor.model.path),
+        ("ref.model_path", cfg.ref.model_path),
+        ("teacher.model_path", cfg.teacher.model_path),
+    ]
     if with_critic:
         models.append(("critic.model_path", cfg.critic.model_path))
     for field, path in models:
@@ -832,6 +920,8 @@ def ignored_settings(cfg: Config) -> list[str]:
             "rollout.agent.* is set but rollout.agent has no tools, tool_config_path, interaction or "
             "interaction_config_path"
         )
+    if not cfg.teacher.enabled and cfg.teacher != TeacherConfig():
+        out.append("teacher.* is set but teacher.model_path is None")
     if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
         out.append("reward.agent_weight is set but rollout.agent is off")
     return out
