@@ -94,7 +94,10 @@ class CausalLMPolicy(nn.Module):
                 self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL), response_len
             )
             outs = chunked_logprobs(hidden, head.weight, input_ids_BL[:, -response_len:], extras=extras, **kw)
-            per_token = lambda x: x  # noqa: E731 - already (B, R)
+
+            def per_token(x):  # already (B, R)
+                return x
+
         else:
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, head.weight.dtype)
             packed = pack(

@@ -85,7 +85,7 @@ def compute_logprobs(
             response_len=R,
             temperature=temperature,
             with_entropy=with_entropy,
-            **({"extras": extras} if extras else {}),
+            **({"extras": extras} if extras else {}),  # an engine without vocabulary outputs is called as before
         )
         return (out[0], out[1], *(out[2][k] for k in extras)) if extras else out
 

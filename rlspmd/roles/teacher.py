@@ -33,30 +33,36 @@ from rlspmd.roles.policy import compute_logprobs
 class Teacher:
     """Frozen teacher; adds ``teacher_logprobs_BR``."""
 
-    def __init__(self, cfg: TeacherConfig, *, engine: TrainingEngine, temperature: float, offload: bool):
-        """``offload``: keep the parameters in host memory between uses (the builder resolved ``teacher.offload``)."""
+    def __init__(
+        self, cfg: TeacherConfig, *, engine: TrainingEngine, temperature: float, offload: bool, argmax: bool = True
+    ):
+        """``offload``: keep the parameters in host memory between uses (the builder resolved ``teacher.offload``).
+        ``argmax``: the engine's module gives the kernel's per-token extras (``vocab_outputs``), so the step also logs
+        ``teacher/argmax_share``."""
         self.cfg, self.engine = cfg, engine
         self.temperature = temperature
         self.offload = offload
+        self.extras = (ARGMAX,) if argmax else ()
         if offload:
             self.engine.offload_params()
 
     def log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         if self.offload:
             self.engine.load_params()
-        lp, _, argmax = compute_logprobs(
+        lp, _, *argmax = compute_logprobs(
             self.engine.module,
             batch,
             micro_batch_size=self.cfg.logprob_micro_batch_size,
             temperature=self.temperature,
             max_tokens=self.cfg.logprob_max_tokens_per_micro_batch,
             mesh=self.engine.mesh,
-            extras=(ARGMAX,),
+            extras=self.extras,
         )
         if self.offload:
             self.engine.offload_params()
         mask = batch["loss_mask_BR"].float()
-        metrics.mean("teacher/argmax_share", (argmax * mask).sum(), mask.sum())
+        for share in argmax:  # the sampled token is the teacher's most probable one
+            metrics.mean("teacher/argmax_share", (share * mask).sum(), mask.sum())
         return batch.set(teacher_logprobs_BR=lp)
 
     @torch.no_grad()

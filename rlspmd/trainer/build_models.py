@@ -146,7 +146,7 @@ def build_teacher(
         train_mesh=train_mesh,
     )
     offload = resolve_teacher_offload(cfg, device=device, cpu_offload=actor.engine.params_on_host())
-    return Teacher(cfg, engine=engine, temperature=temperature, offload=offload)
+    return Teacher(cfg, engine=engine, temperature=temperature, offload=offload, argmax=actor.engine.vocab_outputs)
 
 
 def build_critic(
