@@ -255,3 +255,28 @@ def test_dro_hand_computed():
     assert_close(grad, t([-1 + 0.5 * math.log(1.5), -1 + 0.5 * math.log(1.25)]))
     assert m["log_ratio_sq"].item() == pytest.approx((math.log(1.5) ** 2 + math.log(1.25) ** 2) / 2)
     assert DRO(beta=0).problems() == [("beta", 0, "must be > 0")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunked_jsd_and_extras_on_cuda_in_bfloat16():
+    """The kernels as a bf16 policy runs them on a GPU (bf16 hidden states and head, float32 teacher log-probs):
+    within bf16 rounding of the float64 reference, with the gradient."""
+    g = torch.Generator().manual_seed(2)
+    N, H, V = 300, 64, 1000
+    h64, w64 = torch.randn(N, H, generator=g, dtype=F64) / 4, torch.randn(V, H, generator=g, dtype=F64) / 4
+    teacher = torch.log_softmax(torch.randn(N, V, generator=g, dtype=F64), dim=-1)
+    h = h64.to("cuda", torch.bfloat16).requires_grad_()
+    w = w64.to("cuda", torch.bfloat16).requires_grad_()
+    got = chunked_jsd(h, w, teacher.float().cuda(), beta=0.5, chunk_size=128)
+    got.sum().backward()
+    hr, wr = h.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    want = generalized_jsd(hr @ wr.T, teacher, beta=0.5, temperature=1.0)
+    want.sum().backward()
+    assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-3)
+    assert_close(h.grad.double().cpu(), hr.grad, rtol=5e-2, atol=5e-3)
+    y = torch.randint(0, V, (N,), generator=g)
+    _, _, extra = chunked_logprobs(h.detach(), w.detach(), y.cuda(), extras=("sum_p2", "vocab_logprobs"))
+    full = torch.log_softmax(hr.detach() @ wr.detach().T, dim=-1)
+    assert_close(extra["vocab_logprobs"].double().cpu(), full, rtol=2e-2, atol=2e-2)
+    assert_close(extra["sum_p2"].double().cpu(), full.exp().square().sum(-1), rtol=2e-2, atol=1e-4)
