@@ -113,7 +113,7 @@ def with_(cfg=None, **sections) -> Config:
         ),
         (
             with_(actor=ActorConfig(policy_loss="ppo")),
-            ["actor.policy_loss='ppo': must be a policy loss (PPOClip, CISPO, GPG, GSPO, SAPO, GMPO, ClipCov, KLCov"],
+            ["actor.policy_loss='ppo': must be a policy loss (PPOClip, CISPO, GPG, DRO, GSPO, SAPO, GMPO, ClipCov, KLCov, DPPOTV"],
         ),
         (
             with_(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_c=1.0))),

@@ -13,6 +13,7 @@ from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
 from rlspmd.stages import StagePoints
+from rlspmd.trackers import Trackers
 from rlspmd.trainer.rl import RLTrainer
 from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.sampling import SingleRound
@@ -90,6 +91,7 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
         attn_kernel="sdpa",
         rollout_correction=None,
         stages=StagePoints(),
+        trackers=Trackers(),
     )
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     return RLTrainer(None, roles=roles, rt=rt, stop_request=StopRequest(), val_batch_size=4), seen
