@@ -1,9 +1,9 @@
 """Components: the one way to extend rlspmd, for every kind of thing a run picks by name.
 
-A *kind* is a family of interchangeable parts: policy losses, advantage estimators, KL controllers, training
-engines, rollout engines (config components, below), and tools, interactions, tool-call parsers, reward functions
-(named objects). Each kind has one ``Registry``, defined beside the code of the kind, that its members fill
-themselves. A run names a member either by its registered name (``gspo``, ``calculator``) or by an import path, the
+A *kind* is a family of interchangeable parts: policy losses, advantage estimators, KL controllers, distillation
+signals, training engines, rollout engines (config components, below), and tools, interactions, tool-call parsers,
+reward functions (named objects). Each kind has one ``Registry``, defined beside the code of the kind, that its members
+fill themselves. A run names a member either by its registered name (``gspo``, ``calculator``) or by an import path, the
 spelling every field uses: ``package.module:Name`` or ``path/to/file.py:Name`` (``rlspmd/utils/imports.py``). A user's
 own part is therefore picked exactly like a built-in one, from their own file, without editing the package.
 

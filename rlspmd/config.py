@@ -39,12 +39,29 @@ from rlspmd.algorithms.estimators import (
     RLOO,
     GPGAdvantage,
     GRPOPassK,
+    MultiTurnOptimalTokenBaseline,
+    NoAdvantage,
+    OptimalTokenBaseline,
     ReinforcePP,
     ReinforcePPBaseline,
     ReMax,
 )
+from rlspmd.algorithms.distill import GKD, ReverseKL, TeacherConfig
 from rlspmd.algorithms.kl import KL_CONTROLS, AdaptiveKL, FixedKL
-from rlspmd.algorithms.losses import CISPO, GMPO, GPG, GSPO, POLICY_LOSSES, SAPO, ClipCov, KLCov, PPOClip
+from rlspmd.algorithms.losses import (
+    CISPO,
+    DPPOKL,
+    DPPOTV,
+    DRO,
+    GMPO,
+    GPG,
+    GSPO,
+    POLICY_LOSSES,
+    SAPO,
+    ClipCov,
+    KLCov,
+    PPOClip,
+)
 from rlspmd.algorithms.rollout_correction import RolloutCorrectionConfig
 from rlspmd.components import describe, picked_fields
 from rlspmd.distributed.mesh import MeshConfig
@@ -65,13 +82,14 @@ from rlspmd.trackers import TrackerConfig
 
 __all__ = [  # the sections below, and the components and sections a config file composes
     "ActorConfig", "AdaptiveKL", "AgentConfig", "AlgorithmConfig", "CheckpointConfig", "CISPO", "ClipCov",
-    "CodeRunnerConfig", "Config", "CriticConfig", "DataConfig", "DistConfig", "FilterGroupsConfig", "FixedKL",
-    "FSDPConfig", "GAE", "GDPO", "GMPO", "GPG", "GPGAdvantage", "GRPO", "GRPOPassK", "GSPO", "KLCov",
-    "load_config_file", "LoraConfig", "MegatronConfig", "MeshConfig", "ModelConfig", "MoEConfig", "NativeConfig",
-    "OPO", "OptimConfig", "OverlongBufferConfig", "PPOClip", "RefConfig", "ReinforcePP", "ReinforcePPBaseline",
-    "ReMax", "RewardConfig", "RewardModelConfig", "RLOO", "RolloutConfig", "RolloutCorrectionConfig",
-    "SampleLogConfig", "SAPO", "SFTConfig", "SFTDataConfig", "StepStage", "to_dict", "TrainedRoleConfig",
-    "TrainerConfig", "VllmConfig", "TrackerConfig",
+    "CodeRunnerConfig", "Config", "CriticConfig", "DataConfig", "DistConfig", "DPPOKL", "DPPOTV", "DRO",
+    "FilterGroupsConfig", "FixedKL", "FSDPConfig", "GAE", "GDPO", "GKD", "GMPO", "GPG", "GPGAdvantage", "GRPO",
+    "GRPOPassK", "GSPO", "KLCov", "load_config_file", "LoraConfig", "MegatronConfig", "MeshConfig", "ModelConfig",
+    "MoEConfig", "MultiTurnOptimalTokenBaseline", "NativeConfig", "NoAdvantage", "OPO", "OptimalTokenBaseline",
+    "OptimConfig", "OverlongBufferConfig", "PPOClip", "RefConfig", "ReinforcePP", "ReinforcePPBaseline", "ReMax",
+    "ReverseKL", "RewardConfig", "RewardModelConfig", "RLOO", "RolloutConfig", "RolloutCorrectionConfig",
+    "SampleLogConfig", "SAPO", "SFTConfig", "SFTDataConfig", "StepStage", "TeacherConfig", "to_dict", "TrackerConfig",
+    "TrainedRoleConfig", "TrainerConfig", "VllmConfig",
 ]  # fmt: skip
 
 Engine = TRAINING_ENGINES.choice()
@@ -131,9 +149,10 @@ class ActorConfig(TrainedRoleConfig):
     """Dynamic batching for the old-log-prob forward (no grad, so it can be larger than the update's). None: off."""
     policy_loss: PolicyLossChoice = field(default_factory=PPOClip)
     """Policy loss and its options: ``PPOClip()`` (the default), ``GSPO()``, ``CISPO()``, ``SAPO()``, ``GPG()``,
-    ``GMPO()``, ``ClipCov()``, ``KLCov()``. On the command line: ``actor.policy-loss:gspo`` picks one, then
-    ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their loss ``seq-mean-token-mean`` whatever
-    ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the KL and entropy terms."""
+    ``GMPO()``, ``ClipCov()``, ``KLCov()``, ``DPPOTV()``, ``DPPOKL()``, ``DRO()``. On the command line:
+    ``actor.policy-loss:gspo`` picks one, then ``--actor.policy-loss.<option>``. gspo, sapo and gmpo aggregate their
+    loss ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says (as verl does); ``loss_agg_mode`` still applies to the
+    KL and entropy terms."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient (loss -= coef * entropy)."""
     use_kl_loss: bool = True
@@ -228,7 +247,8 @@ class DataConfig:
     max_prompt_length: int = 128
     """Prompts whose templated token count exceeds this are dropped (or rejected, see ``overlong_prompts``)."""
     overlong_prompts: Literal["drop", "error"] = "drop"
-    """What to do with prompts longer than ``max_prompt_length``: drop with a count in the log, or fail naming the row."""
+    """What to do with prompts longer than ``max_prompt_length``: drop with a count in the log, or fail naming the
+    row."""
     empty_prompts: Literal["error", "drop"] = "error"
     """What to do with a row whose prompt has no user message with text (empty or whitespace content): fail naming
     the file and row, or drop it with a count in the log."""
@@ -262,8 +282,9 @@ class AlgorithmConfig:
     adv_estimator: EstimatorChoice = field(default_factory=GRPO)
     """Advantage estimator and its options: ``GAE()`` (PPO, builds the critic), ``GRPO()`` (the default),
     ``GRPOPassK()``, ``RLOO()``, ``ReinforcePP()``, ``ReinforcePPBaseline()``, ``ReMax()`` (a greedy baseline
-    rollout), ``OPO()``, ``GPGAdvantage()``, ``GDPO()`` (several reward components). On the command line:
-    ``algorithm.adv-estimator:gae`` picks one, then ``--algorithm.adv-estimator.<option>``."""
+    rollout), ``OPO()``, ``GPGAdvantage()``, ``GDPO()`` (several reward components), ``OptimalTokenBaseline()``,
+    ``MultiTurnOptimalTokenBaseline()``, ``NoAdvantage()`` (none: pure distillation from a ``teacher``). On the
+    command line: ``algorithm.adv-estimator:gae`` picks one, then ``--algorithm.adv-estimator.<option>``."""
     use_kl_in_reward: bool = False
     """Subtract ``kl_ctrl.kl_coef * KL(policy || reference)`` from every response token's reward (InstructGPT-style
     PPO, REINFORCE++). Needs the reference model. Independent of ``actor.use_kl_loss``."""
@@ -366,6 +387,8 @@ class Config:
     """Policy being trained."""
     ref: RefConfig = field(default_factory=RefConfig)
     """Frozen reference policy (KL anchor)."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """Frozen teacher of on-policy distillation and its signal (``rlspmd/algorithms/distill.py``); off by default."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """Value model (PPO with GAE only)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -501,7 +524,8 @@ class SFTConfig:
     total_steps: int = 500
     """Optimiser steps."""
     stop_at_step: int = 0
-    """Stop after this step with a checkpoint, before ``total_steps`` (0: run to the end); ``--resume auto`` continues."""
+    """Stop after this step with a checkpoint, before ``total_steps`` (0: run to the end); ``--resume auto``
+    continues."""
     output_dir: str = "outputs/sft"
     """Metrics go here; the fine-tuned Hugging Face model is written to ``output_dir/hf``."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])

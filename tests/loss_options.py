@@ -2,7 +2,7 @@
 
 import torch
 
-from rlspmd.config import CISPO, GMPO, GPG, GSPO, SAPO, ClipCov, KLCov, PPOClip
+from rlspmd.config import CISPO, DPPOKL, DPPOTV, DRO, GMPO, GPG, GSPO, SAPO, ClipCov, KLCov, PPOClip
 
 
 def components(
@@ -18,6 +18,9 @@ def components(
         "gmpo": GMPO(0.2, 0.28),
         "clip_cov": ClipCov(0.2, 0.28, clip_cov_ratio, clip_cov_lb, clip_cov_ub),
         "kl_cov": KLCov(kl_cov_ratio, kl_cov_coef),
+        "dppo_tv": DPPOTV(0.15, 0.15, 20.0),
+        "dppo_kl": DPPOKL(0.05, 0.05, 20.0),
+        "dro": DRO(0.1),
     }
 
 

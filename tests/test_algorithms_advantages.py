@@ -385,4 +385,7 @@ def test_estimator_names():
         "opo",
         "gpg",
         "gdpo",
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
+        "none",
     }

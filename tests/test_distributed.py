@@ -103,7 +103,7 @@ def test_advantages_and_kl_controller_do_not_depend_on_world_size(tmp_path):
         runs[nproc] = torch.load(out)
     assert set(runs[1]) == ADVANTAGE_ESTIMATORS.shipped()
     for name, ref in runs[1].items():
-        assert ref["adv"].abs().sum() > 0, name
+        assert (ref["adv"].abs().sum() > 0) == (name != "none"), name  # none: pure distillation, zero advantages
         torch.testing.assert_close(runs[2][name]["adv"], ref["adv"], msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(runs[2][name]["ret"], ref["ret"], msg=lambda m: f"{name}: {m}")
         assert runs[2][name]["kl_coef"] == pytest.approx(ref["kl_coef"]) and ref["kl_coef"] != 0.05

@@ -16,6 +16,7 @@ from rlspmd.algorithms import (
     grpo_passk,
     masked_whiten,
     opo,
+    optimal_token_baseline,
     reinforce_pp,
     reinforce_pp_baseline,
     remax,
@@ -146,6 +147,8 @@ def test_every_estimator_is_wired_to_its_library_function():
     baseline = torch.tensor([0.0, 0.0, 1.0, 1.0, 0.5, 0.0])
     components = torch.stack([SCORES, (SCORES > 0.7).float()], -1)
     tokens = TokenRewards()(batch(), MetricBuffer())["token_rewards_BR"]
+    old = -torch.linspace(0.1, 2.0, 24).view(6, 4)
+    sum_p2 = torch.linspace(0.2, 0.9, 24).view(6, 4)
     expected = {
         "grpo": grpo_outcome(SCORES, m, UID, norm_by_std=True),
         "grpo_passk": grpo_passk(SCORES, m, UID, norm_by_std=True),
@@ -157,6 +160,11 @@ def test_every_estimator_is_wired_to_its_library_function():
         # one rank: global whitening is the library's own batch whitening
         "reinforce_pp": reinforce_pp(tokens, m, gamma=0.9),
         "reinforce_pp_baseline": reinforce_pp_baseline(SCORES, m, UID),
+        "optimal_token_baseline": optimal_token_baseline(tokens, m, UID, old, sum_p2),
+        "tir_optimal_token_baseline": optimal_token_baseline(
+            tokens, m, UID, old, sum_p2, multi_turn=True, handle_zero_tail=True
+        ),
+        "none": (torch.zeros_like(m), torch.zeros_like(m)),
     }
     adv, ret = gae(tokens, values, m, gamma=0.9, lam=0.8)
     expected["gae"] = (masked_whiten(adv, m), ret)
@@ -164,7 +172,13 @@ def test_every_estimator_is_wired_to_its_library_function():
     for name, (want_adv, want_ret) in expected.items():
         got_adv, got_ret = advantages(
             name,
-            batch(values_BR=values, baseline_scores_B=baseline, reward_components_BK=components),
+            batch(
+                values_BR=values,
+                baseline_scores_B=baseline,
+                reward_components_BK=components,
+                old_logprobs_BR=old,
+                sum_pi_squared_BR=sum_p2,
+            ),
             gamma=0.9,
             lam=0.8,
         )

@@ -12,6 +12,8 @@ import torch
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.metrics import MetricBuffer
 from rlspmd.protocol import Batch
+from rlspmd.stages import StagePoints
+from rlspmd.trackers import Trackers
 from rlspmd.trainer.rl import RLTrainer
 from rlspmd.trainer.roles import Roles
 from rlspmd.trainer.sampling import SingleRound
@@ -67,6 +69,7 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
         baseline=baseline,
         sampling=SingleRound(train_batch_size=4),
         ref=Obj(log_prob=calls.stage("ref.log_prob")),
+        teacher=Obj(log_prob=calls.stage("teacher.log_prob")),
         actor=Obj(
             old_log_prob=calls.stage("actor.old_log_prob"), update=calls.stage("actor.update", metric=(3.0, 1.0))
         ),
@@ -77,6 +80,7 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
         ),
         token_rewards=calls.stage("token_rewards"),
         advantage=calls.stage("advantage"),
+        distill=calls.stage("distill"),
         correction=calls.stage("correction"),
         balance=calls.stage("balance"),
         report=Obj(sampled=lambda batch, m: calls.append("report.sampled"), step=report_step),
@@ -86,6 +90,8 @@ def make_trainer(calls: Calls, *, warmup_steps: int = 0) -> tuple[RLTrainer, dic
         resume_from=None,
         attn_kernel="sdpa",
         rollout_correction=None,
+        stages=StagePoints(),
+        trackers=Trackers(),
     )
     rt = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     return RLTrainer(None, roles=roles, rt=rt, stop_request=StopRequest(), val_batch_size=4), seen
@@ -99,10 +105,12 @@ DATA_FLOW = [
     "shaping",
     "baseline",
     "ref.log_prob",
+    "teacher.log_prob",
     "actor.old_log_prob",
     "critic.values",
     "token_rewards",
     "advantage",
+    "distill",
     "correction",
     "balance",
     "critic.update",
@@ -145,6 +153,7 @@ def test_a_step_runs_the_stages_in_the_order_of_the_data_flow_and_hands_each_the
         "reward",
         "baseline",
         "ref",
+        "teacher",
         "old_log_prob",
         "values",
         "adv",

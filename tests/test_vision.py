@@ -831,3 +831,39 @@ def test_qwen2_vl_log_probs_and_greedy_generation_equal_transformers(tiny_qwen2_
     engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=torch.device("cpu"))
     out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=8), generator=None)
     assert out["responses_BR"].tolist() == hf_greedy(tiny_qwen2_vl, refs, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packing", [False, True])
+def test_cuda_log_probs_and_greedy_generation_equal_transformers_on_cpu(lively_vl_model, packing):
+    """On CUDA (fp32, TF32 off): the training wrapper's log-probs (padded and packed, image features scattered on the
+    GPU) and the native engine's greedy tokens equal transformers' forward and ``generate`` on CPU."""
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.models.sharded_load import build_policy_module
+    from rlspmd.rollout.native import NativeEngine, OwnWeights
+    from rlspmd.rollout.sampling import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = torch.device("cuda")
+    batch, refs = vl_rows(lively_vl_model)
+    R = batch["responses_BR"].shape[1]
+    mask = batch["response_mask_BR"]
+    expected = hf_logprobs(lively_vl_model, refs, R) * mask
+    module = build_policy_module(
+        str(lively_vl_model), dtype="float32", attn_implementation="sdpa", field_name="model", packing=packing
+    ).to(cuda)
+    with torch.no_grad():
+        lp, _ = module(
+            batch["input_ids_BL"].to(cuda),
+            batch["attention_mask_BL"].to(cuda),
+            batch["position_ids_BL"].to(cuda),
+            images=batch["images"],
+            response_len=R,
+        )
+    torch.testing.assert_close(lp.cpu() * mask, expected, atol=1e-3, rtol=0)
+    n = 12
+    hf = load_causal_lm(lively_vl_model, dtype="float32", attn_implementation="sdpa", field_name="model").to(cuda)
+    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=cuda)
+    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=n), generator=None)
+    assert out["responses_BR"].tolist() == hf_greedy(lively_vl_model, refs, n)

@@ -10,7 +10,8 @@ Policy losses, advantage estimators and KL controllers are picked by their confi
 and registered in its kind's registry (`POLICY_LOSSES`, `ADVANTAGE_ESTIMATORS`, `KL_CONTROLS`); a config string
 selects a KL estimator or an aggregation through `KL_ESTIMATORS`, `AGG_MODES`. Rollout correction (importance weights
 pi_train / pi_rollout, truncation and rejection, mismatch metrics) is in `rollout_correction.py`; its weights and
-mask go into any policy loss through `weights_BT` / `mask_BT`.
+mask go into any policy loss through `weights_BT` / `mask_BT`. On-policy distillation's signals (a teacher's reverse KL
+on the advantage, GKD's JSD) and the teacher section are in `distill.py`; the optimal token baseline in `otb.py`.
 """
 
 from rlspmd.algorithms.advantages import (
@@ -31,7 +32,17 @@ from rlspmd.algorithms.advantages import (
     token_level_scores,
     zero_variance_rows,
 )
+from rlspmd.algorithms.otb import optimal_token_baseline
 from rlspmd.algorithms.aggregation import AGG_MODES, AggArgs, agg_loss, local_denominators
+from rlspmd.algorithms.distill import (
+    DISTILL_SIGNALS,
+    GKD,
+    DistillSignal,
+    ReverseKL,
+    TeacherConfig,
+    generalized_jsd,
+    reverse_kl_advantage,
+)
 from rlspmd.algorithms.estimators import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from rlspmd.algorithms.kl import (
     KL_CONTROLS,
@@ -48,6 +59,9 @@ from rlspmd.algorithms.losses import (
     PolicyLoss,
     cispo,
     clip_cov,
+    dppo_kl,
+    dppo_tv,
+    dro,
     entropy_bonus,
     gmpo,
     gpg_loss,
@@ -67,6 +81,11 @@ from rlspmd.algorithms.rollout_correction import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "DISTILL_SIGNALS",
+    "DistillSignal",
+    "GKD",
+    "ReverseKL",
+    "TeacherConfig",
     "KL_CONTROLS",
     "AdvantageEstimator",
     "KLControl",
@@ -83,10 +102,14 @@ __all__ = [
     "apply_kl_in_reward",
     "cispo",
     "clip_cov",
+    "dppo_kl",
+    "dppo_tv",
+    "dro",
     "entropy_bonus",
     "gae",
     "gdpo",
     "gdpo_combine",
+    "generalized_jsd",
     "gmpo",
     "gpg",
     "gpg_alpha",
@@ -100,10 +123,12 @@ __all__ = [
     "masked_moments",
     "masked_whiten",
     "opo",
+    "optimal_token_baseline",
     "ppo_clip",
     "reinforce_pp",
     "reinforce_pp_baseline",
     "remax",
+    "reverse_kl_advantage",
     "rloo",
     "rollout_correction",
     "sample_mean_kl",

@@ -14,9 +14,12 @@ a KL penalty); ReMax reads the per-token rewards (its reward-to-go); GDPO reads 
 per reward component.
 
 A component's class variables say what the rest of the run must provide: a critic (``uses_critic``), one greedy
-response per prompt, scored (``uses_greedy_baseline``), or the reward components instead of the token rewards
-(``uses_reward_components``). Defining an ``AdvantageEstimator`` subclass registers it in ``ADVANTAGE_ESTIMATORS``:
-a user's estimator is a subclass in their own file (docs/extending.md).
+response per prompt, scored (``uses_greedy_baseline``), the reward components instead of the token rewards
+(``uses_reward_components``), the old log-probs before the update (``uses_old_logprobs``: their own forward), the sum
+of the squared probabilities over the vocabulary at each sampled token (``uses_sum_pi_squared``: OTB; the same forward
+computes it), or no reward at all (``uses_reward = False``: pure distillation, the teacher's signal is the advantage).
+Defining an ``AdvantageEstimator`` subclass registers it in ``ADVANTAGE_ESTIMATORS``: a user's estimator is a subclass
+in their own file (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from rlspmd.algorithms.advantages import (
     remax,
     rloo,
 )
+from rlspmd.algorithms.otb import optimal_token_baseline
 from rlspmd.components import Component, Problem, Registry
 from rlspmd.protocol import Batch
 
@@ -68,6 +72,9 @@ class AdvantageEstimator(Component):
     uses_critic: ClassVar[bool] = False
     uses_greedy_baseline: ClassVar[bool] = False
     uses_reward_components: ClassVar[bool] = False
+    uses_old_logprobs: ClassVar[bool] = False
+    uses_sum_pi_squared: ClassVar[bool] = False
+    uses_reward: ClassVar[bool] = True
 
     def build(self, *, all_reduce: AllReduce) -> Estimate:
         """The estimator with its options bound; ``all_reduce`` is the advantage stage's sum over the DP ranks."""
@@ -310,3 +317,71 @@ class GDPO(AdvantageEstimator):
             eps=self.eps,
             all_reduce=all_reduce,
         )
+
+
+def otb_estimate(batch: Batch, *, multi_turn: bool, handle_zero_tail: bool, eps: float) -> tuple[Tensor, Tensor]:
+    rewards, mask = _inputs(batch)
+    return optimal_token_baseline(
+        rewards,
+        mask,
+        batch["uid_B"],
+        batch["old_logprobs_BR"],
+        batch["sum_pi_squared_BR"],
+        multi_turn=multi_turn,
+        handle_zero_tail=handle_zero_tail,
+        eps=eps,
+    )
+
+
+@dataclass
+class OptimalTokenBaseline(AdvantageEstimator):
+    """OTB: the reward-to-go minus a per-token baseline of its group, each sample weighted by its path variance so far
+    (``rlspmd/algorithms/otb.py``; verl's ``optimal_token_baseline``). Its inputs come from the old-log-prob forward:
+    the old log-probs and the sum of the squared probabilities over the vocabulary (FSDP engine). Rollout correction
+    applies after the advantages here, so its importance weights do not enter W."""
+
+    name: ClassVar[str] = "optimal_token_baseline"
+    uses_old_logprobs: ClassVar[bool] = True
+    uses_sum_pi_squared: ClassVar[bool] = True
+    multi_turn: ClassVar[bool] = False
+    handle_zero_tail: NoFlag[bool] = False
+    """In a group whose longest response is the only one of its length, zero its baseline past the second longest's
+    length."""
+    eps: float = 1e-8
+    """Added to the baseline's denominator (> 0)."""
+
+    def problems(self) -> list[Problem]:
+        return [] if self.eps > 0 else [("eps", self.eps, "must be > 0")]
+
+    def build(self, *, all_reduce):
+        return partial(otb_estimate, multi_turn=self.multi_turn, handle_zero_tail=self.handle_zero_tail, eps=self.eps)
+
+
+@dataclass
+class MultiTurnOptimalTokenBaseline(OptimalTokenBaseline):
+    """OTB for multi-turn responses: a group's samples share a baseline at their k-th model token (tool results inside a
+    response are skipped) instead of at a position (verl's ``tir_optimal_token_baseline``; zero tails on by default)."""
+
+    name: ClassVar[str] = "tir_optimal_token_baseline"
+    multi_turn: ClassVar[bool] = True
+    handle_zero_tail: NoFlag[bool] = True
+    """In a group whose longest response is the only one of its length, zero its baseline past the second longest's
+    length (counted in model tokens)."""
+
+
+def no_advantage(batch: Batch) -> tuple[Tensor, Tensor]:
+    zeros = torch.zeros_like(batch["loss_mask_BR"], dtype=torch.float32)
+    return zeros, zeros
+
+
+@dataclass
+class NoAdvantage(AdvantageEstimator):
+    """No reward signal: zero advantages, and the run needs no reward (``reward.rule_weight`` 0 and no reward model is
+    allowed). Pure on-policy distillation: with a teacher (``teacher.model_path``) its signal is the whole advantage
+    (``teacher.signal:reverse_kl``) or the whole loss (``teacher.signal:gkd``)."""
+
+    name: ClassVar[str] = "none"
+    uses_reward: ClassVar[bool] = False
+
+    def build(self, *, all_reduce):
+        return no_advantage

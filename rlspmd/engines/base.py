@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 
 def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
-    """The dtype an engine's forwards compute in, from its config's ``param_dtype`` (``FSDPConfig``, ``MegatronConfig``):
-    ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    """The dtype an engine's forwards compute in, from its config's ``param_dtype`` (``FSDPConfig``,
+    ``MegatronConfig``): ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
     if param_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[param_dtype]
@@ -132,9 +132,10 @@ class TrainingEngineConfig(Component):
     Traits the rest of the run reads: ``supports_lora`` (``actor.lora``), ``supports_mesh_tp`` (``mesh.actor_tp``
     is this engine's tensor parallelism), ``supports_vision`` (vision-language models, ``docs/vision.md``),
     ``supports_moe`` (mixture-of-experts models and ``mesh.actor_ep``, ``docs/moe.md``), ``supports_mesh_sp``
-    (``mesh.actor_sp`` is this engine's sequence parallelism, ``docs/sequence-parallel.md``),
-    ``lends_weights`` (a colocated native rollout engine reads the gathered weights in place: an
-    ``InPlaceEngine``)."""
+    (``mesh.actor_sp`` is this engine's sequence parallelism, ``docs/sequence-parallel.md``), ``lends_weights`` (a
+    colocated native rollout engine reads the gathered weights in place: an ``InPlaceEngine``), ``vocab_outputs`` (its
+    policy module computes what needs the whole vocabulary at each token on request: the ``extras`` and ``jsd`` of
+    ``rlspmd.models.policy.CausalLMPolicy``, for the optimal token baseline and GKD)."""
 
     registry = TRAINING_ENGINES
     supports_lora: ClassVar[bool] = False
@@ -143,6 +144,7 @@ class TrainingEngineConfig(Component):
     supports_moe: ClassVar[bool] = False
     supports_mesh_sp: ClassVar[bool] = False
     lends_weights: ClassVar[bool] = False
+    vocab_outputs: ClassVar[bool] = False
     param_dtype: str = "auto"
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:

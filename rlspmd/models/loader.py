@@ -119,6 +119,52 @@ def check_tokenizer_dir(path: str | Path, *, field_name: str) -> Path:
     return p
 
 
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json")
+"""The files that define a tokenizer's token ids (not its chat template or padding side)."""
+
+
+def tokenizer_vocab(path: str | Path) -> dict[str, int]:
+    """Token -> id of the tokenizer in ``path``, read from ``tokenizer.json`` (its model's vocabulary and added tokens)
+    without loading transformers; a tokenizer without one (sentencepiece files only) is loaded to ask it."""
+    p = Path(path).expanduser()
+    fast = p / "tokenizer.json"
+    if fast.is_file():
+        spec = json.loads(fast.read_text())
+        vocab = spec.get("model", {}).get("vocab", {})
+        if isinstance(vocab, list):  # Unigram: [piece, score] in id order
+            vocab = {piece: i for i, (piece, _score) in enumerate(vocab)}
+        return {**vocab, **{t["content"]: t["id"] for t in spec.get("added_tokens", [])}}
+    from transformers import AutoTokenizer
+
+    return dict(AutoTokenizer.from_pretrained(str(p)).get_vocab())
+
+
+def check_same_tokenizer(path: str | Path, *, field_name: str, student: str | Path, student_field: str) -> None:
+    """The tokenizer in ``path`` gives every token the id the student's tokenizer (``student``) gives it: a model that
+    scores another model's token ids (a teacher) must read them as the same tokens. Files compared first (byte-equal
+    vocabulary files pass), then the vocabularies; an error names both directories and the first difference."""
+    t, s = check_tokenizer_dir(path, field_name=field_name), Path(student).expanduser()
+    if t.resolve() == s.resolve():
+        return
+    files = [f for f in VOCAB_FILES if (t / f).is_file() or (s / f).is_file()]
+    if files and all((t / f).is_file() and (s / f).is_file() and (t / f).read_bytes() == (s / f).read_bytes()
+                     for f in files):  # fmt: skip
+        return
+    tv, sv = tokenizer_vocab(t), tokenizer_vocab(s)
+    if tv == sv:
+        return
+    by_id_t, by_id_s = {i: k for k, i in tv.items()}, {i: k for k, i in sv.items()}
+    first = next(
+        (i for i in sorted(set(by_id_t) | set(by_id_s)) if by_id_t.get(i) != by_id_s.get(i)),
+        None,
+    )
+    raise ValueError(
+        f"{field_name}: the tokenizer in {t} ({len(tv)} tokens) is not the student's, {student_field}={s} "
+        f"({len(sv)} tokens): token id {first} is {by_id_t.get(first)!r} in one and {by_id_s.get(first)!r} in the "
+        "other. The teacher scores the student's token ids, so it needs the student's tokenizer"
+    )
+
+
 def load_tokenizer(path: str | Path, *, field_name: str, require_chat_template: bool = True) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 

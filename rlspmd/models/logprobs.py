@@ -10,14 +10,32 @@ Gradients, with ``z = logits / τ``, ``p = softmax(z)``, ``lp_t = z_y − lse(z)
     ∂lp/∂z = onehot(y) − p            ∂H/∂z = −p ⊙ (log p + H)
 
 then ``∂/∂h = (∂/∂z · W) / τ`` and ``∂/∂W = (∂/∂z)ᵀ h / τ``.
+
+**Per-token outputs a component asks for** (``extras``, computed in the same pass over each chunk, no gradient):
+``sum_p2``, the sum over the vocabulary of the squared probabilities (the optimal token baseline's path variance,
+``rlspmd/algorithms/otb.py``); ``argmax``, 1.0 where the target is the most probable token (a teacher's agreement with
+the student's samples); ``vocab_logprobs``, the whole log-softmax of each position (a teacher's distribution, the target
+of GKD's JSD: ``4·N·V`` bytes, affordable only where the caller keeps N small).
+
+``chunked_jsd`` is GKD's generalized Jensen-Shannon divergence between the student's distribution (from its hidden
+states, with gradient) and a given target distribution, chunk by chunk with the same recompute-in-backward scheme.
+With ``s`` the student's and ``t`` the target's log-probs, ``M = (1-β) e^s + β e^t`` and ``J = β KL(T‖M) + (1-β)
+KL(S‖M)`` (β = 0: KL(T‖S); β = 1: KL(S‖T), TRL's convention):
+
+    ∂J/∂z = (1-β) p ⊙ ((s − m) − KL(S‖M))      β = 0: p − e^t      β = 1: p ⊙ (s − t − J)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 DEFAULT_CHUNK = None
 """Tokens per chunk; None picks by device (``auto_chunk_size``)."""
+SUM_P2, ARGMAX, VOCAB_LOGPROBS = "sum_p2", "argmax", "vocab_logprobs"
+EXTRAS = (SUM_P2, ARGMAX, VOCAB_LOGPROBS)
+"""The per-token outputs ``chunked_logprobs`` computes on request (module docstring)."""
 CPU_CHUNK_BYTES = 4 << 20
 
 
@@ -45,10 +63,21 @@ class _ChunkedLogprob(torch.autograd.Function):
     # Each chunk's (chunk, V) float32 logits are the only large temporaries, and every pass over them is written
     # in place where possible: on CPU the elementwise passes over V cost about as much as the matmuls.
     @staticmethod
-    def forward(ctx, hidden_in, weight, bias, targets_in, temperature, chunk_size, with_entropy):
+    def forward(ctx, hidden_in, weight, bias, targets_in, temperature, chunk_size, with_entropy, extras=()):
         # Outputs are allocated in the targets' shape (not views of flat buffers: FSDP2 hooks module outputs).
         lp_out = hidden_in.new_empty(targets_in.shape, dtype=torch.float32)
         ent_out = hidden_in.new_zeros(targets_in.shape, dtype=torch.float32)
+        extra_outs = [
+            hidden_in.new_empty(
+                (*targets_in.shape, weight.shape[0]) if name == VOCAB_LOGPROBS else targets_in.shape,
+                dtype=torch.float32,
+            )
+            for name in extras
+        ]
+        flat_extras = {
+            name: out.view(-1, weight.shape[0]) if name == VOCAB_LOGPROBS else out.view(-1)
+            for name, out in zip(extras, extra_outs)
+        }
         hidden, targets = hidden_in.reshape(-1, hidden_in.shape[-1]), targets_in.reshape(-1)
         lp, ent = lp_out.view(-1), ent_out.view(-1)
         lse = torch.empty_like(lp)
@@ -63,19 +92,28 @@ class _ChunkedLogprob(torch.autograd.Function):
             lse[s:e] = torch.logsumexp(z, dim=-1)
             logp = z.sub_(lse[s:e, None])
             lp[s:e] = logp.gather(-1, targets[s:e, None]).squeeze(-1)
+            p = logp.exp() if with_entropy or SUM_P2 in flat_extras else None
             if with_entropy:  # H = -sum(p log p): bounded terms, no cancellation between lse and E[z]
-                ent[s:e] = -torch.linalg.vecdot(logp.exp(), logp)
+                ent[s:e] = -torch.linalg.vecdot(p, logp)
+            for name, out in flat_extras.items():
+                if name == SUM_P2:
+                    out[s:e] = torch.linalg.vecdot(p, p)
+                elif name == ARGMAX:
+                    out[s:e] = (logp.argmax(-1) == targets[s:e]).float()
+                else:
+                    out[s:e] = logp
             if single:
                 saved_logp = logp
+        ctx.mark_non_differentiable(*extra_outs)
         ctx.save_for_backward(hidden_in, weight, bias, targets_in, ent_out, lse, saved_logp)
         ctx.set_materialize_grads(False)  # an output nobody differentiates (often the entropy) arrives as None
         ctx.temperature, ctx.chunk_size, ctx.with_entropy = temperature, chunk_size, with_entropy
         ctx.has_bias = bias is not None
         ctx.hidden_shape = hidden_in.shape
-        return lp_out, ent_out
+        return (lp_out, ent_out, *extra_outs)
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, *_g_extras):
         hidden, weight, bias, targets, ent, lse, saved_logp = ctx.saved_tensors
         hidden, targets, ent = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), ent.reshape(-1)
         tau, chunk = ctx.temperature, ctx.chunk_size
@@ -114,7 +152,7 @@ class _ChunkedLogprob(torch.autograd.Function):
         g_weight = g_weight.to(weight.dtype) if need_w else None
         g_bias = g_bias.to(bias.dtype) if g_bias is not None else None
         g_hidden = g_hidden.view(ctx.hidden_shape) if need_h else None
-        return g_hidden, g_weight, g_bias, None, None, None, None
+        return g_hidden, g_weight, g_bias, None, None, None, None, None
 
 
 def _chunk_logits(h, weight, bias, temperature):
@@ -131,14 +169,128 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = DEFAULT_CHUNK,
     with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    extras: tuple[str, ...] = (),
+):
     """Log-prob of ``targets`` and entropy under ``softmax((hidden @ weight.T + bias) / temperature)``.
 
     Shapes: ``hidden`` (..., H), ``weight`` (V, H), ``targets`` (...) int64 → two float32 tensors of shape
     ``targets.shape``. Entropy is zeros when ``with_entropy`` is False (and costs nothing). ``chunk_size`` None:
-    ``auto_chunk_size``.
+    ``auto_chunk_size``. ``extras`` (names from ``EXTRAS``): a third output, ``{name: tensor}``, each of
+    ``targets.shape`` except ``vocab_logprobs`` (``(*targets.shape, V)``); constants of autograd.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    unknown = sorted(set(extras) - set(EXTRAS))
+    assert not unknown, f"unknown per-token outputs {unknown}; known: {EXTRAS}"
     chunk_size = chunk_size or auto_chunk_size(hidden, weight.shape[0])
-    return _ChunkedLogprob.apply(hidden, weight, bias, targets, float(temperature), chunk_size, with_entropy)
+    outs = _ChunkedLogprob.apply(
+        hidden, weight, bias, targets, float(temperature), chunk_size, with_entropy, tuple(extras)
+    )
+    if not extras:
+        return outs[0], outs[1]
+    return outs[0], outs[1], dict(zip(extras, outs[2:]))
+
+
+class _ChunkedJSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_in, weight, bias, target_logp, beta, temperature, chunk_size):
+        hidden = hidden_in.reshape(-1, hidden_in.shape[-1])
+        target = target_logp.reshape(hidden.shape[0], -1)
+        jsd = hidden_in.new_empty(hidden.shape[0], dtype=torch.float32)
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = s + chunk_size
+            logp = torch.log_softmax(_chunk_logits(hidden[s:e], weight, bias, temperature), dim=-1)
+            jsd[s:e] = _jsd_terms(logp, target[s:e].float(), beta)[0]
+        ctx.save_for_backward(hidden_in, weight, bias, target_logp, jsd)
+        ctx.set_materialize_grads(False)
+        ctx.beta, ctx.temperature, ctx.chunk_size = beta, temperature, chunk_size
+        ctx.has_bias = bias is not None
+        return jsd.view(hidden_in.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, g_jsd):
+        hidden_in, weight, bias, target_logp, jsd = ctx.saved_tensors
+        if g_jsd is None:
+            return None, None, None, None, None, None, None
+        hidden = hidden_in.reshape(-1, hidden_in.shape[-1])
+        target = target_logp.reshape(hidden.shape[0], -1)
+        g = g_jsd.reshape(-1).float() / ctx.temperature
+        beta, chunk = ctx.beta, ctx.chunk_size
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_hidden = torch.empty_like(hidden) if need_h else None
+        g_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        g_bias = torch.zeros_like(bias, dtype=torch.float32) if (ctx.has_bias and ctx.needs_input_grad[2]) else None
+        for s in range(0, hidden.shape[0], chunk):
+            e = s + chunk
+            h = hidden[s:e]
+            logp = torch.log_softmax(_chunk_logits(h, weight, bias, ctx.temperature), dim=-1)
+            t = target[s:e].float()
+            p = logp.exp()
+            if beta == 0:
+                gz = p - t.exp()
+            elif beta == 1:
+                gz = p * (logp - t - jsd[s:e, None])
+            else:
+                _, m = _jsd_terms(logp, t, beta)
+                d = logp - m
+                gz = (1 - beta) * p * (d - torch.linalg.vecdot(p, d)[:, None])
+            gz = gz * g[s:e, None]
+            if need_h:
+                g_hidden[s:e] = (gz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                g_weight.addmm_(gz.t(), h.float())
+            if g_bias is not None:
+                g_bias += gz.sum(0)
+        g_weight = g_weight.to(weight.dtype) if need_w else None
+        g_bias = g_bias.to(bias.dtype) if g_bias is not None else None
+        g_hidden = g_hidden.view(hidden_in.shape) if need_h else None
+        return g_hidden, g_weight, g_bias, None, None, None, None
+
+
+def _jsd_terms(logp: torch.Tensor, target: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row: the generalized JSD between ``logp`` (student) and ``target`` (teacher), and the mixture's log-probs
+    (None at β = 0 or 1)."""
+    if beta == 0:
+        return torch.linalg.vecdot(target.exp(), target - logp), None
+    if beta == 1:
+        return torch.linalg.vecdot(logp.exp(), logp - target), None
+    m = torch.logaddexp(logp + math.log(1 - beta), target + math.log(beta))
+    jsd = beta * torch.linalg.vecdot(target.exp(), target - m) + (1 - beta) * torch.linalg.vecdot(logp.exp(), logp - m)
+    return jsd, m
+
+
+def chunked_jsd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    *,
+    beta: float,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    chunk_size: int | None = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Per position, the generalized JSD (module docstring) between ``softmax((hidden @ weight.T + bias) /
+    temperature)`` and the distribution whose log-probs are ``target_logprobs`` (a constant), never holding more than
+    one chunk of the student's logits. Shapes: ``hidden`` (..., H), ``weight`` (V, H), ``target_logprobs`` (..., V) →
+    float32 (...), differentiable in ``hidden``, ``weight`` and ``bias``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    assert 0 <= beta <= 1, beta
+    assert target_logprobs.shape == (*hidden.shape[:-1], weight.shape[0]), (target_logprobs.shape, hidden.shape)
+    chunk_size = chunk_size or auto_chunk_size(hidden, weight.shape[0])
+    return _ChunkedJSD.apply(
+        hidden, weight, bias, target_logprobs.detach(), float(beta), float(temperature), chunk_size
+    )
+
+
+class JSDTarget:
+    """What a student's forward needs for GKD's loss term: the teacher's log-probs over the vocabulary at the positions
+    the student scores (``vocab_logprobs`` of the teacher's forward on the same micro-batch), beta and the temperature.
+
+    A plain class, not a dataclass or a tuple, on purpose: FSDP2 casts the floating-point tensors it finds in a
+    module's inputs (lists, dicts, dataclasses) to its compute dtype, and these log-probs must stay float32."""
+
+    __slots__ = ("teacher_logprobs", "beta", "temperature")
+
+    def __init__(self, teacher_logprobs: torch.Tensor, *, beta: float, temperature: float):
+        self.teacher_logprobs, self.beta, self.temperature = teacher_logprobs, beta, temperature

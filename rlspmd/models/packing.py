@@ -37,8 +37,9 @@ Kernels (``ModelConfig.attn_kernel``; ``auto`` picks the first that runs on the 
   ``(samples, max_len)`` layout pays ``max_len²`` per sample plus scatter/gather backwards), so CPU keeps it. On CUDA
   it launches one small attention per sample and layer (launch-bound), the last resort there.
 
-``auto`` on CUDA prefers flash_attn, then varlen, then flex; the GPU suite (``scripts/bench/gpu_suite.py``) times
-varlen against flex so the order can be revised from data. ``check_attn_kernel`` validates a choice at start-up
+``auto`` on CUDA prefers flash_attn, then varlen, then flex (half precision; float32 falls back to sdpa_loop, since the
+compiled float32 FlexAttention failed to lower on an H100); the GPU suite (``scripts/bench/gpu_suite.py``) times varlen
+against flex: on an H100, 1.80 ms against 3.13 ms for one q05 layer's forward and backward (docs/performance.md). ``check_attn_kernel`` validates a choice at start-up
 (before models load) and returns the name the run log reports.
 
 Host syncs: exactly one device-to-host copy per packed micro-batch, in ``TokenCounts.of`` (the valid-token counts:
@@ -145,6 +146,10 @@ def kernel_problem(kernel: str, *, device: torch.device, dtype: torch.dtype, bac
             return "FlexAttention has no backward on CPU (torch raises NotImplementedError); use sdpa_loop"
         if device.type not in ("cpu", "cuda"):
             return f"FlexAttention is not supported on {device.type}"
+        if device.type == "cuda" and dtype == torch.float32:
+            # measured on an H100 (torch 2.11, 2026-11-27): the compiled float32 kernel fails to lower (inductor's
+            # NoValidChoicesError); bfloat16 and float16 compile and run
+            return "compiled FlexAttention fails to lower in float32 on CUDA; use bfloat16 compute or sdpa_loop"
         return None
     return f"unknown kernel {kernel!r}; one of {list(ATTN_KERNELS)}"
 

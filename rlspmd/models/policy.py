@@ -17,6 +17,14 @@ load-balancing loss there for the role to read. ``moe`` is None for a dense mode
 On CUDA the packed forward and backward read nothing back to the host except the micro-batch's token counts (one
 copy, skipped when the caller passes ``counts``): positions are gathered with ``nonzero_static`` and ``index_put``,
 never with boolean indexing or ``masked_scatter``.
+
+What needs the whole vocabulary at each response position is computed here too, inside the forward (where FSDP2 has
+gathered the LM head), and only when a caller asks: per-token ``extras`` of the log-prob kernel (``sum_p2``,
+``argmax``, ``vocab_logprobs``: ``rlspmd.models.logprobs``), and GKD's JSD against a teacher's distribution
+(``jsd``). The forward then returns a third output, ``{name: tensor}``: per-token outputs as ``(B, R)`` (0 at
+padding); ``vocab_logprobs`` as ``(N, V)`` over the positions this module scored, in its own order (the valid response
+tokens row by row when packed, every ``(B, R)`` position row-major when not), which is the order a second module with
+the same packing setting scores the same micro-batch in: a teacher's ``vocab_logprobs`` is a student's ``jsd`` target.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
+from rlspmd.models.logprobs import DEFAULT_CHUNK, VOCAB_LOGPROBS, JSDTarget, chunked_jsd, chunked_logprobs
 from rlspmd.models.moe import adapt_moe
 from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
 
@@ -76,46 +84,88 @@ class CausalLMPolicy(nn.Module):
         with_entropy: bool = True,
         counts: TokenCounts | None = None,
         replay_BL: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only).
+        extras: tuple[str, ...] = (),
+        jsd: JSDTarget | None = None,
+    ):
+        """``(logprobs_BR, entropy_BR)``, and a dict of ``extras`` (and ``jsd``, with gradient) when asked for (module
+        docstring). ``counts``: the micro-batch's host-side token counts when the caller has them (packed path only).
         ``replay_BL``: MoE routing to replay, ``(B, L, N, K)`` (``models/moe.py: RoutingState.begin``)."""
         head = self.hf.get_output_embeddings()
         kw = dict(bias=head.bias, temperature=temperature, chunk_size=self.logprob_chunk, with_entropy=with_entropy)
         if not self.packing:
             if self.moe is not None:
                 self.moe.begin(input_ids_BL.shape, mask_BL=attention_mask_BL, replay_BL=replay_BL)
-            hidden = self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL)
-            return chunked_logprobs(
-                response_hidden(hidden, response_len), head.weight, input_ids_BL[:, -response_len:], **kw
+            hidden = response_hidden(
+                self.backbone_hidden(input_ids_BL, attention_mask_BL, position_ids_BL), response_len
             )
-        kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, head.weight.dtype)
-        if self.seq is not None:  # the group's rows packed together, each rank a slice (no MoE: rlspmd.validate)
+            outs = chunked_logprobs(hidden, head.weight, input_ids_BL[:, -response_len:], extras=extras, **kw)
 
-            def logprobs(hidden_NH, targets_N, scalars):
-                return chunked_logprobs(hidden_NH, head.weight, targets_N, **{**kw, "temperature": scalars[0],
-                                        "with_entropy": bool(scalars[1])})  # fmt: skip
+            def per_token(x):  # already (B, R)
+                return x
 
-            return self.seq.run(
-                self.hf.get_decoder(),
-                logprobs,
+        else:
+            kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, head.weight.dtype)
+            if self.seq is not None:  # the group's rows packed together, each rank a slice (rlspmd.validate: no MoE)
+                if extras or jsd is not None:
+                    raise ValueError(
+                        "sequence parallel (mesh.actor_sp > 1) computes log-probs and entropy only: no vocabulary "
+                        f"extras {extras} or GKD's JSD (the teacher role and algorithm.kl_estimator 'full' / OTB)"
+                    )
+
+                def logprobs(hidden_NH, targets_N, scalars):
+                    return chunked_logprobs(hidden_NH, head.weight, targets_N, **{**kw, "temperature": scalars[0],
+                                            "with_entropy": bool(scalars[1])})  # fmt: skip
+
+                return self.seq.run(
+                    self.hf.get_decoder(),
+                    logprobs,
+                    input_ids_BL,
+                    attention_mask_BL,
+                    position_ids_BL,
+                    response_len=response_len,
+                    scalars=(float(temperature), float(with_entropy)),
+                    kernel=kernel,
+                )
+            packed = pack(
                 input_ids_BL,
                 attention_mask_BL,
                 position_ids_BL,
-                response_len=response_len,
-                scalars=(float(temperature), float(with_entropy)),
                 kernel=kernel,
+                response_len=response_len,
+                counts=counts,
             )
-        packed = pack(
-            input_ids_BL, attention_mask_BL, position_ids_BL, kernel=kernel, response_len=response_len, counts=counts
-        )
-        if self.moe is not None:
-            self.moe.begin(packed.shape, token_index_T=packed.token_index_T, replay_BL=replay_BL)
-        hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
-        targets_N = packed.target_pos_N
-        lp_N, ent_N = chunked_logprobs(
-            hidden_TH.index_select(0, targets_N - 1),
-            head.weight,
-            packed.input_ids_1T[0].index_select(0, targets_N),
-            **kw,
-        )
-        return packed.scatter_responses(lp_N), packed.scatter_responses(ent_N)
+            if self.moe is not None:
+                self.moe.begin(packed.shape, token_index_T=packed.token_index_T, replay_BL=replay_BL)
+            hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
+            targets_N = packed.target_pos_N
+            hidden = hidden_TH.index_select(0, targets_N - 1)
+            outs = chunked_logprobs(
+                hidden, head.weight, packed.input_ids_1T[0].index_select(0, targets_N), extras=extras, **kw
+            )
+            per_token = packed.scatter_responses
+        lp, ent = per_token(outs[0]), per_token(outs[1])
+        if not extras and jsd is None:
+            return lp, ent
+        out = {
+            k: v.reshape(-1, v.shape[-1]) if k == VOCAB_LOGPROBS else per_token(v)
+            for k, v in (outs[2] if extras else {}).items()
+        }
+        if jsd is not None:
+            H = hidden.shape[-1]
+            target = jsd.teacher_logprobs
+            assert target.shape[0] == hidden.numel() // H, (
+                "the teacher scored other positions: its packing setting must be the student's",
+                target.shape,
+                hidden.shape,
+            )
+            div = chunked_jsd(
+                hidden.reshape(-1, H),
+                head.weight,
+                target,
+                beta=jsd.beta,
+                temperature=jsd.temperature,
+                bias=head.bias,
+                chunk_size=self.logprob_chunk,
+            )
+            out["jsd"] = per_token(div.view(hidden.shape[:-1]))
+        return lp, ent, out

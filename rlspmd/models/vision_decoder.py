@@ -64,6 +64,15 @@ class VisionDecoder(LlamaFamilyDecoder):
         finally:
             self.images = ()  # the prefill used them; decode steps are text
 
+    def rope_table_for(self, L: int, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The text positions' table (all three M-RoPE components equal), asked of the rotary module with 3-D positions:
+        transformers 5.17's Qwen2.5-VL rotary indexes them as (3, batch, positions) and fails on 1-D ones."""
+        if not self.static_rope:
+            return None
+        dummy = torch.zeros(1, L, 1, dtype=self._params_dtype(), device=dev)
+        cos, sin = self.base.rotary_emb(dummy, torch.arange(L, device=dev)[None, None].expand(3, 1, L))
+        return cos[0], signed_sin(sin[0])
+
     def prompt_inputs(self, prompt_ids_BP, prompt_mask_BP):
         assert len(self.images) == prompt_ids_BP.shape[0], "VisionDecoder.start takes each row's images"
         return prompt_embeddings(self.model, self.base, prompt_ids_BP, prompt_mask_BP, self.images, spec=self.spec)

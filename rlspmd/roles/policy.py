@@ -20,7 +20,7 @@ pass returns what it routed, and the update adds the router's load-balancing los
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from rlspmd.algorithms import AggArgs, entropy_bonus, kl_penalty
 from rlspmd.config import ActorConfig, RefConfig
 from rlspmd.engines.base import TrainingEngine
+from rlspmd.models.logprobs import SUM_P2
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch
@@ -35,6 +36,27 @@ from rlspmd.roles.base import UpdatePlan, ppo_updates, record_updates
 from rlspmd.roles.moe import MoEActor, NoMoE
 from rlspmd.distributed.micro_batches import forward_micro_batches
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, record_correction_metrics
+
+
+class LossTerm(Protocol):
+    """A further term of the policy loss with inputs of its own to the policy's forward (``roles/teacher.py``)."""
+
+    def inputs(self, mb: Batch) -> dict:
+        """Keyword arguments of the policy module's forward on ``mb`` (its third output then holds the term's)."""
+
+    def add(self, loss: torch.Tensor, outputs: dict, logp_BR: torch.Tensor, mb: Batch, *, agg: AggArgs, metrics):
+        """``loss`` plus the term, from the forward's third output ``outputs`` (``{}`` when the forward gave none)."""
+
+
+class NoLossTerm:
+    """No further term: the forward gets no extra inputs, the loss is unchanged."""
+
+    def inputs(self, mb: Batch) -> dict:
+        return {}
+
+    def add(self, loss: torch.Tensor, outputs: dict, logp_BR: torch.Tensor, mb: Batch, *, agg, metrics):
+        return loss
+
 
 OldLogProbs = Literal["recompute", "update", "rollout"]
 """Where the update's old log-probs come from: a forward after generation (``actor.old_log_prob``), the update's own
@@ -52,8 +74,10 @@ def compute_logprobs(
     max_tokens: int | None = None,
     mesh: DeviceMesh | None = None,
     moe: MoEActor | NoMoE = NoMoE(),
+    extras: tuple[str, ...] = (),
 ):
-    """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch.
+    """Per-token log-probs (and entropy) of ``responses_BR`` under ``module``, micro-batch by micro-batch; with
+    ``extras`` (per-token outputs of the log-prob kernel, ``rlspmd.models.logprobs``) also one ``(B, R)`` tensor each.
 
     ``max_tokens`` forms micro-batches by token budget instead (``split_micro_batches``; collective over ``mesh``).
     ``moe`` (a MoE actor's ``MoEActor``): replay its routing, and also return the routing the forwards used and the
@@ -71,7 +95,10 @@ def compute_logprobs(
             with_entropy=with_entropy,
             **vision_inputs(mb),
             **moe.replay(mb, update=False),
+            **({"extras": extras} if extras else {}),  # an engine without vocabulary outputs is called as before
         )
+        if extras:
+            out = (out[0], out[1], *(out[2][k] for k in extras))
         if not moe.routing:
             return out
         used, own = module.moe.routed_BL()
@@ -80,8 +107,8 @@ def compute_logprobs(
     out = forward_micro_batches(batch, forward, micro_batch_size=micro_batch_size, max_tokens=max_tokens, mesh=mesh)
     if not moe.routing:
         return out
-    lp, ent, used, own = out
-    return lp, ent, used.to(torch.int16), own.to(torch.int16)
+    *outs, used, own = out
+    return (*outs, used.to(torch.int16), own.to(torch.int16))
 
 
 def logprob_gap(batch: Batch, old_logprobs_BR: torch.Tensor, metrics: MetricBuffer) -> None:
@@ -108,7 +135,8 @@ def policy_gradient_inputs(
     given, no weights.
 
     * ``recompute``: the step's correction stage ran once against the recomputed old log-probs: its weights
-      (``rollout_is_weights_BR``) and its mask (already in ``mb``, and so in the loss denominators) are used as they are.
+      (``rollout_is_weights_BR``) and its mask (already in ``mb``, and so in the loss denominators) are used as they
+      are.
     * ``update``: pi_train is the update's own forward (the step's single update runs the behaviour policy): the
       correction is computed here against ``logp_BR``, its metrics recorded, and its weights and mask returned; the
       denominators stay those of the uncorrected mask (as TRL and verl do when they correct inside the loss).
@@ -144,16 +172,23 @@ class Policy:
         old_logprobs: OldLogProbs = "recompute",
         seed: int = 0,
         moe: MoEActor | NoMoE = NoMoE(),
+        sum_pi_squared: bool = False,
+        loss_term: LossTerm | None = None,
     ):
         """``old_logprobs``: where the old log-probs come from (the builder decided: ``update`` and ``rollout`` need one
         update per step). ``correction``: the resolved rollout correction (the trainer always has one; None trains on
         batches as given, for tools and tests). ``seed``: Clip-Cov's token draws (offset per DP rank). ``moe``: a MoE
-        model's replay, load-balancing loss and routing metrics (``roles/moe.py``)."""
+        model's replay, load-balancing loss and routing metrics (``roles/moe.py``). ``sum_pi_squared``: the
+        old-log-prob forward also gives ``sum_pi_squared_BR`` (the estimator reads it: OTB). ``loss_term``: a further
+        term of the loss with inputs of its own to the forward (a teacher's GKD term)."""
         assert plan.single_update or old_logprobs == "recompute", f"old_logprobs={old_logprobs!r} needs a single update"
+        assert not sum_pi_squared or old_logprobs == "recompute", "sum_pi_squared comes from the old-log-prob forward"
         self.cfg, self.engine, self.plan = cfg, engine, plan
         self.temperature = temperature
         self.old_logprobs, self.correction = old_logprobs, correction
         self.moe = moe
+        self.old_extras = (SUM_P2,) if sum_pi_squared else ()
+        self.loss_term = loss_term or NoLossTerm()
         # Clip-Cov draws its tokens with a generator of its own, seeded per DP rank
         self.loss_fn = cfg.policy_loss.build(
             generator=torch.Generator().manual_seed(seed + engine.mesh.get_local_rank())
@@ -163,10 +198,12 @@ class Policy:
         """``(B, R)`` log-probs of the sampled tokens under the current policy (no grad)."""
         return self._log_prob(batch)[0]
 
-    def _log_prob(self, batch: Batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Log-probs, and a MoE model's routing (used, own; empty for a dense model), replayed as
-        ``actor.moe.router_replay`` says."""
-        lp, _, *routed = compute_logprobs(
+    def _log_prob(
+        self, batch: Batch, extras: tuple[str, ...] = ()
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Log-probs, the kernel's ``extras`` (one ``(B, R)`` tensor each), and a MoE model's routing (used, own; empty
+        for a dense model), replayed as ``actor.moe.router_replay`` says."""
+        lp, _, *rest = compute_logprobs(
             self.engine.module,
             batch,
             micro_batch_size=self.cfg.logprob_micro_batch_size,
@@ -174,19 +211,21 @@ class Policy:
             max_tokens=self.cfg.logprob_max_tokens_per_micro_batch,
             mesh=self.engine.mesh,
             moe=self.moe,
+            extras=extras,
         )
-        return lp, routed
+        return lp, rest[: len(extras)], rest[len(extras) :]
 
     def old_log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         if self.old_logprobs == "update":  # the update's forward provides them
             return batch
         if self.old_logprobs == "rollout":  # bypass: no forward at all
             return batch.set(old_logprobs_BR=batch["rollout_logprobs_BR"])
-        old, routed = self._log_prob(batch)
+        old, more, routed = self._log_prob(batch, self.old_extras)
         batch = self.moe.routed(batch, routed, metrics)
         self.moe.flush(metrics)
         logprob_gap(batch, old, metrics)
-        return batch.set(old_logprobs_BR=old)
+        batch = batch.set(old_logprobs_BR=old)
+        return batch.set(sum_pi_squared_BR=more[0]) if more else batch
 
     def update(self, batch: Batch, metrics: MetricBuffer) -> Batch:
         steps = ppo_updates(self.engine, batch, lambda module, mb, agg: self._loss(module, mb, agg, metrics), self.plan)
@@ -197,7 +236,7 @@ class Policy:
     def _loss(self, module, mb: Batch, agg: AggArgs, metrics: MetricBuffer) -> torch.Tensor:
         cfg = self.cfg
         R = mb["responses_BR"].shape[1]
-        logp, entropy = module(
+        logp, entropy, *outputs = module(
             mb["input_ids_BL"],
             mb["attention_mask_BL"],
             mb["position_ids_BL"],
@@ -205,6 +244,7 @@ class Policy:
             temperature=self.temperature,
             **vision_inputs(mb),
             **self.moe.replay(mb, update=True),
+            **self.loss_term.inputs(mb),
         )
         mask = mb["loss_mask_BR"].float()  # the model's own tokens: tool results and template glue do not count
         n_tok = mask.sum()
@@ -227,6 +267,7 @@ class Policy:
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy_bonus(entropy, mask, agg=agg)
         loss = loss + self.moe.loss_term(module, mb, agg, metrics)
+        loss = self.loss_term.add(loss, outputs[0] if outputs else {}, logp, mb, agg=agg, metrics=metrics)
         metrics.mean("actor/entropy", (entropy.detach() * mask).sum(), n_tok)
         metrics.mean("actor/pg_loss", pg_loss.detach(), 0.0)
         for k, v in pg_stats.items():

@@ -229,6 +229,7 @@ class NativeEngine:
         self.device = device
 
     def generate(self, prompts: Batch, params: SamplingParams, *, generator: torch.Generator | None) -> Batch:
+        prompts = prompts.to(self.device)  # the engine's device, as FSDP2 moves a module's inputs
         batch = prompts.repeat(params.n) if params.n > 1 else prompts
         outs, routed = [], []
         with self.weights.model() as hf_model:

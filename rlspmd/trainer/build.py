@@ -1,7 +1,8 @@
 """The builder: the one place that turns a ``Config`` into what each rank runs.
 
 * **Which roles exist** follows from one rule, ``RolePlan.of(config)``: a critic for estimators that read values, a
-  reference when a KL term needs it, a reward model when one is configured, a greedy baseline for ReMax.
+  reference when a KL term needs it, a teacher when ``teacher.model_path`` names one, a reward model when one is
+  configured, a greedy baseline for ReMax.
 * **Where they run**: the reference, critic and reward model live on the actor's ranks; the rollout shares them
   (colocated) or has ranks of its own (split). The config (placement, sizes, files) was checked before this runs
   (``rlspmd/validate/``, on every rank, before anything loads).
@@ -39,6 +40,7 @@ from rlspmd.roles.policy import NoPolicy, NoReference
 from rlspmd.roles.reward import NoReward, Reward, component_columns, component_manager
 from rlspmd.roles.rollout import RolloutServer
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, RolloutCorrectionStage
+from rlspmd.roles.teacher import NoTeacher, TeacherAdvantage, TeacherLossTerm
 from rlspmd.stages import StagePoints
 from rlspmd.trainer.advantage import AdvantageStage, build_token_rewards
 from rlspmd.trainer.build_models import (
@@ -47,6 +49,7 @@ from rlspmd.trainer.build_models import (
     build_policy,
     build_reference,
     build_reward_model,
+    build_teacher,
     critic_plan,
     old_logprob_source,
     records_routing,
@@ -69,6 +72,7 @@ class RolePlan:
 
     critic: bool
     reference: bool
+    teacher: bool
     reward_model: bool
     greedy_baseline: bool
 
@@ -78,6 +82,7 @@ class RolePlan:
         return cls(
             critic=alg.adv_estimator.uses_critic,
             reference=cfg.actor.use_kl_loss or alg.use_kl_in_reward,
+            teacher=cfg.teacher.enabled,
             reward_model=cfg.reward.model.path is not None,
             greedy_baseline=alg.adv_estimator.uses_greedy_baseline,
         )
@@ -209,10 +214,26 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             **seq,
         )
         critic_rows = c_plan.local_mini_batch
-    a = cfg.actor
+    a, estimator, signal = cfg.actor, cfg.algorithm.adv_estimator, cfg.teacher.signal
     a_plan = actor_plan(a, total_steps=max(1, trainer.total_steps - critic.warmup_steps), **plans)
     old_logprobs = old_logprob_source(
-        a, single_update=a_plan.single_update, correction=correction, use_kl_in_reward=cfg.algorithm.use_kl_in_reward
+        a,
+        single_update=a_plan.single_update,
+        correction=correction,
+        use_kl_in_reward=cfg.algorithm.use_kl_in_reward,
+        read_before_update=estimator.uses_old_logprobs or (plan.teacher and signal.at == "advantage"),
+    )
+    teacher = (
+        build_teacher(
+            cfg.teacher,
+            actor=a,
+            mesh=mesh,
+            device=rt.device,
+            temperature=cfg.rollout.temperature,
+            train_mesh=train_mesh,
+        )
+        if plan.teacher
+        else NoTeacher()
     )
     expert_mesh = meshes.expert_mesh("actor")
     actor = build_policy(
@@ -228,6 +249,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         expert_mesh=expert_mesh,
         **seq,
         rollout_routing=records_routing(cfg.rollout),
+        sum_pi_squared=estimator.uses_sum_pi_squared,
+        loss_term=TeacherLossTerm(signal.build(), teacher=teacher) if plan.teacher and signal.at == "loss" else None,
     )
     ref: ReferenceRole = (
         build_reference(
@@ -292,7 +315,11 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         mesh=mesh,
         rank=rt.rank,
         is_main=rt.is_main,
-        meta={"total_steps": trainer.total_steps, "models": {"actor": m.path}, "config": to_dict(cfg)},
+        meta={
+            "total_steps": trainer.total_steps,
+            "models": {"actor": m.path, **({"teacher": cfg.teacher.model_path} if plan.teacher else {})},
+            "config": to_dict(cfg),
+        },
         write_files=partial(
             write_model_files,
             model_path=m.path,
@@ -328,10 +355,12 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         baseline=baseline,
         sampling=sampling,
         ref=ref,
+        teacher=teacher,
         actor=actor,
         critic=critic,
         token_rewards=token_rewards,
         advantage=AdvantageStage(cfg.algorithm.adv_estimator, mesh=mesh),
+        distill=TeacherAdvantage(signal.build()) if plan.teacher and signal.at == "advantage" else Skip(),
         correction=RolloutCorrectionStage(correction) if old_logprobs == "recompute" else Skip(),
         balance=balance,
         report=StepReport(
@@ -387,10 +416,12 @@ def _rollout_only_roles(
         baseline=FollowGreedy(rollout=rollout) if plan.greedy_baseline else NoBaseline(),
         sampling=sampling,
         ref=NoReference(),
+        teacher=NoTeacher(),
         actor=NoPolicy(),
         critic=NoCritic(),
         token_rewards=Skip(),
         advantage=Skip(),
+        distill=Skip(),
         correction=Skip(),
         balance=Skip(),
         report=NoReport(),

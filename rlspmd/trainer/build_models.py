@@ -1,6 +1,6 @@
-"""The builder's roles on a training engine: the actor (``Policy``), the reference, the critic and the reward model,
-each a model built by its role's engine component (``actor.engine.build(...)``, ``critic.engine.build(...)``), and
-the update plans of the trained roles."""
+"""The builder's roles on a training engine: the actor (``Policy``), the reference, the teacher, the critic and the
+reward model, each a model built by its role's engine component (``actor.engine.build(...)``,
+``critic.engine.build(...)``), and the update plans of the trained roles."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 
+from rlspmd.algorithms.distill import TeacherConfig
 from rlspmd.config import ActorConfig, Config, CriticConfig, ModelConfig, RefConfig, RolloutConfig, TrainedRoleConfig
 from rlspmd.engines.fsdp import LoraEngine
 from rlspmd.models.loader import load_tokenizer
@@ -17,9 +18,10 @@ from rlspmd.roles.base import UpdatePlan, update_plan
 from rlspmd.models.moe import is_moe
 from rlspmd.roles.critic import Critic
 from rlspmd.roles.moe import MoEActor, NoMoE
-from rlspmd.roles.policy import OldLogProbs, Policy, Reference, resolve_ref_offload
+from rlspmd.roles.policy import LossTerm, OldLogProbs, Policy, Reference, resolve_ref_offload
 from rlspmd.roles.reward_model import RewardModel
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection
+from rlspmd.roles.teacher import Teacher, resolve_teacher_offload
 
 
 def role_plan(
@@ -67,6 +69,8 @@ def build_policy(
     sequence_mesh=None,
     sequence_mode: str = "auto",
     rollout_routing: bool = False,
+    sum_pi_squared: bool = False,
+    loss_term: LossTerm | None = None,
 ) -> Policy:
     """``rollout_routing``: the rollout engine records the experts of a MoE model's tokens (``roles/moe.py``).
     ``sequence_mesh``, ``sequence_mode``: ``mesh.actor_sp`` > 1 (``RoleMeshes.sequence_mesh``,
@@ -112,6 +116,8 @@ def build_policy(
         old_logprobs=old_logprobs,
         seed=seed,
         moe=moe,
+        sum_pi_squared=sum_pi_squared,
+        loss_term=loss_term,
     )
 
 
@@ -154,6 +160,26 @@ def build_reference(
     )
     offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.engine.params_on_host())
     return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
+
+
+def build_teacher(
+    cfg: TeacherConfig, *, actor: ActorConfig, mesh, device: torch.device, temperature: float, train_mesh=None
+) -> Teacher:
+    """The teacher, loaded like the reference (sharded, on the meta device, by the actor's engine and on its layout),
+    frozen, from ``teacher.model_path``; the actor's ``model`` section sets how (dtype, attention, packing)."""
+    engine = actor.engine.build(
+        "policy",
+        cfg.model_path,
+        model=actor.model,
+        mesh=mesh,
+        device=device,
+        optim=None,
+        field_name="teacher.model_path",
+        section="actor",
+        train_mesh=train_mesh,
+    )
+    offload = resolve_teacher_offload(cfg, device=device, cpu_offload=actor.engine.params_on_host())
+    return Teacher(cfg, engine=engine, temperature=temperature, offload=offload, argmax=actor.engine.vocab_outputs)
 
 
 def build_critic(
@@ -208,15 +234,26 @@ def build_reward_model(cfg: Config, *, tokenizer, mesh, device: torch.device) ->
 
 
 def old_logprob_source(
-    cfg: ActorConfig, *, single_update: bool, correction: ResolvedRolloutCorrection, use_kl_in_reward: bool
+    cfg: ActorConfig,
+    *,
+    single_update: bool,
+    correction: ResolvedRolloutCorrection,
+    use_kl_in_reward: bool,
+    read_before_update: bool = False,
 ) -> OldLogProbs:
     """Bypass mode: the rollout's log-probs. One update per step and no consumer of old log-probs before it (KL in the
-    reward reads them; MoE router replay R2 replays its routing): the update's own forward. Otherwise a forward of
-    their own."""
+    reward reads them; ``read_before_update``: the estimator, or a teacher's signal on the advantage; MoE router replay
+    R2 replays its routing): the update's own forward. Otherwise a forward of their own."""
     if correction.bypass:
         return "rollout"
     # R2 replays the routing of the old-log-prob pass: it needs that pass
-    if cfg.reuse_update_logprobs and single_update and not use_kl_in_reward and cfg.moe.router_replay != "R2":
+    if (
+        cfg.reuse_update_logprobs
+        and single_update
+        and not use_kl_in_reward
+        and not read_before_update
+        and cfg.moe.router_replay != "R2"
+    ):
         return "update"
     return "recompute"
 

@@ -7,10 +7,12 @@
       -> baseline              ReMax's greedy response, scored (no-op for other estimators)
          (dynamic sampling repeats the lines above until enough groups carry signal)
       -> ref.log_prob          frozen reference (no-op without a KL term)
+      -> teacher.log_prob      frozen teacher of on-policy distillation (no-op without one)
       -> actor.old_log_prob    old log-probs of the behaviour policy (or from the update's own forward)
       -> critic.values         PPO only (no-op otherwise)
       -> token rewards         score on the last token, minus the KL penalty when it is in the reward
       -> advantages            pure functions in rlspmd.algorithms
+      -> distill               the teacher's reverse KL on the advantage (no-op otherwise; GKD is a loss term)
       -> rollout correction    importance weights / rejection for pi_rollout != pi_train (roles/rollout_correction.py)
       -> balance               move samples between DP ranks to even out tokens (within each mini-batch)
       -> critic.update, actor.update   (the actor waits for critic.warmup_steps)
@@ -87,6 +89,8 @@ class RLTrainer:
             batch = r.stages("scored", batch, m)  # the user's own stages (trainer.stages): none by default
             with t("ref"):
                 batch = r.ref.log_prob(batch, m)
+            with t("teacher"):
+                batch = r.teacher.log_prob(batch, m)
             with t("old_log_prob"):
                 batch = r.actor.old_log_prob(batch, m)
             with t("values"):
@@ -94,6 +98,7 @@ class RLTrainer:
             with t("adv"):
                 batch = r.token_rewards(batch, m)
                 batch = r.advantage(batch, m)
+                batch = r.distill(batch, m)
                 batch = r.stages("advantaged", batch, m)
                 # Rollout correction with recomputed old log-probs: weights and rejected tokens for the updates (after
                 # the advantages, whose group statistics see every sample). Otherwise the loss computes it.

@@ -11,6 +11,7 @@ from rlspmd.roles.base import CriticRole, PolicyRole, ReferenceRole, Stage
 from rlspmd.roles.reward import NoReward, Reward
 from rlspmd.roles.rollout import RolloutRole
 from rlspmd.roles.rollout_correction import ResolvedRolloutCorrection, RolloutCorrectionStage
+from rlspmd.roles.teacher import NoTeacher, Teacher, TeacherAdvantage
 from rlspmd.stages import StagePoints
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import NoReport, StepReport
@@ -32,10 +33,14 @@ class Roles:
     baseline: GreedyBaseline | FollowGreedy | NoBaseline
     sampling: SingleRound | DynamicSampling | FollowRounds
     ref: ReferenceRole
+    teacher: Teacher | NoTeacher
+    """The frozen teacher of on-policy distillation: its log-probs of the sampled tokens (``teacher.model_path``)."""
     actor: PolicyRole
     critic: CriticRole
     token_rewards: Stage
     advantage: Stage
+    distill: TeacherAdvantage | Stage
+    """The teacher's signal on the advantage (``teacher.signal:reverse_kl``); GKD's term is in the actor's loss."""
     correction: RolloutCorrectionStage | Stage
     """Rollout correction of the step's batch when the old log-probs were recomputed (else the loss applies it)."""
     balance: Stage

@@ -45,6 +45,7 @@ from rlspmd.validate.sections import (
     check_reward,
     check_rollout,
     check_staleness,
+    check_teacher,
     component_problems,
 )
 from rlspmd.validate.files import check_function_spec, model_context
@@ -115,7 +116,14 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
     for name, value, why in moe_problems(cfg, check_files=check_files):  # actor.moe, mesh.actor_ep
         p.add(name, value, why)
     check_algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
-    check_reward(p, cfg.reward, max_response_length=r.max_response_length, agent=r.agent.enabled)
+    check_reward(
+        p,
+        cfg.reward,
+        max_response_length=r.max_response_length,
+        agent=r.agent.enabled,
+        needed=cfg.algorithm.adv_estimator.uses_reward,
+    )
+    check_teacher(p, cfg, split=split)
     check_gdpo(p, cfg.algorithm, cfg.reward, agent=r.agent.enabled)
     check_dist(p, cfg.dist)
     t = cfg.trainer

@@ -30,6 +30,8 @@ def check_files_exist(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         check_model_files(p, "reward.model", rw.model.path, tokenizer=rw.model.tokenizer_path or rw.model.path)
     check_data_files(p, "data.train_files", cfg.data.train_files)
     check_data_files(p, "data.val_files", cfg.data.val_files)
+    if cfg.teacher.enabled:
+        check_teacher_files(p, cfg)
     for problem in vision_problems(cfg, with_critic=with_critic):
         p.add(*problem)
     if rw.function is not None:
@@ -83,7 +85,11 @@ def check_context(p: Problems, cfg: Config, *, with_critic: bool) -> None:
         if r.agent.enabled
         else "the generated tokens"
     )
-    models = [("actor.model.path", cfg.actor.model.path), ("ref.model_path", cfg.ref.model_path)]
+    models = [
+        ("actor.model.path", cfg.actor.model.path),
+        ("ref.model_path", cfg.ref.model_path),
+        ("teacher.model_path", cfg.teacher.model_path),
+    ]
     if with_critic:
         models.append(("critic.model_path", cfg.critic.model_path))
     for field, path in models:
@@ -191,3 +197,41 @@ def _top_level_names(body: list[ast.stmt]) -> set[str]:
             for handler in node.handlers:
                 names |= _top_level_names(handler.body)
     return names
+
+
+def check_teacher_files(p: Problems, cfg: Config) -> None:
+    """The teacher's directory, its tokenizer against the student's (the same token ids, before any weights load) and,
+    for a signal over the whole vocabulary, the same vocabulary size."""
+    from rlspmd.models.loader import check_same_tokenizer
+
+    path, a = cfg.teacher.model_path, cfg.actor.model
+    check_model_files(p, "teacher.model_path", path, tokenizer=None)
+    if not Path(path).expanduser().is_dir():
+        return  # reported once, above
+    student_field = "actor.model.tokenizer_path" if a.tokenizer_path else "actor.model.path"
+    p.file_check(
+        check_same_tokenizer,
+        path,
+        field_name="teacher.model_path",
+        student=a.tokenizer_path or a.path,
+        student_field=student_field,
+    )
+    if cfg.teacher.signal.full_vocab:
+        sizes = {f: _vocab_size(q) for f, q in (("teacher.model_path", path), ("actor.model.path", a.path))}
+        if None not in sizes.values() and len(set(sizes.values())) > 1:
+            p.add(
+                "teacher.model_path",
+                path,
+                f"has vocab_size={sizes['teacher.model_path']} in its config.json, the student "
+                f"{sizes['actor.model.path']}: teacher.signal:{cfg.teacher.signal.name} compares the whole "
+                "distributions, which needs the same number of logits",
+            )
+
+
+def _vocab_size(path: str) -> int | None:
+    try:
+        c = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 
+from rlspmd.algorithms.distill import TeacherConfig
 from rlspmd.config import (
     ActorConfig,
     AgentConfig,
@@ -64,6 +65,8 @@ def ignored_settings(cfg: Config) -> list[str]:
         )
     if not ag.enabled and cfg.reward.agent_weight != RewardConfig.agent_weight:
         out.append("reward.agent_weight is set but rollout.agent is off")
+    if not cfg.teacher.enabled and cfg.teacher != TeacherConfig():
+        out.append("teacher.* is set but teacher.model_path is None")
     return out
 
 

@@ -157,6 +157,20 @@ def check_actor_sp(p: Problems, cfg: Config, *, with_critic: bool, check_files: 
             "splits packed sequences run by rlspmd's attention (actor.model.packing=True, "
             f"attn_implementation='sdpa'); got {why}",
         )
+    if cfg.teacher.enabled:
+        p.add(
+            "teacher.model_path",
+            cfg.teacher.model_path,
+            f"a teacher role does not run with mesh.actor_sp={sp} yet: its signals need the vocabulary outputs "
+            "(argmax, vocab_logprobs, GKD's JSD) that the split policy forward does not compute; use mesh.actor_sp=1",
+        )
+    if cfg.algorithm.adv_estimator.uses_sum_pi_squared:
+        p.add(
+            "algorithm.adv_estimator",
+            cfg.algorithm.adv_estimator.name,
+            f"needs the sum of squared probabilities over the vocabulary, which the policy forward does not compute "
+            f"with mesh.actor_sp={sp} yet; use mesh.actor_sp=1",
+        )
     if not check_files:
         return
     models = [("actor.model.path", m.path), ("ref.model_path", cfg.ref.model_path)]
@@ -243,9 +257,10 @@ def component_problems(p: Problems, field: str, component) -> None:
         p.add(f"{field}.{name}", value, f"{why} ({component.name})")
 
 
-def check_reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool) -> None:
-    # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions)
-    if rw.model.path is None and rw.rule_weight == 0 and not agent:
+def check_reward(p: Problems, rw: RewardConfig, *, max_response_length: int, agent: bool, needed: bool = True) -> None:
+    # multi-turn rollouts (rollout.agent) bring their own reward (tool deltas, final tool states, interactions); an
+    # estimator that reads no reward (pure distillation) needs none
+    if needed and rw.model.path is None and rw.rule_weight == 0 and not agent:
         p.add(
             "reward.rule_weight",
             rw.rule_weight,
@@ -459,3 +474,38 @@ def check_loggers(p: Problems, name: str, loggers: list[str], cfg: TrackerConfig
         p.add(name, loggers, f"{tracker} is not installed here: {pip}")
     for field, value, why in cfg.problems():
         p.add(f"{tracking}.{field}", value, why)
+
+
+def check_teacher(p: Problems, cfg: Config, *, split: bool) -> None:
+    """The teacher section and what it, and the estimator, need from the rest of the run
+    (``rlspmd/algorithms/distill.py``; its files with the others in ``files.py``)."""
+    from rlspmd.algorithms.distill import teacher_run_problems
+
+    t, est, engine = cfg.teacher, cfg.algorithm.adv_estimator, cfg.actor.engine
+    if t.enabled:
+        for name, value, why in t.problems():
+            p.add(f"teacher.{name}", value, why)
+        component_problems(p, "teacher.signal", t.signal)
+    for name, value, why in teacher_run_problems(
+        t,
+        uses_reward=est.uses_reward,
+        estimator=est.name,
+        vocab_outputs=engine.vocab_outputs,
+        engine=engine.name,
+        actor_tp=cfg.mesh.actor_tp,
+        filter_groups=cfg.algorithm.filter_groups.enable,
+    ):
+        p.add(name, value, why)
+    if est.uses_sum_pi_squared and not engine.vocab_outputs:
+        p.add(
+            "algorithm.adv_estimator",
+            est.name,
+            f"needs the sum of squared probabilities over the vocabulary, which actor.engine:{engine.name} does not "
+            "compute; use fsdp",
+        )
+    if est.uses_sum_pi_squared and cfg.algorithm.rollout_correction.bypass:
+        p.add(
+            "algorithm.rollout_correction.bypass",
+            True,
+            f"skips the old-log-prob forward, where {est.name} gets the sum of squared probabilities",
+        )

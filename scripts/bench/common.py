@@ -195,6 +195,21 @@ def dense_bf16_peak_tflops(device_name: str) -> float | None:
     return next((tflops for key, tflops in DENSE_BF16_TFLOPS if key in device_name), None)
 
 
+def top_kernels(prof, n: int = 12) -> list[dict]:
+    """The ``n`` CUDA kernels (or copies) with the most device time in a ``torch.profiler.profile``: name (cut to 80
+    characters), total milliseconds and calls: where a stage's GPU time goes."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            t = totals.setdefault(e.name[:80], [0.0, 0])
+            t[0] += (e.time_range.end - e.time_range.start) / 1e3
+            t[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"kernel": k, "ms": round(ms, 3), "calls": c} for k, (ms, c) in ranked]
+
+
 def kernel_busy_seconds(prof) -> float:
     """Seconds during which at least one CUDA kernel (or copy) ran, from a ``torch.profiler.profile``: the union of
     the device events' intervals, so overlapping streams are not counted twice."""

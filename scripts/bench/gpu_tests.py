@@ -1,5 +1,5 @@
 """The ``gpu``-marked tests of the CUDA paths (packed-attention kernels, CUDA-graph decoding, stage timing, MoE grouped
-GEMM), as one JSON line, so that the GPU suite checks correctness in the same run that measures speed.
+GEMM, the distillation kernels, megatron at TP=PP=1 against FSDP, vLLM on CUDA where installed), as one JSON line, so that the GPU suite checks correctness in the same run that measures speed.
 
     python scripts/bench/gpu_tests.py          # pytest -m gpu on the files below; where pytest is absent, says so
 
@@ -13,7 +13,16 @@ import sys
 
 from common import ROOT, emit
 
-FILES = ["tests/test_packing.py", "tests/test_native_engine.py", "tests/test_timing.py", "tests/test_moe.py"]
+FILES = [
+    "tests/test_packing.py",
+    "tests/test_native_engine.py",
+    "tests/test_timing.py",
+    "tests/test_moe.py",
+    "tests/test_distill_algorithms.py",
+    "tests/test_vision.py",
+    "tests/test_megatron_engine.py",
+    "tests/test_vllm_gpu.py",
+]
 
 
 def main() -> None:
@@ -35,7 +44,7 @@ def main() -> None:
 
     outcomes = Outcomes()
     rc = pytest.main(
-        ["-m", "gpu", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *[str(ROOT / f) for f in FILES]],
+        ["-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *[str(ROOT / f) for f in FILES]],
         plugins=[outcomes],
     )
     emit(

@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, dense_bf16_peak_tflops, emit, kernel_busy_seconds
+from common import ROOT, dense_bf16_peak_tflops, emit, kernel_busy_seconds, top_kernels
 
 
 def main(argv=None):
@@ -102,7 +102,11 @@ def main(argv=None):
                     out = fn(*args, **kwargs)
                     device_synchronize(rt.device)
                     wall = time.perf_counter() - t0
-                profiled[name] = {"wall_s": wall, "kernel_s": kernel_busy_seconds(prof)}
+                profiled[name] = {
+                    "wall_s": wall,
+                    "kernel_s": kernel_busy_seconds(prof),
+                    "top_kernels": top_kernels(prof),
+                }
                 return out
 
         return run
@@ -176,6 +180,7 @@ def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None,
             "profiled_wall_s": v["wall_s"],
             "busy": v["kernel_s"] / v["wall_s"] if cuda else None,
             "busy_vs_unprofiled": min(1.0, v["kernel_s"] / median[k]) if cuda and median.get(k) else None,
+            "top_kernels": v["top_kernels"] if cuda else None,
         }
         for k, v in profiled.items()
     } or None

@@ -42,6 +42,7 @@ def global_batch() -> Batch:
         "uid_B": torch.arange(G).repeat_interleave(N),
         "old_logprobs_BR": -torch.rand(B, R, generator=g) * mask,
         "ref_logprobs_BR": -torch.rand(B, R, generator=g) * mask,
+        "sum_pi_squared_BR": torch.rand(B, R, generator=g) * mask,  # the optimal token baseline's
         "values_BR": torch.randn(B, R, generator=g) * mask,
         "baseline_scores_B": torch.rand(B, generator=g),
         "reward_components_BK": torch.stack([scores, torch.randint(0, 3, (B,), generator=g).float()], -1),  # gdpo

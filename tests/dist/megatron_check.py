@@ -91,7 +91,7 @@ def compare_engines(model_dir: str, mesh, rt, engines: dict) -> dict:
     """Forward outputs, then one update, of each engine on this rank's share of the batch."""
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     n = B // rt.world_size
-    local = global_batch(vocab, seed=1).slice(rt.rank * n, (rt.rank + 1) * n)
+    local = global_batch(vocab, seed=1).to(rt.device).slice(rt.rank * n, (rt.rank + 1) * n)
     out = {}
     for name, build in engines.items():
         engine = build()
@@ -111,7 +111,7 @@ def single(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
         })
     first = model_dirs[0]
     vocab = json.loads((Path(first) / "config.json").read_text())["vocab_size"]
-    batch = global_batch(vocab, seed=1)
+    batch = global_batch(vocab, seed=1).to(rt.device)
     # The critic: values of the same seeded head on the same backbone.
     ref = load_value_model(first, dtype="float32", attn_implementation="sdpa", seed=7, field_name="m", packing=True)
     ref = FSDPEngine(ref, ref.hf, mesh=mesh, device=rt.device, fsdp=FP32, optim=None)
@@ -120,7 +120,7 @@ def single(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
     with torch.no_grad():
         results["values"] = {"fsdp": ref.module(*args, response_len=R), "megatron": critic.module(*args, response_len=R)}
     # Exact resume: 3 updates straight vs 2 + save + load into a fresh engine + 1.
-    batches = [global_batch(vocab, seed=s) for s in (11, 12, 13)]
+    batches = [global_batch(vocab, seed=s).to(rt.device) for s in (11, 12, 13)]
     straight = megatron_policy(first, mesh, rt)
     for b in batches:
         update(straight, b, mesh)
@@ -155,7 +155,7 @@ def parallel(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
     # The TP engine after one update: its weight stream, its full state dict, and a checkpoint to reshard.
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     engine = megatron_policy(model_dir, mesh, rt, tp=2)
-    update(engine, global_batch(vocab, seed=1).slice(rt.rank * B // 2, (rt.rank + 1) * B // 2), mesh)
+    update(engine, global_batch(vocab, seed=1).to(rt.device).slice(rt.rank * B // 2, (rt.rank + 1) * B // 2), mesh)
     stream = engine.weight_stream(dtype=torch.bfloat16)
     results["stream"] = {"tensors": [(name, t.clone()) for name, t in stream], "gathered_bytes": stream.last.gathered_bytes,
                          "manifest": stream.manifest.names()}
@@ -181,7 +181,7 @@ def pipeline_run(out_dir: Path, model_dirs: list[str], mesh, rt, *, pp: int, tp:
     first = model_dirs[0]
     vocab = json.loads((Path(first) / "config.json").read_text())["vocab_size"]
     n = B // rt.world_size
-    local = global_batch(vocab, seed=1).slice(rt.rank * n, (rt.rank + 1) * n)
+    local = global_batch(vocab, seed=1).to(rt.device).slice(rt.rank * n, (rt.rank + 1) * n)
     critic = megatron_engine("value", first, mesh, rt, cfg=MegatronConfig(tp=tp, pp=pp, param_dtype="float32"), seed=7)
     with torch.no_grad():
         results["values"] = critic.module(local["input_ids_BL"], local["attention_mask_BL"], local["position_ids_BL"],
@@ -223,7 +223,7 @@ def pipeline_tp(out_dir: Path, model_dirs: list[str], mesh, rt) -> dict:
 def main():
     mode, out_dir, model_dirs = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     rt = init_distributed(DistConfig())
-    mesh = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), "cpu", rt.rank).get("actor", DP)
+    mesh = RoleMeshes(ParallelDims.from_config(MeshConfig(), rt.world_size), rt.device.type, rt.rank).get("actor", DP)
     modes = {"single": single, "parallel": parallel, "reshard": reshard, "pipeline_ref": pipeline_ref, "pipeline": pipeline,
              "pipeline_tp": pipeline_tp}
     results = modes[mode](out_dir, model_dirs, mesh, rt)

@@ -45,7 +45,9 @@ def main():
     missing = sorted(name for name, obj in found.items() if id(obj) not in listed)
     assert not missing, f"stateful objects missing from the checkpoint state: {missing}"
     assert set(saved) == {"actor", "critic", "trainer", "rng"}, sorted(saved)
-    assert set(roles.checkpointing.components) == {"sampler", "token_rewards"}, roles.checkpointing.components
+    # the experiment trackers' run ids (rlspmd/trackers.py) are saved by rank 0
+    want = {"sampler", "token_rewards"} | ({"trackers"} if rt.is_main else set())
+    assert set(roles.checkpointing.components) == want, roles.checkpointing.components
     assert {"actor.engine", "critic.engine", "prompts.sampler", "token_rewards"} <= set(found), sorted(found)
 
     # The components round-trip: a restored sampler continues where the saved one was.

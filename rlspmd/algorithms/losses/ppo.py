@@ -1,5 +1,6 @@
-"""Token-level policy gradients: PPO's clipped surrogate (with dual clip), CISPO's clipped-weight REINFORCE and GPG's
-plain policy gradient. Shapes and conventions: ``rlspmd.algorithms.losses.common``."""
+"""Token-level policy gradients: PPO's clipped surrogate (with dual clip), CISPO's clipped-weight REINFORCE, GPG's
+plain policy gradient and DRO's policy gradient with a quadratic penalty on the log-ratio. Shapes and conventions:
+``rlspmd.algorithms.losses.common``."""
 
 from __future__ import annotations
 
@@ -193,3 +194,53 @@ class GPG(PolicyLoss):
 
     def build(self, *, generator=None):
         return gpg_loss
+
+
+def dro(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    agg: AggArgs,
+    beta: float = 0.1,
+    weights_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRO: the plain policy gradient with a quadratic penalty that keeps the update near the behaviour policy.
+
+    Direct Reward Optimization (Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language
+    Models Alignment", arXiv 2405.19107); verl's ``dro`` loss:
+        loss_t = -(logp_t A_t - 0.5 beta (logp_t - old_t)^2),
+    so d loss_t / d logp_t = -A_t + beta (logp_t - old_t): no ratio, no clip; the penalty grows with the log-ratio
+    (unclamped, as verl's). The loss VALUE includes logp and so is not comparable across losses.
+
+    Returns:
+        `(loss, metrics)`: metrics `clip_frac`, `clip_frac_upper`, `clip_frac_lower` (always 0), `log_ratio_sq` (mean
+        of (logp - old)^2, the penalty's size before beta), `approx_kl`, `ratio_mean`.
+    """
+    logprobs_BT, old_logprobs_BT, adv_BT, valid_BT = prepare(logprobs_BT, old_logprobs_BT, advantages_BT, mask_BT)
+    w_BT = prepare_weights(weights_BT, valid_BT, logprobs_BT.dtype)
+
+    square_BT = (logprobs_BT - old_logprobs_BT).square()
+    loss_BT = -(logprobs_BT * adv_BT - 0.5 * beta * square_BT)
+    ratio_BT = log_ratio(logprobs_BT, old_logprobs_BT).exp()
+    metrics = no_clip_metrics(loss_BT.device)
+    metrics["log_ratio_sq"] = masked_mean(square_BT.detach(), valid_BT)
+    metrics |= common_metrics(logprobs_BT, old_logprobs_BT, ratio_BT, valid_BT)
+    return agg(weighted(loss_BT, w_BT), mask_BT), metrics
+
+
+@dataclass
+class DRO(PolicyLoss):
+    """DRO: -(logp A - 0.5 beta (logp - old_logp)^2), the policy gradient with a quadratic pull to the behaviour policy
+    (verl: ``dro``)."""
+
+    name: ClassVar[str] = "dro"
+    beta: float = 0.1
+    """Weight of the quadratic log-ratio penalty (> 0)."""
+
+    def problems(self) -> list[Problem]:
+        return [] if self.beta > 0 else [("beta", self.beta, "must be > 0")]
+
+    def build(self, *, generator=None):
+        return partial(dro, beta=self.beta)

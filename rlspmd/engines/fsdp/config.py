@@ -40,6 +40,7 @@ class FSDPConfig(TrainingEngineConfig):
     supports_moe: ClassVar[bool] = True
     supports_mesh_sp: ClassVar[bool] = True
     lends_weights: ClassVar[bool] = True
+    vocab_outputs: ClassVar[bool] = True
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype of unsharded parameters. ``auto``: bfloat16 on CUDA, float32 on CPU."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -36,9 +36,10 @@ global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not d
 ranks or micro-batches.
 
 The optimiser (``engines/optim.py``, shared with the megatron engine) is AdamW, fused (one kernel for all parameters)
-where the parameters live on CUDA, torch's default elsewhere. On the fused path an update with a non-finite gradient norm is skipped on the device (the kernel's
-``found_inf`` input, GradScaler's protocol), so ``update`` reads nothing back to the host; ``optimizer_step`` is the
-same with its statistics returned as Python floats (one device-to-host copy per optimiser step).
+where the parameters live on CUDA, torch's default elsewhere. On the fused path an update with a non-finite gradient
+norm is skipped on the device (the kernel's ``found_inf`` input, GradScaler's protocol), so ``update`` reads nothing
+back to the host; ``optimizer_step`` is the same with its statistics returned as Python floats (one device-to-host
+copy per optimiser step).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
 
 
 def apply_tp(hf_model: nn.Module, *, tp_mesh: DeviceMesh) -> None:
-    """Shard each decoder layer's heads and MLP columns/rows over ``tp_mesh`` (``TP_PLAN``); the rest stays replicated."""
+    """Shard each decoder layer's heads and MLP columns/rows over ``tp_mesh`` (``TP_PLAN``); the rest stays
+    replicated."""
     check_tp(hf_model, tp_mesh.size())
     for layer in decoder_layers(hf_model):
         parallelize_module(layer, tp_mesh, {name: style() for name, style in TP_PLAN.items()})
@@ -146,9 +148,13 @@ class TPGroupRows:
 
     def after(self, module, args, kwargs, out):
         rows, self.rows = self.rows, None
-        if isinstance(out, tuple):
-            return tuple(keep_own_rows(o, rows, self.group) for o in out)
-        return keep_own_rows(out, rows, self.group)
+
+        def own(o):  # a policy's per-token extras come as a dict of (B, R) tensors (models/policy.py)
+            if isinstance(o, dict):
+                return {k: keep_own_rows(v, rows, self.group) for k, v in o.items()}
+            return keep_own_rows(o, rows, self.group)
+
+        return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
 
 
 def apply_sp(
