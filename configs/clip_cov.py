@@ -5,8 +5,8 @@ tokens removed, so that entropy does not collapse.
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/clip_cov.py:cpu   # CPU: the quickstart's tiny model
 
 Entropy falls when the policy raises tokens that are both likely and advantageous; the paper measures that with
-the covariance (A_t - mean A)(logp_t - mean logp) and, in each micro-batch, draws ``actor.policy_loss.clip_cov_ratio`` of the
-tokens whose covariance lies in (``clip_cov_lb``, ``clip_cov_ub``) and detaches them. The paper's
+the covariance (A_t - mean A)(logp_t - mean logp) and, in each micro-batch, draws ``actor.policy_loss.clip_cov_ratio``
+of the tokens whose covariance lies in (``clip_cov_lb``, ``clip_cov_ub``) and detaches them. The paper's
 settings (and verl's defaults): ratio 2e-4, band (1, 5), token-level loss, no KL term. KL-Cov, the other
 estimator of the paper, is ``configs/kl_cov.py``; both are GRPO's recipe (``configs/grpo.py``, whose ``MODEL`` line
 picks the model) with the loss changed. GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir

@@ -3,11 +3,12 @@
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/dapo.py       # GPU: MODEL below on GSM8K
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/dapo.py:cpu   # CPU: the quickstart's tiny model
 
-The four pieces and their fields: clip-higher ``actor.policy_loss=PPOClip(clip_ratio_high=0.28)`` above its ``clip_ratio_low``; dynamic sampling
-``algorithm.filter_groups`` (groups whose samples all score the same are dropped and more prompts are generated,
-up to ``max_rounds`` rounds of ``gen_batch_size`` prompts, until ``data.train_batch_size`` groups carry signal);
-token-level aggregation ``actor.loss_agg_mode=token-mean``; soft overlong punishment ``reward.overlong_buffer``.
-No KL term (the paper drops it). GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
+The four pieces and their fields: clip-higher ``actor.policy_loss=PPOClip(clip_ratio_high=0.28)`` above its
+``clip_ratio_low``; dynamic sampling ``algorithm.filter_groups`` (groups whose samples all score the same are dropped
+and more prompts are generated, up to ``max_rounds`` rounds of ``gen_batch_size`` prompts, until
+``data.train_batch_size`` groups carry signal); token-level aggregation ``actor.loss_agg_mode=token-mean``; soft
+overlong punishment ``reward.overlong_buffer``. No KL term (the paper drops it). GSM8K: ``python scripts/data/gsm8k.py
+--input ~/gsm8k --out-dir data/gsm8k``.
 """
 
 from pathlib import Path

@@ -9,9 +9,9 @@ the same advantage whenever the sums' group statistics match; GDPO normalises ea
 the combinations stay apart, and whitens the weighted sum so its scale does not grow with the number of rewards.
 The reward role puts the components in the batch field ``reward_components_BK`` (one column per reward: the task's
 rule score, then each function of ``reward.components``) and the advantage stage weighs them with
-``GDPO.reward_weights`` (``--algorithm.adv-estimator.reward-weights``); here two rewards, answer correctness (the task's rule score) and format (the
-response ends in a ``#### <number>`` line, ``rlspmd.rewards.rules:answer_format``), weighted 1 and 0.5. Each is
-logged: ``reward/task_score``, ``reward/component/answer_format``.
+``GDPO.reward_weights`` (``--algorithm.adv-estimator.reward-weights``); here two rewards, answer correctness (the task's
+rule score) and format (the response ends in a ``#### <number>`` line, ``rlspmd.rewards.rules:answer_format``), weighted
+1 and 0.5. Each is logged: ``reward/task_score``, ``reward/component/answer_format``.
 GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 """
 

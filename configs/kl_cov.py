@@ -4,11 +4,11 @@ largest advantage-logprob covariance, so that entropy does not collapse.
     torchrun --nproc-per-node 8 -m rlspmd.train --config configs/kl_cov.py       # GPU: MODEL below on GSM8K
     torchrun --nproc-per-node 2 -m rlspmd.train --config configs/kl_cov.py:cpu   # CPU: the quickstart's tiny model
 
-In each micro-batch the ``actor.policy_loss.kl_cov_ratio`` share of tokens with the largest covariance (A_t - mean A)(logp_t -
-mean logp) get ``kl_cov_coef * |logp - old_logp|`` added to their loss; no token is clipped. The paper's 7B
+In each micro-batch the ``actor.policy_loss.kl_cov_ratio`` share of tokens with the largest covariance (A_t - mean
+A)(logp_t - mean logp) get ``kl_cov_coef * |logp - old_logp|`` added to their loss; no token is clipped. The paper's 7B
 recipe: ratio 2e-3, coefficient 1 (32B: ratio 2e-4); token-level loss, no KL-to-reference term. Several
-mini-batches per step make the penalty act (at the first one logp = old_logp). Clip-Cov is ``configs/clip_cov.py``. Both are
-GRPO's recipe (``configs/grpo.py``, whose ``MODEL`` line picks the model) with the loss changed.
+mini-batches per step make the penalty act (at the first one logp = old_logp). Clip-Cov is ``configs/clip_cov.py``. Both
+are GRPO's recipe (``configs/grpo.py``, whose ``MODEL`` line picks the model) with the loss changed.
 GSM8K: ``python scripts/data/gsm8k.py --input ~/gsm8k --out-dir data/gsm8k``.
 """
 

@@ -39,5 +39,6 @@ config.trainer.total_steps = 200
 
 
 def cpu() -> Config:
-    """REINFORCE++ on the quickstart (``configs/grpo.py:cpu``): the tiny model's SFT warm start, arithmetic, 2 CPU ranks."""
+    """REINFORCE++ on the quickstart (``configs/grpo.py:cpu``): the tiny model's SFT warm start,
+    arithmetic, 2 CPU ranks."""
     return reinforce_pp(load_config_file(f"{GRPO}:cpu"), output_dir="outputs/reinforce_pp-cpu")

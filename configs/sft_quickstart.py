@@ -4,8 +4,8 @@
 
 The demonstrations (``scripts/data/arithmetic.py --sft-other-style 0.7``) end in one of two answer styles:
 ``#### 70`` (what the task's checker accepts, as GSM8K's does) or ``The answer is 70.`` (not accepted).
-The resulting model does the arithmetic but, decoding greedily, answers in the majority (unaccepted) style: the imperfection
-the quickstart's GRPO run has to fix from reward alone.
+The resulting model does the arithmetic but, decoding greedily, answers in the majority (unaccepted) style: the
+imperfection the quickstart's GRPO run has to fix from reward alone.
 """
 
 from rlspmd.config import ModelConfig, OptimConfig, SFTConfig, SFTDataConfig

@@ -107,7 +107,8 @@ RolloutEngine = ROLLOUT_ENGINES.choice()
 @dataclass
 class TrainedRoleConfig:
     """What the actor and the critic share: the engine they train on, how a step's batch splits into optimiser steps
-    and micro-batches (``rlspmd.trainer.build_models.role_plan`` reads exactly these), and how their loss is aggregated."""
+    and micro-batches (``rlspmd.trainer.build_models.role_plan`` reads exactly these),
+    and how their loss is aggregated."""
 
     engine: Engine = field(default_factory=FSDPConfig)
     """Training engine with its options: ``FSDPConfig()`` (FSDP2, every feature; the default) or

@@ -33,8 +33,8 @@ class StepStage(Component):
     at: ClassVar[StagePoint]
 
     def build(self, *, mesh, tokenizer) -> StageFn:
-        """The stage: ``mesh`` is the actor's DP mesh (``None`` on one rank is never passed: a mesh of one), ``tokenizer``
-        the run's (decode responses, render prompts)."""
+        """The stage: ``mesh`` is the actor's DP mesh (``None`` on one rank is never passed: a mesh of one),
+        ``tokenizer`` the run's (decode responses, render prompts)."""
         raise NotImplementedError
 
 

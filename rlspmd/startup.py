@@ -37,7 +37,8 @@ USAGE_ERROR_GRACE_S = 10.0
 
 
 def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "rlspmd.train"):
-    """``(config, dry_run)`` from ``--config FILE``, ``--dry-run``, ``--resume`` and tyro's ``--section.field`` overrides."""
+    """``(config, dry_run)`` from ``--config FILE``, ``--dry-run``, ``--resume`` and tyro's
+    ``--section.field`` overrides."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--dry-run", action="store_true")

@@ -30,14 +30,14 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing rlspmd
 
 from rlspmd.config import LoraConfig  # noqa: E402
 from rlspmd.models.lora import is_adapter, write_peft_adapter  # noqa: E402
-from rlspmd.trainer.checkpoint import (
+from rlspmd.trainer.checkpoint import (  # noqa: E402
     MODEL_FILES,
     TOKENIZER_FILES,
     dcp_load,
     read_dcp_metadata,
     read_meta,
     resolve_checkpoint,
-)  # noqa: E402
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PREFIX = "actor.model.hf."  # DCP key of the HF model inside the actor engine's root module
@@ -101,7 +101,8 @@ def _write(model, files: Path, out: str | Path, *, dtype: str | None, adapter: d
 def _export_lora(
     ckpt: Path, out: str | Path, *, meta: dict, saved: dict, lora: LoraConfig, dtype: str | None, base_model: str | None
 ) -> Path:
-    """The base model from its directory, the checkpoint's adapters merged into it, and the adapters in peft's format."""
+    """The base model from its directory, the checkpoint's adapters merged into it,
+    and the adapters in peft's format."""
     from rlspmd.models.loader import load_causal_lm
     from rlspmd.models.lora import ADAPTER, merged_weight
 

@@ -118,7 +118,8 @@ def test_start_up_checks_name_the_tool_and_the_field(tmp_path):
         ([f"{broken}:X"], r"rollout.agent.tools\[0\]=.*broken.py:X.*broken.py failed to import: ModuleNotFoundError"),
         (
             [f"{f}:Missing"],
-            r"rollout.agent.tools\[0\]=.*my_tools.py has no class 'Missing' \(it defines \['BadSchema', 'Mismatch', 'NoCall'\]\)",
+            r"rollout.agent.tools\[0\]=.*my_tools.py has no class 'Missing' "
+            r"\(it defines \['BadSchema', 'Mismatch', 'NoCall'\]\)",
         ),
         (["calculator", f"{f}:NoCall"], r"rollout.agent.tools\[1\].*lacks \['call'\]"),
         ([f"{f}:BadSchema"], r"rollout.agent.tools\[0\].*invalid tool schema: property 'x' needs a 'type'"),
@@ -240,8 +241,8 @@ def test_audit_hook_mode_refuses_writes_outside_its_directory(tmp_path):
 
 
 def test_what_the_audit_hook_mode_gives_up(tmp_path):
-    """The list of what audit-hook-unsafe gives up (docs/agents.md), shown: the code reads the run's files, and a process
-    started by a primitive that raises no audit event writes outside. The default mode holds against both."""
+    """The list of what audit-hook-unsafe gives up (docs/agents.md), shown: the code reads the run's files, and a
+    process started by a primitive that raises no audit event writes outside. The default mode holds against both."""
     canary = tmp_path / "answers.txt"
     canary.write_text("the answer is 4242")
     target = tmp_path / "escaped.txt"

@@ -27,17 +27,19 @@ from rlspmd.metrics import MetricBuffer
 from rlspmd.validate import config_problems
 from test_agent_loop import GREEDY, ScriptedModel, call, response
 
-# verl: examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml (byte for byte, trailing space included)
+# verl: examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml (byte for byte, trailing space included,
+# written ``\x20``; the ``\`` ending the description's first half joins its two halves into verl's one line)
 VERL_TOOL_CONFIG = """\
 tools:
   - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-    config: 
+    config:\x20
       type: native
     tool_schema:
       type: "function"
       function:
         name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, \
+0.0 if parsed answer is incorrect or not correctly parsed)"
         parameters:
           type: "object"
           properties:
@@ -256,16 +258,19 @@ BAD_TOOL_CONFIGS = [
         r"tools\[0\].config.type='mcp': rlspmd runs native \(in-process\) tools only",
     ),
     (
-        "tools:\n  - class_name: verl.tools.mcp_base_tool.MCPBaseTool\n    config: {type: native}\n    mcp: {mcp_servers_config_path: x.json}\n",
+        "tools:\n  - class_name: verl.tools.mcp_base_tool.MCPBaseTool\n    config: {type: native}\n"
+        "    mcp: {mcp_servers_config_path: x.json}\n",
         r"tools\[0\]: key\(s\) \['mcp'\] are not supported.*\(MCP tools are not supported\)",
     ),
     (
         "tools:\n  - class_name: verl.tools.sandbox_fusion_tools.SandboxFusionTool\n    config: {type: native}\n",
-        r"tools\[0\].class_name='verl.tools.sandbox_fusion_tools.SandboxFusionTool': rlspmd does not import verl.*built-in `python` tool",
+        r"tools\[0\].class_name='verl.tools.sandbox_fusion_tools.SandboxFusionTool': "
+        r"rlspmd does not import verl.*built-in `python` tool",
     ),
     (
         "tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native, rate_limit: 3}\n",
-        r"tools\[0\].config: the built-in 'calc_gsm8k_reward' \(verl.tools.gsm8k_tool.Gsm8kTool\) takes no options, got \['rate_limit'\]",
+        r"tools\[0\].config: the built-in 'calc_gsm8k_reward' \(verl.tools.gsm8k_tool.Gsm8kTool\) takes no options, "
+        r"got \['rate_limit'\]",
     ),
     (
         VERL_TOOL_CONFIG.replace("answer:\n", "response:\n").replace('["answer"]', '["response"]'),
@@ -379,7 +384,8 @@ CONFIG = """
 from rlspmd.config import ActorConfig, AgentConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 
 config = Config(
-    actor=ActorConfig(model=ModelConfig(path={model!r}), mini_batch_size=2, micro_batch_size=8, logprob_micro_batch_size=8),
+    actor=ActorConfig(model=ModelConfig(path={model!r}), mini_batch_size=2, micro_batch_size=8,
+                      logprob_micro_batch_size=8),
     rollout=RolloutConfig(n=2, max_response_length=24, agent=AgentConfig(
         tool_config_path={tools!r}, interaction_config_path={interaction!r}, max_turns=2)),
     data=DataConfig(train_files={files!r}, val_files={files!r}, train_batch_size=2, val_batch_size=4, max_val_samples=4,

@@ -98,7 +98,8 @@ def test_algorithm_raises_the_reward(name, steps, warm_start, quickstart_data, t
     k = 4
     early, late = sum(train[:k]) / k, sum(train[-k:]) / k
     print(
-        f"{name}: val/acc {val[0]:.3f} -> {val[steps]:.3f}; training reward, first {k} steps {early:.3f} -> last {k} {late:.3f}"
+        f"{name}: val/acc {val[0]:.3f} -> {val[steps]:.3f}; "
+        f"training reward, first {k} steps {early:.3f} -> last {k} {late:.3f}"
     )
     assert len(train) == steps
     assert val[steps] >= val[0] + 0.1, f"{name}: validation accuracy {val[0]:.3f} -> {val[steps]:.3f}"

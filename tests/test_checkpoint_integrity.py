@@ -179,7 +179,8 @@ def test_when_every_checkpoint_is_damaged_auto_stops(world_of_one, tmp_path):
 
 
 def test_a_checkpoint_without_digests_still_loads(world_of_one, tmp_path, capsys):
-    """Written before digests were recorded: meta.json has no ``digests``; it is resumed, unchecked, and rank 0 says so."""
+    """Written before digests were recorded: meta.json has no ``digests``;
+    it is resumed, unchecked, and rank 0 says so."""
     ckpt = save(tmp_path, 2)
     meta = json.loads((ckpt / "meta.json").read_text())
     del meta["digests"]

@@ -20,7 +20,8 @@ def write(tmp_path, body: str):
 def test_file_then_overrides(tmp_path):
     p = write(
         tmp_path,
-        "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(optim=OptimConfig(lr=3e-4)), rollout=RolloutConfig(n=8))\n",
+        "from rlspmd.config import *\n"
+        "config = Config(actor=ActorConfig(optim=OptimConfig(lr=3e-4)), rollout=RolloutConfig(n=8))\n",
     )
     cfg, dry = parse_args(
         ["--config", str(p), "--actor.optim.lr", "1e-6", "--data.train-files", "a.parquet", "b.jsonl"]

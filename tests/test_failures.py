@@ -103,7 +103,8 @@ def test_bad_sizes_and_files_fail_before_anything_loads(args, extra, problems):
 def test_reward_function_that_the_file_does_not_define(args, tmp_path):
     fn = write_reward(
         tmp_path,
-        "import os\nos.system('touch ' + os.path.dirname(__file__) + '/imported')\n\ndef other(r, g):\n    return 0.0\n",
+        "import os\nos.system('touch ' + os.path.dirname(__file__) + '/imported')\n\n"
+        "def other(r, g):\n    return 0.0\n",
     )
     fails(
         [*args(), "--reward.function", fn],

@@ -76,7 +76,8 @@ def test_same_stem_in_two_directories_are_two_modules(tmp_path):
             "{f}:nope",
             "callable",
             ValueError,
-            r"reward.function='.*user_code.py:nope': .*user_code.py has no function 'nope' \(it defines \['Counter', 'State', 'score'\]\)",
+            r"reward.function='.*user_code.py:nope': .*user_code.py has no function 'nope' "
+            r"\(it defines \['Counter', 'State', 'score'\]\)",
         ),
         (
             "{f}:NOT_CALLABLE",

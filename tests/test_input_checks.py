@@ -72,7 +72,8 @@ def with_(cfg=None, **sections) -> Config:
         (
             with_(actor=ActorConfig(mini_batch_size=1), rollout=RolloutConfig(n=1)),
             [
-                "actor.mini_batch_size=1: x rollout.n=1 = 1 samples per mini-batch do not split over the actor's 2 DP ranks"
+                "actor.mini_batch_size=1: x rollout.n=1 = 1 samples per mini-batch do not split over "
+                "the actor's 2 DP ranks"
             ],
         ),
         (with_(rollout=RolloutConfig(temperature=0.0)), ["rollout.temperature=0.0: must be > 0"]),
@@ -113,7 +114,10 @@ def with_(cfg=None, **sections) -> Config:
         ),
         (
             with_(actor=ActorConfig(policy_loss="ppo")),
-            ["actor.policy_loss='ppo': must be a policy loss (PPOClip, CISPO, GPG, DRO, GSPO, SAPO, GMPO, ClipCov, KLCov, DPPOTV"],
+            [
+                "actor.policy_loss='ppo': must be a policy loss "
+                "(PPOClip, CISPO, GPG, DRO, GSPO, SAPO, GMPO, ClipCov, KLCov, DPPOTV"
+            ],
         ),
         (
             with_(actor=ActorConfig(policy_loss=PPOClip(clip_ratio_c=1.0))),
@@ -154,7 +158,8 @@ def with_(cfg=None, **sections) -> Config:
         (
             with_(rollout=RolloutConfig(agent=AgentConfig(tools=["calculator", "no_such_tool"]))),
             [
-                "rollout.agent.tools[1]='no_such_tool': neither a registered name (calc_gsm8k_reward, calculator, gsm8k_answer, python)"
+                "rollout.agent.tools[1]='no_such_tool': neither a registered name "
+                "(calc_gsm8k_reward, calculator, gsm8k_answer, python)"
             ],
         ),
         (with_(reward=RewardConfig(timeout_s=0.0)), ["reward.timeout_s=0.0: must be > 0, or None"]),
@@ -177,7 +182,8 @@ def with_(cfg=None, **sections) -> Config:
             with_(actor=ActorConfig(engine=MegatronConfig(), lora=LoraConfig(rank=4))),
             ["actor.engine='megatron': actor.lora.rank=4 needs the fsdp"],
         ),
-        # an engine is a component that checks its own options; the old string spelling is a type error naming both engines
+        # an engine is a component that checks its own options;
+        # the old string spelling is a type error naming both engines
         (
             with_(actor=ActorConfig(engine=MegatronConfig(tp=0, pp=-1))),
             ["actor.engine.tp=0: must be >= 1 (megatron)", "actor.engine.pp=-1: must be >= 1 (megatron)"],
@@ -239,7 +245,8 @@ def with_(cfg=None, **sections) -> Config:
         (
             with_(algorithm=AlgorithmConfig(adv_estimator=GDPO(reward_weights=[1.0, 0.5]))),
             [
-                "algorithm.adv_estimator.reward_weights=[1.0, 0.5]: needs one weight per reward component: 1 columns ['task_score']"
+                "algorithm.adv_estimator.reward_weights=[1.0, 0.5]: needs one weight per reward component: "
+                "1 columns ['task_score']"
             ],
         ),
         (
@@ -329,7 +336,8 @@ def test_sft_config_problems():
     ]
     tools = dataclasses.replace(SFTConfig(), data=SFTDataConfig(tools=["calculator", "nope"]))
     assert sft_config_problems(tools, world_size=2, check_files=False) == [
-        "data.tools[1]='nope': neither a registered name (calc_gsm8k_reward, calculator, gsm8k_answer, python) nor 'path/to/file.py:Class' / 'package.module:Class'"
+        "data.tools[1]='nope': neither a registered name (calc_gsm8k_reward, calculator, gsm8k_answer, python) "
+        "nor 'path/to/file.py:Class' / 'package.module:Class'"
     ]
 
 
@@ -371,8 +379,8 @@ def test_prompt_plus_response_over_the_models_context_is_a_config_error(tmp_path
     assert context_problems(400, 112) == []  # 512 fits exactly
     assert context_problems(400, 113) == [
         "data.max_prompt_length=400: + rollout.max_response_length=113 (the generated tokens) = 513 tokens exceeds the "
-        f"context of actor.model.path={str(tiny_model)!r} (max_position_embeddings=512 in its config.json); lower one of "
-        "them so their sum is <= 512"
+        f"context of actor.model.path={str(tiny_model)!r} (max_position_embeddings=512 in its config.json); "
+        "lower one of them so their sum is <= 512"
     ]
     agent = context_problems(96, 512, agent=AgentConfig(tools=["calculator"]))
     assert (

@@ -10,11 +10,11 @@ Two kinds of comparison, because bits are only reproducible on one machine:
   tests/test_loss_parity.py``. Float kernels differ in the last bits between machines, even between two of the same
   vendor, flags and torch build (CPU model, microcode, oneDNN's dispatch, library builds, thread counts): an Intel
   Xeon with AVX-512 and AMX gave a grad norm of 1.8262454271 where the recording, from the same kind of CPU, has
-  1.8262452483, and a policy loss of 0.0045181271 vs 0.0045182849. So every value is compared with a relative 2e-4 and an
-  absolute 1e-6 (``rl_run.assert_close_to_recording``): the rounding of another machine moves them by at most ~4e-5 relative (a policy loss that is a
-  near-cancelling mean of advantages: ~2e-7 absolute), while a change of the algorithm moves them by far more (a
-  one-line change to the loss, e.g. k3's ``- 1`` dropped or the clip range 0.2 -> 0.25, moves the losses and gradient
-  norms of steps 2-3 by 1e-3 relative or more; the note of issue 23 shows it).
+  1.8262452483, and a policy loss of 0.0045181271 vs 0.0045182849. So every value is compared with a relative 2e-4 and
+  an absolute 1e-6 (``rl_run.assert_close_to_recording``): the rounding of another machine moves them by at most ~4e-5
+  relative (a policy loss that is a near-cancelling mean of advantages: ~2e-7 absolute), while a change of the algorithm
+  moves them by far more (a one-line change to the loss, e.g. k3's ``- 1`` dropped or the clip range 0.2 -> 0.25, moves
+  the losses and gradient norms of steps 2-3 by 1e-3 relative or more; the note of issue 23 shows it).
 
 A change that is *meant* to alter the numerics (a new kernel, a fixed estimator) re-records in the same commit and
 says why.

@@ -30,7 +30,8 @@ STATE_KEYS = ("model", "exp_avg", "exp_avg_sq", "step")
 
 
 def test_without_megatron_rlspmd_imports_and_the_engine_says_how_to_install(tiny_model):
-    """rlspmd never imports megatron-core at import time; building a megatron module without it is a clear ImportError."""
+    """rlspmd never imports megatron-core at import time;
+    building a megatron module without it is a clear ImportError."""
     code = (
         "import sys; sys.modules['megatron'] = None; sys.modules['megatron.core'] = None\n"
         "import rlspmd.config, rlspmd.engines.megatron, rlspmd.models.megatron_convert\n"

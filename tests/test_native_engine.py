@@ -212,8 +212,9 @@ def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):
 
 
 def test_compiled_decode_step_gives_the_eager_tokens(tiny_model, tiny_llama):
-    """rollout.engine.compile_decode (native): the static decoder's step through torch.compile (whole-cache attention under a mask,
-    no compaction) produces the eager engine's greedy tokens, with EOS stops, for Qwen2 (q/k/v biases) and Llama."""
+    """rollout.engine.compile_decode (native): the static decoder's step through torch.compile (whole-cache attention
+    under a mask, no compaction) produces the eager engine's greedy tokens, with EOS stops, for Qwen2
+    (q/k/v biases) and Llama."""
     for path in (tiny_model, tiny_llama):
         tok = load_tokenizer(path, field_name="model")
         model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()

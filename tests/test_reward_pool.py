@@ -99,8 +99,10 @@ def test_timeout_policy_error_names_the_sample(stuck_fn):
             None,
         ),
         (
-            "def score(response, ground_truth):\n    if ground_truth == 'b':\n        raise KeyError('boom')\n    return 1.0\n",
-            r"reward function score raised on sample index=11 \(batch position 1\) \(data_source='custom'\): KeyError: 'boom'",
+            "def score(response, ground_truth):\n    if ground_truth == 'b':\n        raise KeyError('boom')\n"
+            "    return 1.0\n",
+            r"reward function score raised on sample index=11 \(batch position 1\) "
+            r"\(data_source='custom'\): KeyError: 'boom'",
         ),
         (
             "def score(response, ground_truth):\n    return float('nan')\n",

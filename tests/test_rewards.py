@@ -41,7 +41,8 @@ def batch(n=3):
 def test_user_function_from_file(tmp_path):
     f = tmp_path / "my_reward.py"
     f.write_text(
-        "def score(response, ground_truth, extra_info, data_source):\n    return float(response.startswith(ground_truth)) + extra_info['index'] / 100\n"
+        "def score(response, ground_truth, extra_info, data_source):\n"
+        "    return float(response.startswith(ground_truth)) + extra_info['index'] / 100\n"
     )
     m = RewardManager(RewardConfig(function=f"{f}:score"), FakeTok())
     out = m.score(batch())
@@ -60,7 +61,8 @@ def test_user_function_from_module_with_two_args():
 def test_raising_reward_names_sample_and_source(tmp_path):
     f = tmp_path / "bad.py"
     f.write_text(
-        "def score(response, ground_truth):\n    if ground_truth == 'x':\n        raise KeyError('boom')\n    return 1.0\n"
+        "def score(response, ground_truth):\n    if ground_truth == 'x':\n        raise KeyError('boom')\n"
+        "    return 1.0\n"
     )
     with pytest.raises(RewardError, match=r"raised on sample index=12 .*data_source='custom'.*KeyError"):
         RewardManager(RewardConfig(function=f"{f}:score"), FakeTok()).score(batch())

@@ -129,8 +129,8 @@ def test_recompute_path_uses_the_stage_once_and_its_mask_in_the_denominators():
 
 
 def test_bypass_path_takes_the_rollout_log_probs_and_only_the_rejection():
-    """Bypass: the old log-probs are the rollout's, so PPO's ratio is pi_theta / pi_rollout = e^0.2, 1 | e^-0.1, 1 on the
-    kept tokens (none clipped at [0.8, 1.28]); no weights (they would count the ratio twice)."""
+    """Bypass: the old log-probs are the rollout's, so PPO's ratio is pi_theta / pi_rollout = e^0.2, 1 | e^-0.1, 1 on
+    the kept tokens (none clipped at [0.8, 1.28]); no weights (they would count the ratio twice)."""
     batch = micro_batch(old_logprobs_BR=ROLLOUT.clone())  # what Policy.old_log_prob sets in bypass mode
     logp = TRAIN.clone().requires_grad_()
     old, mask, weights = inputs("rollout", batch, logp, bypass=True)

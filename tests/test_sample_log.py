@@ -44,6 +44,10 @@ def trained(dump: Path) -> dict[tuple[int, int], dict]:
 def check_against_batches(records: list[dict], batches: dict, tok) -> None:
     """Every logged training sample is row ``row`` of what rank ``dp_rank`` trained on at ``step``."""
     assert records
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     for rec in records:
         t = batches[rec["step"], rec["dp_rank"]]["tensors"]
         i = rec["row"]
@@ -63,7 +67,6 @@ def check_against_batches(records: list[dict], batches: dict, tok) -> None:
         assert rec["weight_version"] == int(t["weight_version_B"][i]) == rec["step"] - 1
         assert rec["uid"] == int(t["uid_B"][i])
         # the text is the ids decoded with the special tokens; the segments cut it at the loss mask
-        decode = lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         assert rec["prompt"] == decode(rec["prompt_ids"]) and rec["response"] == decode(rec["response_ids"])
         cuts = sorted({0, n, *(x for s in rec["loss_spans"] for x in s)})
         want = [[int(mask[a]), decode(rec["response_ids"][a:b])] for a, b in itertools.pairwise(cuts)]

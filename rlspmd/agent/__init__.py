@@ -191,7 +191,8 @@ def load_interactions(cfg: AgentConfig) -> dict:
 
 
 def _yaml_interaction(entry: Entry):
-    """One verl ``interaction:`` entry: an rlspmd built-in or a user class built with ``config`` as keyword arguments."""
+    """One verl ``interaction:`` entry: an rlspmd built-in or a user class built with
+    ``config`` as keyword arguments."""
     registered, cls = _entry_class(entry, mapped=VERL_INTERACTIONS, registry=INTERACTIONS)
     factory = cls if registered is not None else (lambda: cls(**entry.config))
     return _check_interaction(_instantiate(factory, where=f"{entry.where} ({entry.class_name})"), where=entry.where)

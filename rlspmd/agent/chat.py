@@ -16,8 +16,8 @@ Templates without tool support (SmolLM2's ChatML template ignores its ``tools`` 
 schemas into the system message itself, in the format the ``hermes`` parser reads (a ``<tools>`` block of JSON schemas
 and the ``<tool_call>`` call syntax), and then renders with the original template. It is installed on the one tokenizer
 object of the run, so the prompt dataset, the appended turns and the Hugging Face export (``checkpoint.save_hf``) all
-render the same text; ``tool_prompt="template"`` (the default) keeps the template's own rendering and stops the run at start-up if
-the template ignores the tools.
+render the same text; ``tool_prompt="template"`` (the default) keeps the template's own rendering and stops the run at
+start-up if the template ignores the tools.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def system_tool_template(template: str) -> str:
         + as_jinja(TOOL_SYSTEM_FOOTER)
         + " %}"
         + "{%- if messages and messages[0]['role'] == 'system' %}"
-        + "{%- set messages = [{'role': 'system', 'content': messages[0]['content'] + '\\n\\n' + ns.text}] + messages[1:] %}"
+        + "{%- set messages = [{'role': 'system', 'content': messages[0]['content'] + '\\n\\n' + ns.text}]"
+        + " + messages[1:] %}"
         + "{%- else %}"
         + "{%- set messages = [{'role': 'system', 'content': ns.text}] + messages %}"
         + "{%- endif %}"

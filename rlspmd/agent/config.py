@@ -19,9 +19,9 @@ class CodeRunnerConfig:
     max_output_chars: int = 2000
     """Output (stdout and stderr) the model reads back; the rest is cut and marked ``[output truncated]``."""
     sandbox: Literal["bwrap", "audit-hook-unsafe"] = "bwrap"
-    """Isolation of the model's code (``rlspmd/agent/sandbox.py``; docs/agents.md, "The python tool's sandbox"): ``bwrap``,
-    bubblewrap namespaces (sees only its own directory and the standard library, no network, own PID namespace,
-    unprivileged identity); the tool refuses to start, naming what is missing, where they cannot be created.
+    """Isolation of the model's code (``rlspmd/agent/sandbox.py``; docs/agents.md, "The python tool's sandbox"):
+    ``bwrap``, bubblewrap namespaces (sees only its own directory and the standard library, no network, own PID
+    namespace, unprivileged identity); the tool refuses to start, naming what is missing, where they cannot be created.
     ``audit-hook-unsafe``, an explicit opt-in for such machines: a Python audit hook, which the code can step around,
     and it can read every file the trainer can (data, ground truth, checkpoints)."""
 

@@ -1,8 +1,8 @@
 """Tool-call parsers: the model's text of one turn -> the calls it makes.
 
-``HermesParser`` reads the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number
-of times in one turn. A parser never raises on model output: a call it cannot read (bad JSON, no name, arguments that
-are not an object, an unclosed tag) is a ``ParseError`` in the list, in order, which the loop turns into an error
+``HermesParser`` reads the Hermes / Qwen format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any
+number of times in one turn. A parser never raises on model output: a call it cannot read (bad JSON, no name, arguments
+that are not an object, an unclosed tag) is a ``ParseError`` in the list, in order, which the loop turns into an error
 message to the model and counts.
 
 Pluggable: ``rollout.agent.parser`` is a registered name (``hermes``) or ``path/to/file.py:Class`` /

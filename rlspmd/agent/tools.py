@@ -15,9 +15,10 @@ A tool is a class (subclass ``Tool``, or any class with the same members) with
 * ``release(state)``: the conversation is over (free what ``create`` took).
 
 Tools are configured as ``rollout.agent.tools``: names registered in ``TOOLS`` (``calculator``, ``gsm8k_answer``,
-``python``) or ``path/to/file.py:Class`` / ``package.module:Class`` (``rlspmd/components.py``). ``load_tools`` builds and checks them at start-up: a class that
-does not import, lacks a member or has an invalid schema stops the run naming the tool and the field. At run time
-nothing a model writes raises: bad arguments come back as an error message (``check_arguments``).
+``python``) or ``path/to/file.py:Class`` / ``package.module:Class`` (``rlspmd/components.py``). ``load_tools`` builds
+and checks them at start-up: a class that does not import, lacks a member or has an invalid schema stops the run naming
+the tool and the field. At run time nothing a model writes raises: bad arguments come back as an error message
+(``check_arguments``).
 
 A tool's methods run on worker threads, several at once (one thread per call): a tool keeps its per-conversation data
 in the state ``create`` returns, not in ``self``. States travel with the batch (split placement pickles them), so they

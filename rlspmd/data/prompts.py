@@ -167,7 +167,8 @@ class PromptDataset:
                         self.n_empty += 1
                         continue
                     raise ValueError(
-                        f"{field_name}: {path} row {i}: the prompt has no user message with text ({prompt_key}={messages!r}); "
+                        f"{field_name}: {path} row {i}: the prompt has no user message with text "
+                        f"({prompt_key}={messages!r}); "
                         "fix the row, or skip such rows with data.empty_prompts=drop"
                     )
                 gt = (row["reward_model"] or {}).get("ground_truth")
@@ -207,7 +208,8 @@ class PromptDataset:
             elif overlong == "error":
                 path, i = self.rows[j]["where"]
                 raise ValueError(
-                    f"{field_name}: {path} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}"
+                    f"{field_name}: {path} row {i}: prompt has {len(ids)} tokens > "
+                    f"data.max_prompt_length={max_prompt_length}"
                 )
         self.n_dropped = len(self.prompt_ids) - len(keep)
         if self.n_dropped:

@@ -68,7 +68,8 @@ def on_main(fn: Callable[[], Any], *, mesh: DeviceMesh | None = None) -> Any:
 
 
 def scatter_batch(batch: Batch | None, *, mesh: DeviceMesh, device: torch.device | None = None) -> Batch:
-    """Split ``batch`` (given on the mesh's first rank, ignored elsewhere) into equal consecutive parts, one per DP rank.
+    """Split ``batch`` (given on the mesh's first rank, ignored elsewhere) into equal consecutive parts,
+    one per DP rank.
 
     The batch size must divide by the mesh size (``Batch.pad_to_divisor`` first); consecutive parts keep a
     prompt's rows on one rank.

@@ -79,8 +79,8 @@ class Progress:
 
     @contextmanager
     def waiting(self):
-        """Waiting on peers with no work of this rank's own (a rollout-only rank while the actor's ranks train): shown as
-        idle, so the monitor never blames the rank that waits for the one that is late."""
+        """Waiting on peers with no work of this rank's own (a rollout-only rank while the actor's ranks train): shown
+        as idle, so the monitor never blames the rank that waits for the one that is late."""
         self._stack.append((None, None))
         self._now = (None, None, self.clock())
         try:
@@ -195,7 +195,8 @@ class HangMonitor:
                 if not self._store_error_reported:
                     self._store_error_reported = True
                     sys.stderr.write(
-                        f"[rlspmd] rank {self.rank}: hang monitor cannot reach the job's store: {type(e).__name__}: {e}\n"
+                        f"[rlspmd] rank {self.rank}: hang monitor cannot reach the job's store: "
+                        f"{type(e).__name__}: {e}\n"
                     )
                     sys.stderr.flush()
             time.sleep(self.interval)

@@ -269,7 +269,8 @@ def report_failure(exc: BaseException) -> None:
         sys.stderr.write(f"[rlspmd] rank {rank} failed:\n{text}")
         if _MONITOR is not None and _MONITOR.last_views:
             sys.stderr.write(
-                f"[rlspmd] where the ranks were at the hang monitor's last look: {where(_MONITOR.last_views, interval=_MONITOR.interval)}\n"
+                "[rlspmd] where the ranks were at the hang monitor's last look: "
+                f"{where(_MONITOR.last_views, interval=_MONITOR.interval)}\n"
             )
         sys.stderr.write("[rlspmd] ending the job on every rank.\n")
     else:

@@ -27,7 +27,8 @@ class ModelConfig:
     tokenizer_path: str | None = None
     """Tokenizer directory; defaults to ``path``."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Storage dtype of the (master) parameters. Keep float32 for training; compute dtype is set by FSDP mixed precision."""
+    """Storage dtype of the (master) parameters. Keep float32 for training;
+    compute dtype is set by FSDP mixed precision."""
     attn_implementation: str = "sdpa"
     """Transformers attention implementation for training forwards (``sdpa``, ``eager``, ``flash_attention_2``)."""
     gradient_checkpointing: bool = False

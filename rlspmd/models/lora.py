@@ -178,7 +178,8 @@ def target_module_names(hf_state: Iterable[str]) -> list[str]:
 
 
 def write_peft_adapter(hf_state: dict[str, torch.Tensor], cfg: LoraConfig, out: str | Path, *, base_model: str) -> Path:
-    """``adapter_config.json`` and ``adapter_model.safetensors`` in peft's format (loads with ``PeftModel.from_pretrained``)."""
+    """``adapter_config.json`` and ``adapter_model.safetensors`` in peft's format (loads with
+    ``PeftModel.from_pretrained``)."""
     from safetensors.torch import save_file
 
     out = Path(out)

@@ -262,7 +262,8 @@ class WeightPlan:
 
     @torch.no_grad()
     def load(self, module: nn.Module) -> int:
-        """Fill every parameter of ``module`` (materialised, possibly sharded) with its slice; returns the bytes read."""
+        """Fill every parameter of ``module`` (materialised, possibly sharded) with its slice;
+        returns the bytes read."""
         nbytes = 0
         for name, p in module.named_parameters():
             name = unwrapped_name(name)
@@ -318,8 +319,8 @@ class WeightPlan:
             if name not in self.keys:
                 hint = (
                     (
-                        " (config.json has tie_word_embeddings=false: an untied LM head needs its own weights; a checkpoint "
-                        "saved with tied embeddings needs tie_word_embeddings=true)"
+                        " (config.json has tie_word_embeddings=false: an untied LM head needs its own weights; "
+                        "a checkpoint saved with tied embeddings needs tie_word_embeddings=true)"
                     )
                     if tied_hint and "lm_head" in name
                     else ""

@@ -68,7 +68,8 @@ class RewardManager:
         return batch.set(response_text=texts, task_scores_B=torch.tensor(task, dtype=torch.float32, device=device))
 
     def metrics(self) -> dict[str, float]:
-        """``reward/timeouts``: calls stopped at ``reward.timeout_s`` on this rank since the last call of ``metrics``."""
+        """``reward/timeouts``: calls stopped at ``reward.timeout_s`` on this rank since the last call of
+        ``metrics``."""
         out = {"reward/timeouts": float(self.timeouts)}
         self.timeouts = 0
         return out

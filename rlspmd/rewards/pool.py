@@ -127,7 +127,8 @@ class RewardPool:
                     self.replaced += 1
                 elif not w.ready and now - w.started >= STARTUP_TIMEOUT_S:
                     raise RewardWorkerError(
-                        f"{self.field_name}: a reward worker did not start within {STARTUP_TIMEOUT_S:.0f} s (importing {self.spec or 'the rules'})"
+                        f"{self.field_name}: a reward worker did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                        f"(importing {self.spec or 'the rules'})"
                     )
         return results
 

@@ -36,7 +36,8 @@ class OverlongShaping:
     def __init__(self, cfg: OverlongBufferConfig, *, max_response_length: int):
         if not 0 < cfg.len <= max_response_length:
             raise ValueError(
-                f"reward.overlong_buffer.len={cfg.len} must be in (0, rollout.max_response_length={max_response_length}]"
+                f"reward.overlong_buffer.len={cfg.len} must be in "
+                f"(0, rollout.max_response_length={max_response_length}]"
             )
         if cfg.penalty_factor < 0:
             raise ValueError(f"reward.overlong_buffer.penalty_factor must be >= 0, got {cfg.penalty_factor}")

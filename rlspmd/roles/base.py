@@ -30,7 +30,8 @@ from rlspmd.distributed.micro_batches import split_micro_batches
 
 class PolicyRole(Protocol):
     def old_log_prob(self, batch: Batch, metrics: MetricBuffer) -> Batch:
-        """Adds ``old_logprobs_BR`` (the behaviour policy under the trainer's numerics), unless the update provides it."""
+        """Adds ``old_logprobs_BR`` (the behaviour policy under the trainer's numerics),
+        unless the update provides it."""
 
     def update(self, batch: Batch, metrics: MetricBuffer) -> Batch: ...
 
@@ -87,7 +88,8 @@ def update_plan(
     max_response_length: int,
     total_steps: int,
 ) -> UpdatePlan:
-    """Sizes count prompts, as in the config, which ``rlspmd.validate`` checked (``section`` names it in the asserts)."""
+    """Sizes count prompts, as in the config, which ``rlspmd.validate`` checked
+    (``section`` names it in the asserts)."""
     rows = mini_batch_size * samples_per_prompt
     assert rows % dp == 0 and train_batch_size % mini_batch_size == 0, (
         section,

@@ -49,8 +49,8 @@ class RewardModel:
         self.rerender = not same_tokenization(tokenizer, actor_tokenizer)
         if self.rerender and not tokenizer.chat_template:
             raise ValueError(
-                f"reward.model.tokenizer_path: the reward model's tokenizer ({cfg.tokenizer_path or cfg.path}) differs from "
-                "the actor's and has no chat template to render the conversation with"
+                f"reward.model.tokenizer_path: the reward model's tokenizer ({cfg.tokenizer_path or cfg.path}) "
+                "differs from the actor's and has no chat template to render the conversation with"
             )
 
     @torch.no_grad()

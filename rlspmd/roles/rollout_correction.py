@@ -11,8 +11,8 @@ from facts the builder knows, and applies it to a ``Batch``:
   mode; the trainer runs it right after the advantages, so a rejected sample still counts in its group's statistics
   and its score is still placed on its last token, as in verl): adds ``rollout_is_weights_BR``, replaces
   ``loss_mask_BR`` by the mask without rejected tokens (so the update's loss denominators exclude them), and
-  records the ``rollout_corr/*`` metrics. `record_correction_metrics` records them for a correction computed elsewhere (inside
-  the loss, against the current policy, when there is no old-log-prob pass).
+  records the ``rollout_corr/*`` metrics. `record_correction_metrics` records them for a correction computed elsewhere
+  (inside the loss, against the current policy, when there is no old-log-prob pass).
 """
 
 from __future__ import annotations
@@ -94,14 +94,14 @@ def resolve_rollout_correction(
     own numerics, off when they do.
 
     The samples come from the trainer's numerics when the engine samples with the trainer's kernels (its ``kernels``
-    trait is None: the native engine, torch, sampling from the same logits), its weights are in the actor's compute dtype (the colocated engine then reads
-    the actor's gathered weights in place; a split engine receives a bit-identical copy after every update) and
-    they are current (``max_staleness`` 0). Anything else (``vllm``, a rollout dtype unlike the actor's, weights
-    up to ``max_staleness`` updates old) makes pi_rollout differ from pi_train, and auto switches the correction on:
-    rejection (``mis``) for numerics alone, whose ratios stay within the narrow default band of an exact sampler;
-    truncated weights (``tis``) when the weights are stale, since one update moves a sequence's ratio far past that
-    band and rejection would drop nearly every stale sample (measured: all of them, on the tiny model at lr 1e-3).
-    An explicit mode is kept as it is.
+    trait is None: the native engine, torch, sampling from the same logits), its weights are in the actor's compute
+    dtype (the colocated engine then reads the actor's gathered weights in place; a split engine receives a
+    bit-identical copy after every update) and they are current (``max_staleness`` 0). Anything else (``vllm``, a
+    rollout dtype unlike the actor's, weights up to ``max_staleness`` updates old) makes pi_rollout differ from
+    pi_train, and auto switches the correction on: rejection (``mis``) for numerics alone, whose ratios stay within the
+    narrow default band of an exact sampler; truncated weights (``tis``) when the weights are stale, since one update
+    moves a sequence's ratio far past that band and rejection would drop nearly every stale sample (measured: all of
+    them, on the tiny model at lr 1e-3). An explicit mode is kept as it is.
 
     Args:
         cfg: the ``algorithm.rollout_correction`` section.

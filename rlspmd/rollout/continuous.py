@@ -186,7 +186,8 @@ def serve(
     decoder: SlotDecoder, source: RequestSource, params: SamplingParams, *, slots: int, eos_ids: list[int]
 ) -> dict:
     """Run requests from ``source`` until it has none left, at most ``slots`` at a time. Returns counts: decode steps,
-    prefills, generated tokens, and ``idle_waits`` (times the engine had nothing to decode and waited for the source)."""
+    prefills, generated tokens, and ``idle_waits``
+    (times the engine had nothing to decode and waited for the source)."""
     free = list(range(slots - 1, -1, -1))  # pop() hands out the lowest slot first
     active: dict[int, _Row] = {}
     last: dict[int, int] = {}  # slot -> its last sampled token, fed at the next step
@@ -234,9 +235,9 @@ def serve(
             u = counter_uniform(seeds, counters)
         tok, lp = sample_with_uniform(torch.cat(logits), params, u)
         last = {}
-        for s, row, t, l in zip(order, rows, tok.tolist(), lp.tolist()):
+        for s, row, t, logprob in zip(order, rows, tok.tolist(), lp.tolist()):
             row.tokens.append(t)
-            row.logprobs.append(l)
+            row.logprobs.append(logprob)
             stats["tokens"] += 1
             if t in eos or len(row.tokens) >= row.request.max_new_tokens:
                 del active[s]

@@ -33,7 +33,8 @@ floats), so the graph holds no RNG state and a generation is reproducible from i
 eager engine's distribution; on CPU they are even the same numbers, in the same order.
 
 On CPU the same step runs without capture (tested against the eager engine; CPU keeps the eager engine by default);
-``compile`` runs ``decode_step`` through ``torch.compile`` (``rollout.engine.compile_decode` (native)`), also inside the graphs.
+``compile`` runs ``decode_step`` through ``torch.compile`` (``rollout.engine.compile_decode`` (native engine)), also
+inside the graphs.
 
 Simplifications: attention always covers the whole cache (prompt + all new tokens) under the mask, twice the eager
 path's average work for long generations; prefill is padded, not packed (one forward either way).
@@ -230,8 +231,8 @@ def static_decoder(
     hf_model: nn.Module, *, device: torch.device, cuda_graphs: bool, compile: bool
 ) -> StaticDecoder | None:
     """The static decoder the native engine uses for ``hf_model``, or None for eager decoding: CUDA graphs on CUDA
-    (``rollout.engine.cuda_graphs` (native)`), or the compiled static step anywhere (``rollout.engine.compile_decode` (native)`); Llama-family models
-    with a fixed RoPE table only."""
+    (``rollout.engine.cuda_graphs`` (native engine)), or the compiled static step anywhere
+    (``rollout.engine.compile_decode`` (native engine)); Llama-family models with a fixed RoPE table only."""
     graphs = cuda_graphs and device.type == "cuda"
     if not (graphs or compile) or not StaticDecoder.supports(hf_model):
         return None

@@ -5,11 +5,11 @@ The engine reads its model from ``weights``: the actor's own parameters gathered
 weight sync is free), or ``OwnWeights``, a private copy (split placement, or a rollout dtype different from
 training) that ``update_weights`` loads from the weight stream, the same stream the vLLM engine loads.
 
-Decoding: on CUDA (``rollout.engine.cuda_graphs` (native)`, Llama-family models) a static KV cache and a decode step replayed
-from CUDA graphs, sampling on the device and no host sync per token (``rlspmd/rollout/cuda_graphs.py``). Elsewhere
-(CPU, other architectures) the eager decoder, where finished rows stop costing compute: once a quarter of the active
-rows have produced EOS they are dropped from the batch and the KV cache is compacted (compacting at every EOS would
-copy the cache too often).
+Decoding: on CUDA (``rollout.engine.cuda_graphs`` (native engine), Llama-family models) a static KV cache and a decode
+step replayed from CUDA graphs, sampling on the device and no host sync per token (``rlspmd/rollout/cuda_graphs.py``).
+Elsewhere (CPU, other architectures) the eager decoder, where finished rows stop costing compute: once a quarter of the
+active rows have produced EOS they are dropped from the batch and the KV cache is compacted (compacting at every EOS
+would copy the cache too often).
 
 Mixture-of-experts models (eager decoding only; their routing is data-dependent, no static graph) also return the
 experts every token was routed to, ``rollout_routing_BL`` ``(B, L, N, K)`` int16 in the sample layout (``-1`` where
@@ -217,8 +217,9 @@ class NativeEngine:
         compile_decode: bool = False,
         cuda_graphs: bool = True,
     ):
-        """``cuda_graphs`` (``rollout.engine.cuda_graphs` (native)`): static decoding from CUDA graphs on CUDA; ``compile_decode``
-        (``rollout.engine.compile_decode` (native)`): the static step through ``torch.compile`` (see ``rollout/cuda_graphs.py``)."""
+        """``cuda_graphs`` (``rollout.engine.cuda_graphs`` (native engine)): static decoding from CUDA graphs on CUDA;
+        ``compile_decode`` (``rollout.engine.compile_decode`` (native engine)): the static step through
+        ``torch.compile`` (see ``rollout/cuda_graphs.py``)."""
         self.weights = weights
         self.compile_decode = compile_decode
         self.cuda_graphs = cuda_graphs

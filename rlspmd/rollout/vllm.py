@@ -152,7 +152,8 @@ class VllmEngine:
         if self.lifecycle.state is State.ASLEEP:
             if not self.lifecycle.weights_retained:
                 raise LifecycleError(
-                    "rollout engine: wake with no weights (never loaded, or dropped by a level-2 sleep): update_weights first"
+                    "rollout engine: wake with no weights (never loaded, or dropped by a level-2 sleep): "
+                    "update_weights first"
                 )
             self._timed("wake_s", "wake_weights", lambda: self.backend.wake_up(["weights"]))
         self._timed("wake_s", "wake_kv", lambda: self.backend.wake_up(["kv_cache"]) if self.sleeps else None)

@@ -62,11 +62,11 @@ def build_rollout(
 ) -> RolloutRole:
     """The rollout role for this rank: ``Rollout`` (colocated), ``RolloutClient`` (split, actor ranks) or
     ``RolloutServer`` (split, rollout ranks, where ``policy`` is None). ``in_place_capable``: the actor's engine can
-    lend its gathered weights (FSDP2 without ``mesh.actor_tp``; a megatron actor streams them). ``episodes``: single- or multi-turn samples
-    (``build_episodes``); they run where generation runs (in split placement, tools run on the rollout ranks).
-    ``max_staleness`` (split only): how many steps ahead the rollout ranks generate; ``draw``: the actor ranks' next
-    prompts, which fill that pipeline. Collective: weight-stream manifests are local, but a vLLM engine's construction
-    spans the whole world."""
+    lend its gathered weights (FSDP2 without ``mesh.actor_tp``; a megatron actor streams them). ``episodes``: single- or
+    multi-turn samples (``build_episodes``); they run where generation runs (in split placement, tools run on the
+    rollout ranks). ``max_staleness`` (split only): how many steps ahead the rollout ranks generate; ``draw``: the actor
+    ranks' next prompts, which fill that pipeline. Collective: weight-stream manifests are local, but a vLLM engine's
+    construction spans the whole world."""
     dims = meshes.dims
     dtype = rollout_dtype(cfg, compute=compute)
     kw = dict(
@@ -116,9 +116,9 @@ def build_rollout(
 
 
 def build_rollout_correction(cfg: Config, *, compute: torch.dtype, split: bool) -> ResolvedRolloutCorrection:
-    """``algorithm.rollout_correction`` resolved from the facts of this run (engine, rollout and actor dtypes, placement,
-    staleness). Bypass mode's conditions on the resolution are checked by ``rlspmd.validate`` (which resolves it the
-    same way) before anything loads."""
+    """``algorithm.rollout_correction`` resolved from the facts of this run (engine, rollout and actor dtypes,
+    placement, staleness). Bypass mode's conditions on the resolution are checked by ``rlspmd.validate`` (which resolves
+    it the same way) before anything loads."""
     return resolve_rollout_correction(
         cfg.algorithm.rollout_correction,
         engine=cfg.rollout.engine,

@@ -85,7 +85,8 @@ class SampleLog:
         self.logger: MetricLogger | None = None  # rank 0, once ``open`` has run
 
     def open(self, logger: MetricLogger, *, initial_step: int) -> None:
-        """Start writing (the rank whose ``logger`` is enabled): rewind the files to ``initial_step`` like the metrics."""
+        """Start writing (the rank whose ``logger`` is enabled): rewind the files
+        to ``initial_step`` like the metrics."""
         if not logger.enabled:
             return
         self.logger = logger

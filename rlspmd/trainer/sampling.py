@@ -54,7 +54,8 @@ class GreedyBaseline:
 
 
 class FollowGreedy:
-    """ReMax on the rollout-only ranks of a split placement: serve the greedy generation; scoring is the actor side's."""
+    """ReMax on the rollout-only ranks of a split placement: serve the greedy generation;
+    scoring is the actor side's."""
 
     def __init__(self, *, rollout):
         self.rollout = rollout

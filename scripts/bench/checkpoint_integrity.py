@@ -8,9 +8,9 @@ Save: ``dcp.save`` with DCP's ``FileSystemWriter`` against rlspmd's ``DigestingF
 byte is hashed on its way to the file). Load: ``dcp_load`` alone against ``check_files`` (re-hash every file against the
 record, what ``Checkpointer._verify`` does on each rank for its share) followed by ``dcp_load``. The variants alternate
 within each round (ABBA order across rounds), into a fresh directory each time, so drift on a shared machine hits both.
-The loads read what the save just wrote (from the page cache, where it still holds it). Wall-clock seconds of a save are mostly the disk (DCP
-fsyncs every file) and swing by more than the digests add on a shared machine; this process's CPU seconds
-(``time.process_time``) show the digests' own cost. Only figures taken in the same run compare.
+The loads read what the save just wrote (from the page cache, where it still holds it). Wall-clock seconds of a save are
+mostly the disk (DCP fsyncs every file) and swing by more than the digests add on a shared machine; this process's CPU
+seconds (``time.process_time``) show the digests' own cost. Only figures taken in the same run compare.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def main() -> None:
     emit(
         {
             "bench": "checkpoint_integrity",
-            "note": "indicative: CPU, one process, a machine shared with other jobs; loads read what the save just wrote",
+            "note": (
+                "indicative: CPU, one process, a machine shared with other jobs; loads read what the save just wrote"
+            ),
             "model": {**Q05, "num_hidden_layers": args.layers},
             "digest": DIGEST,
             "checkpoint_bytes": nbytes,

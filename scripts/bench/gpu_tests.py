@@ -1,5 +1,6 @@
 """The ``gpu``-marked tests of the CUDA paths (packed-attention kernels, CUDA-graph decoding, stage timing, MoE grouped
-GEMM, the distillation kernels, megatron at TP=PP=1 against FSDP, vLLM on CUDA where installed), as one JSON line, so that the GPU suite checks correctness in the same run that measures speed.
+GEMM, the distillation kernels, megatron at TP=PP=1 against FSDP, vLLM on CUDA where installed), as one JSON line, so
+that the GPU suite checks correctness in the same run that measures speed.
 
     python scripts/bench/gpu_tests.py          # pytest -m gpu on the files below; where pytest is absent, says so
 

@@ -84,7 +84,8 @@ def main(argv=None):
     rows = PROMPTS * SAMPLES
 
     def best_forward(n_rows: int):
-        """The chain of matmuls over ``n_rows`` rows in its faster layout, and whether that is the pre-transposed one."""
+        """The chain of matmuls over ``n_rows`` rows in its faster layout,
+        and whether that is the pre-transposed one."""
         xs = {k: torch.randn(n_rows, k, generator=g) for k in {w.shape[1] for w in mats}}
 
         def plain():

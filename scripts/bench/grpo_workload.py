@@ -1,6 +1,6 @@
 """The fixed GRPO benchmark workload: a random-init Qwen2 model and prompts of exactly 27 tokens.
 
-    python scripts/bench/grpo_workload.py                   # models/bench-256, models/bench-512, data/bench/prompts.jsonl
+    python scripts/bench/grpo_workload.py  # models/bench-256, models/bench-512, data/bench/prompts.jsonl
     python scripts/bench/grpo_workload.py --which grpo_q05  # the GPU workload's model (models/bench-q05)
 
 Models (random init, seed 0, fp32, tied embeddings, vocab 8192, the tiny model's trained tokenizer and chat template):
@@ -40,7 +40,8 @@ PRESETS = {
 
 
 def prompt_of_length(tokenizer, rng: random.Random, n_tokens: int) -> tuple[str, int]:
-    """A question ``Calculate a + b - c ...`` whose chat-templated form is exactly ``n_tokens`` tokens, and its answer."""
+    """A question ``Calculate a + b - c ...`` whose chat-templated form is exactly ``n_tokens`` tokens,
+    and its answer."""
     for _ in range(10_000):
         terms = [rng.randint(0, 99)]
         ops: list[str] = []
@@ -82,7 +83,8 @@ def write_prompts(model_dir: str, out: Path, *, num_prompts: int, prompt_tokens:
 
 
 def build(which: list[str], *, data: Path, num_prompts: int, prompt_tokens: int) -> dict[str, str]:
-    """The models (built once, reused) and the prompt file (every model shares the tokenizer, so one file serves all)."""
+    """The models (built once, reused) and the prompt file
+    (every model shares the tokenizer, so one file serves all)."""
     models = {name: ensure_model(None, preset=PRESETS[name]) for name in which}
     write_prompts(next(iter(models.values())), data, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
     return models

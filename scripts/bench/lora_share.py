@@ -1,7 +1,8 @@
 """What LoRA trains: trainable parameters and AdamW state as a share of full fine-tuning. Prints JSON.
 
     python scripts/bench/lora_share.py                         # q05's shape (Qwen2.5-0.5B's body, vocab 8192), r=32
-    python scripts/bench/lora_share.py --rank 8 --hidden 128 --layers 4 --heads 4 --kv-heads 2 --intermediate 352 --vocab 1024
+    python scripts/bench/lora_share.py --rank 8 --hidden 128 --layers 4 --heads 4 --kv-heads 2 --intermediate 352 \\
+        --vocab 1024
 
 The model is built on the meta device (no memory, no files) and gets the adapters ``actor.lora`` would inject
 (``rlspmd/models/lora.py: apply_lora``, peft). AdamW keeps two float32 moments per trainable parameter, so the optimiser

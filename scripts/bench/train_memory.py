@@ -1,7 +1,7 @@
 """Peak memory of one training update of the FSDP2 engine with activation checkpointing, CPU offload and tensor
 parallelism switched on and off. Prints JSON.
 
-    python scripts/bench/train_memory.py                          # a random ~50M Llama-shaped model (built once), 2 ranks
+    python scripts/bench/train_memory.py                        # a random ~50M Llama-shaped model (built once), 2 ranks
     python scripts/bench/train_memory.py --configs ac=0,offload=0,tp=1 ac=1,offload=0,tp=1 --rows 8 --seq 512
 
 Each configuration runs under its own ``torchrun`` (fresh processes, so the high-water marks are its own): the actor

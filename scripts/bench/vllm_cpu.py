@@ -10,8 +10,8 @@ in the process: the reference forward and a policy update (forward + backward + 
 built first" (``third_party/vllm_adapter.ProcessState`` restores what its start changes). Last, whole GRPO steps:
 ``configs/bench/grpo_tiny.py`` (the fixed benchmark workload, ``scripts/bench/grpo_workload.py``: 16 sequences of 64
 sampled tokens, reference + old log-prob forwards, one update) under ``torchrun`` on ``--grpo-ranks`` ranks with
-``rollout.engine:native`` and ``rollout.engine:vllm``, runs alternating ``--repeats`` times; per engine the best run's median step
-seconds and its mean seconds per stage (``--grpo-steps 0`` skips this phase).
+``rollout.engine:native`` and ``rollout.engine:vllm``, runs alternating ``--repeats`` times; per engine the best run's
+median step seconds and its mean seconds per stage (``--grpo-steps 0`` skips this phase).
 
 Models: ``tiny`` (``scripts/models/build_tiny.py``), ``smollm2`` (SmolLM2-135M-Instruct converted from its PyPI
 GGUF wheel by ``scripts/models/smollm2.py``, fp32; skipped with a note when the wheel is absent). One process, one

@@ -6,7 +6,8 @@ submitted answer is the tool's score) and the question as the user turn. ``extra
 
   * ``tools_kwargs = {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}`` and ``need_tools_kwargs``:
     the tool's ``create`` reads the answer from there, so the rows also load in verl unchanged;
-  * ``interaction_kwargs = {"name": "gsm8k", "query": ..., "ground_truth": ...}`` for ``rollout.agent.interaction=gsm8k``.
+  * ``interaction_kwargs = {"name": "gsm8k", "query": ..., "ground_truth": ...}`` for
+    ``rollout.agent.interaction=gsm8k``.
 
 ``reward_model.ground_truth`` is the number; the rule reward for the row's ``data_source`` checks the final text's
 ``#### N`` as for single-turn GSM8K.

@@ -1,12 +1,14 @@
 """Multi-turn SFT demonstrations for the GSM8K tool recipe, from verl-schema rows: the warm start that teaches a model
-to call ``calc_gsm8k_reward`` before GRPO (``configs/sft_gsm8k_tool_smollm2.py``, then ``configs/gsm8k_tool_smollm2.py``).
+to call ``calc_gsm8k_reward`` before GRPO (``configs/sft_gsm8k_tool_smollm2.py``, then
+``configs/gsm8k_tool_smollm2.py``).
 
 Reads GSM8K tool rows in verl's multi-turn schema (``scripts/data/gsm8k_multiturn.py``'s output, or verl's own
 ``gsm8k_multiturn_w_tool.py`` parquet files) and writes one conversation per row in a ``messages`` column, as the SFT
 trainer reads it (``sft.data.messages_key=messages``)::
 
     system, user       the row's ``prompt``, unchanged (the RL run renders the same messages)
-    assistant          the worked solution, then <tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>
+    assistant          the worked solution, then
+                       <tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "72"}}</tool_call>
     tool               correct                     (what the tool answers a right submission)
     assistant          #### 72
 
