@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from conftest import dist_script, load_script, torchrun
-from rlspmd.config import ActorConfig, Config, MegatronConfig, MeshConfig, ModelConfig
+from rlspmd.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    MegatronConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimalTokenBaseline,
+    TeacherConfig,
+)
 from rlspmd.distributed.mesh import ParallelDims
 from rlspmd.distributed.sequence_parallel import resolve_sp_mode, ulysses_problem
 from rlspmd.validate import config_problems, ignored_settings
@@ -163,6 +172,13 @@ def test_bad_actor_sp_names_the_field(tmp_path):
     ):
         lines = config_problems(dataclasses.replace(cfg, actor=actor), world_size=4, check_files=False)
         assert any(line.startswith(expected) for line in lines), lines
+    # what SP does not compute (the vocabulary outputs): a teacher role, OTB's sum of squared probabilities
+    teacher = dataclasses.replace(cfg, teacher=TeacherConfig(model_path=str(tmp_path / "qwen2-4-2")))
+    lines = config_problems(teacher, world_size=4, check_files=False)
+    assert any(line.startswith("teacher.model_path=") and "mesh.actor_sp=2" in line for line in lines), lines
+    otb = dataclasses.replace(cfg, algorithm=AlgorithmConfig(adv_estimator=OptimalTokenBaseline()))
+    lines = config_problems(otb, world_size=4, check_files=False)
+    assert any(line.startswith("algorithm.adv_estimator=") and "mesh.actor_sp=2" in line for line in lines), lines
     assert ignored_settings(dataclasses.replace(Config(), mesh=MeshConfig(actor_sp_mode="allgather"))) == [
         "mesh.actor_sp_mode is set but mesh.actor_sp=1 (no sequence parallelism)"
     ]
