@@ -151,7 +151,10 @@ def test_gpu_suite_kills_a_phase_that_runs_over_its_limit(tmp_path):
 
     marker = tmp_path / "child_survived"
     child = f"import time; time.sleep(4); open({str(marker)!r}, 'w').write('x')"
-    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); print('started', flush=True); time.sleep(60)"
+    code = (
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+        "print('started', flush=True); time.sleep(60)"
+    )
     lines, status = run_phase("sleepy", ["-c", code], 2.0, tmp_path)
     assert status["timed_out"] and status["seconds"] < 30 and lines == []
     assert "started" in (tmp_path / "sleepy.log").read_text()

@@ -1,7 +1,7 @@
 """The one object that owns topology: which ranks host which role, and each role's named mesh dims.
 
-Nobody else calls ``DeviceMesh``/``init_device_mesh`` or creates process groups. Roles are ``actor``, ``rollout``, ``ref``,
-``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
+Nobody else calls ``DeviceMesh``/``init_device_mesh`` or creates process groups. Roles are ``actor``, ``rollout``,
+``ref``, ``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
 placement gives roles their own rank ranges (``actor: 0-5, rollout: 6-7``). Each role mesh is 2-D with
 dims ``(dp, tp)``; training roles use ``tp = 1`` there (their data is per rank; their engines' own tensor
 parallelism is ``train_mesh``, below), the rollout may use ``tp > 1`` for
@@ -27,17 +27,17 @@ of a TP group sit at the same place of their SP groups. Data stays per rank (the
 ``distributed/sequence_parallel.py``) and FSDP2 still shards over all the role's ranks.
 
 The RL config (``MeshConfig``) places the actor and the rollout; ``ref``, ``critic`` and ``reward`` follow the actor
-(``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
-one over both rank sets (prompts, samples and control move on it) and one over the actor's first rank plus
-the rollout ranks (weights are broadcast on it). See ``link``.
+(``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split
+placement), two 1-D *link* meshes connect them: one over both rank sets (prompts, samples and control move on it)
+and one over the actor's first rank plus the rollout ranks (weights are broadcast on it). See ``link``.
 
 **Model-parallel groups of an engine** (``model_parallel_groups``): the megatron engine lays a role's ranks out as a
-(pp, dp, tp) grid of its own (``actor.engine.tp``/``pp`` of a Megatron engine, per role, known only when the engine is built). Its groups
-are made here over the role's ranks with ``new_group`` and local synchronisation (only the role's ranks take part,
-so a split placement's rollout ranks need not follow), cached per rank set. They are not ``DeviceMesh`` sub-meshes:
-a ``DeviceMesh`` is created collectively by the whole world (the rollout-only ranks of a split placement never build
-an engine), and the groups megatron needs include two no mesh dim gives (the first and last stage of a pipeline, for
-tied embeddings; this rank alone, for context parallelism 1).
+(pp, dp, tp) grid of its own (``actor.engine.tp``/``pp`` of a Megatron engine, per role, known only when the engine
+is built). Its groups are made here over the role's ranks with ``new_group`` and local synchronisation (only the
+role's ranks take part, so a split placement's rollout ranks need not follow), cached per rank set. They are not
+``DeviceMesh`` sub-meshes: a ``DeviceMesh`` is created collectively by the whole world (the rollout-only ranks of a
+split placement never build an engine), and the groups megatron needs include two no mesh dim gives (the first and
+last stage of a pipeline, for tied embeddings; this rank alone, for context parallelism 1).
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ class RoleMeshes:
         return mesh if self.rank in mesh.mesh.tolist() else None
 
 
-# -- an engine's model-parallel groups ----------------------------------------------------------------------------------
+# -- an engine's model-parallel groups ---------------------------------------------------------------------------------
 
 
 def grid_coords(index: int, *, tp: int, dp: int) -> tuple[int, int, int]:

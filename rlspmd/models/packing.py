@@ -39,8 +39,8 @@ Kernels (``ModelConfig.attn_kernel``; ``auto`` picks the first that runs on the 
 
 ``auto`` on CUDA prefers flash_attn, then varlen, then flex (half precision; float32 falls back to sdpa_loop, since the
 compiled float32 FlexAttention failed to lower on an H100); the GPU suite (``scripts/bench/gpu_suite.py``) times varlen
-against flex: on an H100, 1.80 ms against 3.13 ms for one q05 layer's forward and backward (docs/performance.md). ``check_attn_kernel`` validates a choice at start-up
-(before models load) and returns the name the run log reports.
+against flex: on an H100, 1.80 ms against 3.13 ms for one q05 layer's forward and backward (docs/performance.md).
+``check_attn_kernel`` validates a choice at start-up (before models load) and returns the name the run log reports.
 
 Host syncs: exactly one device-to-host copy per packed micro-batch, in ``TokenCounts.of`` (the valid-token counts:
 the packed length ``T`` and the kernels' integer max length are host integers). A caller that already has the
@@ -525,7 +525,8 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     window = kwargs.get("sliding_window")
     if window is not None and meta.max_seqlen > window:
         raise ValueError(
-            f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; set model.packing=False"
+            f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; "
+            "set model.packing=False"
         )
     scale = scaling if scaling is not None else D**-0.5
     # (1, heads, T, D) -> contiguous (T, heads, D): each sample a contiguous slice (on CPU, SDPA on strided per-sample
@@ -585,7 +586,8 @@ def training_attn_implementation(requested: str, *, packing: bool, field_name: s
     if requested.startswith("flash_attention"):
         return requested
     raise ValueError(
-        f"{field_name}={requested!r} cannot run packed sequences; use sdpa or flash_attention_2, or set model.packing=False"
+        f"{field_name}={requested!r} cannot run packed sequences; use sdpa or flash_attention_2, "
+        "or set model.packing=False"
     )
 
 

@@ -212,5 +212,6 @@ def check_sequence_classifier(model_dir: Path, *, field_name: str) -> None:
     archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ValueError(
-            f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model"
+            f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, "
+            "not a *ForSequenceClassification model"
         )

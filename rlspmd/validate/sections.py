@@ -301,7 +301,8 @@ def check_gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig, *, agent: bo
             "algorithm.adv_estimator.reward_weights",
             weights,
             f"needs one weight per reward component: {len(columns)} "
-            f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with rollout.agent, then reward.components)",
+            f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with "
+            "rollout.agent, then reward.components)",
         )
 
 

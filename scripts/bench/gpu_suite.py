@@ -24,11 +24,11 @@ traps SIGTERM to checkpoint, so the kill is SIGKILL), in this order:
   summary     every target of issue 12 with its measured value
 
 Every benchmark prints one JSON line; the suite re-prints them (plus one status line per phase: seconds, exit status,
-timed out or skipped, and the output's tail when it failed) and writes them to ``$OUT/gpu_suite.jsonl`` (``--out-dir``, default ``$OUT`` or ``outputs/gpu_suite``),
-with each phase's full output in ``<phase>.log``. The phase limits add up to ``--budget-s`` (510 s, under 9 minutes
-on one H100 with the models already built; a first run also builds them); a phase starts only with at least 20 s of
-the budget left. ``--smoke`` runs the smoke configs (``configs/bench/grpo_q05.py:smoke``, ``grpo_q15.py:smoke``) on
-``models/bench-tiny`` with generous limits.
+timed out or skipped, and the output's tail when it failed) and writes them to ``$OUT/gpu_suite.jsonl``
+(``--out-dir``, default ``$OUT`` or ``outputs/gpu_suite``), with each phase's full output in ``<phase>.log``. The
+phase limits add up to ``--budget-s`` (510 s, under 9 minutes on one H100 with the models already built; a first run
+also builds them); a phase starts only with at least 20 s of the budget left. ``--smoke`` runs the smoke configs
+(``configs/bench/grpo_q05.py:smoke``, ``grpo_q15.py:smoke``) on ``models/bench-tiny`` with generous limits.
 """
 
 from __future__ import annotations
