@@ -98,7 +98,7 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     by = {}
     for x in lines:
         by.setdefault(x.get("bench") or x.get("benchmark"), []).append(x)
-    for phase in ("build", "attention", "rlspmd", "trl", "generation", "tests", "moe", "q15"):
+    for phase in ("build", "attention", "rlspmd", "trl", "generation", "tests", "moe", "q15", "sequence_parallel"):
         (status,) = by[f"gpu_suite/{phase}"]
         assert status["returncode"] == 0 and not status["timed_out"], status
         assert (out / f"{phase}.log").is_file()
@@ -134,6 +134,9 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     moe = {x["path"]: x for x in by["moe_experts"]}
     assert moe["loop"]["ms"] > 0 and moe["loop"]["rel_err"] < 1e-5  # float32 loop against itself (smoke)
     assert "skipped" in moe["grouped"] or moe["grouped"]["rel_err"] < 2e-2
+    (sp,) = by["sequence_parallel"]
+    if torch.cuda.device_count() < 2:  # CPU: 2 ranks, SP 1 and 2 (a 1-GPU machine: skipped)
+        assert "skipped" in sp or {r["sp"]: r["mode"] for r in sp["runs"]} == {1: None, 2: "ulysses"}
     (summary,) = by["gpu_suite/summary"]
     targets = summary["targets"]
     assert targets["gen_tokens_per_s_256x256"]["value"] == gens[(8, 8)]["native"]["tokens_per_s"]
@@ -148,7 +151,10 @@ def test_gpu_suite_kills_a_phase_that_runs_over_its_limit(tmp_path):
 
     marker = tmp_path / "child_survived"
     child = f"import time; time.sleep(4); open({str(marker)!r}, 'w').write('x')"
-    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); print('started', flush=True); time.sleep(60)"
+    code = (
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+        "print('started', flush=True); time.sleep(60)"
+    )
     lines, status = run_phase("sleepy", ["-c", code], 2.0, tmp_path)
     assert status["timed_out"] and status["seconds"] < 30 and lines == []
     assert "started" in (tmp_path / "sleepy.log").read_text()

@@ -1,7 +1,7 @@
 """The one object that owns topology: which ranks host which role, and each role's named mesh dims.
 
-Nobody else calls ``DeviceMesh``/``init_device_mesh`` or creates process groups. Roles are ``actor``, ``rollout``, ``ref``,
-``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
+Nobody else calls ``DeviceMesh``/``init_device_mesh`` or creates process groups. Roles are ``actor``, ``rollout``,
+``ref``, ``critic`` and ``reward``. Colocated placement (the default) puts every role on the whole world; split
 placement gives roles their own rank ranges (``actor: 0-5, rollout: 6-7``). Each role mesh is 2-D with
 dims ``(dp, tp)``; training roles use ``tp = 1`` there (their data is per rank; their engines' own tensor
 parallelism is ``train_mesh``, below), the rollout may use ``tp > 1`` for
@@ -21,23 +21,29 @@ sharded over ``ep`` and FSDP2-sharded over ``edp`` (the ranks holding the same e
 FSDP2-sharded over the role's flat DP mesh, and data stays per rank (tokens reach their experts by ``all_to_all``
 inside the layer, ``models/moe.py``). Only the actor and its reference are expert-parallel (``EXPERT_PARALLEL``).
 
+**Sequence parallelism** (``mesh.actor_sp``) splits each packed micro-batch's tokens of the actor, reference and critic
+over an SP group (``sequence_mesh``): the actor's ranks laid out as ``(dp, sp, tp)``, ``tp`` fastest, so the members
+of a TP group sit at the same place of their SP groups. Data stays per rank (the group runs its members' micro-batches,
+``distributed/sequence_parallel.py``) and FSDP2 still shards over all the role's ranks.
+
 The RL config (``MeshConfig``) places the actor and the rollout; ``ref``, ``critic`` and ``reward`` follow the actor
-(``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split placement), two 1-D *link* meshes connect them:
-one over both rank sets (prompts, samples and control move on it) and one over the actor's first rank plus
-the rollout ranks (weights are broadcast on it). See ``link``.
+(``ParallelDims`` itself accepts any placement). When the actor and the rollout sit on disjoint ranks (split
+placement), two 1-D *link* meshes connect them: one over both rank sets (prompts, samples and control move on it)
+and one over the actor's first rank plus the rollout ranks (weights are broadcast on it). See ``link``.
 
 **Model-parallel groups of an engine** (``model_parallel_groups``): the megatron engine lays a role's ranks out as a
-(pp, dp, tp) grid of its own (``actor.engine.tp``/``pp`` of a Megatron engine, per role, known only when the engine is built). Its groups
-are made here over the role's ranks with ``new_group`` and local synchronisation (only the role's ranks take part,
-so a split placement's rollout ranks need not follow), cached per rank set. They are not ``DeviceMesh`` sub-meshes:
-a ``DeviceMesh`` is created collectively by the whole world (the rollout-only ranks of a split placement never build
-an engine), and the groups megatron needs include two no mesh dim gives (the first and last stage of a pipeline, for
-tied embeddings; this rank alone, for context parallelism 1).
+(pp, dp, tp) grid of its own (``actor.engine.tp``/``pp`` of a Megatron engine, per role, known only when the engine
+is built). Its groups are made here over the role's ranks with ``new_group`` and local synchronisation (only the
+role's ranks take part, so a split placement's rollout ranks need not follow), cached per rank set. They are not
+``DeviceMesh`` sub-meshes: a ``DeviceMesh`` is created collectively by the whole world (the rollout-only ranks of a
+split placement never build an engine), and the groups megatron needs include two no mesh dim gives (the first and
+last stage of a pipeline, for tied embeddings; this rank alone, for context parallelism 1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -68,16 +74,31 @@ class MeshConfig:
     its experts' rank with ``all_to_all``; dense parameters stay FSDP2-sharded over all the actor's ranks. Must
     divide the actor's ranks and the model's experts; not with ``actor_tp`` > 1 or ``actor.lora``; the native
     rollout then keeps its own copy of the weights (docs/moe.md)."""
+    actor_sp: int = 1
+    """Sequence-parallel degree of the FSDP engine's training roles (actor, reference, critic): groups of ``actor_sp``
+    ranks (consecutive ones; every ``actor_tp``-th one with tensor parallelism) split every packed micro-batch's tokens
+    between them, so a response is no longer bounded by one rank's memory. Data stays per rank: the group runs its
+    members' micro-batches one after the other (training) or together (no-grad passes), each rank computing its slice
+    of the sequence. Attention sees the whole sequence through ``actor_sp_mode``. Needs ``model.packing``; not with
+    ``actor_ep`` > 1, a MoE or a vision-language model (docs/sequence-parallel.md)."""
+    actor_sp_mode: Literal["auto", "ulysses", "allgather"] = "auto"
+    """How attention sees the whole sequence under ``actor_sp``: ``ulysses`` (an all-to-all trades the sequence split
+    for a head split around attention; the attention heads must divide by ``actor_tp * actor_sp``), ``allgather``
+    (each rank keeps its queries and all-gathers the keys and values: any head count), ``auto`` (ulysses where the
+    heads allow it, else allgather)."""
 
 
 ROLES = ("actor", "rollout", "ref", "critic", "reward")
 FOLLOWERS = ("ref", "critic", "reward")  # the RL config places them on the actor's ranks
 TRAINED = ("actor", "ref", "critic")  # the roles whose FSDP engine ``mesh.actor_tp`` tensor-parallelises
 EXPERT_PARALLEL = ("actor", "ref")  # the roles whose FSDP engine ``mesh.actor_ep`` expert-parallelises
+SEQUENCE_PARALLEL = TRAINED  # the roles whose FSDP engine ``mesh.actor_sp`` splits sequences for (not the reward model)
 DP = "dp"
 TP = "tp"
 EP = "ep"
 EDP = "edp"
+SP = "sp"
+SDP = "sdp"
 LINK = "link"
 
 
@@ -115,6 +136,8 @@ class ParallelDims:
     """Tensor-parallel degree of the training engines of ``TRAINED`` roles (``mesh.actor_tp``); not a data dim."""
     train_ep: int = 1
     """Expert-parallel degree of the ``EXPERT_PARALLEL`` roles' engines (``mesh.actor_ep``); not a data dim."""
+    train_sp: int = 1
+    """Sequence-parallel degree of the ``SEQUENCE_PARALLEL`` roles' engines (``mesh.actor_sp``); not a data dim."""
 
     def __post_init__(self):
         for role in ROLES:
@@ -149,6 +172,20 @@ class ParallelDims:
         for role in EXPERT_PARALLEL:
             if self.train_ep > 1 and self.role_ranks[role] != self.role_ranks["actor"]:
                 raise ValueError(f"mesh.actor_ep={self.train_ep}: the {role} must live on the actor's ranks")
+        if self.train_sp < 1 or n % (self.train_sp * self.train_tp):
+            raise ValueError(
+                f"mesh.actor_sp={self.train_sp} (times mesh.actor_tp={self.train_tp}) must divide the actor's {n} "
+                f"ranks (mesh.actor_ranks); a sequence-parallel group is every actor_tp-th rank of "
+                f"{self.train_sp * self.train_tp} consecutive ones"
+            )
+        if self.train_sp > 1 and self.train_ep > 1:
+            raise ValueError(
+                f"mesh.actor_sp={self.train_sp} and mesh.actor_ep={self.train_ep}: sequence and expert parallelism do "
+                "not combine; use one of them"
+            )
+        for role in SEQUENCE_PARALLEL:
+            if self.train_sp > 1 and self.role_ranks[role] != self.role_ranks["actor"]:
+                raise ValueError(f"mesh.actor_sp={self.train_sp}: the {role} must live on the actor's ranks")
 
     @classmethod
     def from_config(cls, cfg: MeshConfig, world_size: int) -> "ParallelDims":
@@ -162,6 +199,7 @@ class ParallelDims:
             role_tp={"rollout": cfg.rollout_tp},
             train_tp=cfg.actor_tp,
             train_ep=cfg.actor_ep,
+            train_sp=cfg.actor_sp,
         )
 
     def dp_size(self, role: str) -> int:
@@ -188,6 +226,8 @@ class ParallelDims:
             )
             if role in EXPERT_PARALLEL and self.train_ep > 1:
                 train = f" (experts: edp={len(ranks) // self.train_ep} x ep={self.train_ep})"
+            if role in SEQUENCE_PARALLEL and self.train_sp > 1:
+                train += f" (sequences split over sp={self.train_sp})"
             lines.append(f"  {role:8s} ranks {_fmt(ranks):12s} dp={self.dp_size(role)} tp={self.role_tp[role]}{train}")
         return "\n".join(lines)
 
@@ -229,6 +269,15 @@ class RoleMeshes:
             ranks = dims.role_ranks["actor"]
             layout = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // dims.train_ep, dims.train_ep)
             self._experts = DeviceMesh(device_type, layout, mesh_dim_names=(EDP, EP))
+        # The sequence-parallel groups (mesh.actor_sp > 1): the actor's ranks as (dp, sp, tp), tp fastest, so that a
+        # TP group's members sit at the same place of their SP groups; viewed as (sdp, sp) with sdp = (dp, tp).
+        self._sequence: DeviceMesh | None = None
+        if dims.train_sp > 1:
+            ranks = dims.role_ranks["actor"]
+            sp, tp = dims.train_sp, dims.train_tp
+            grid = torch.tensor(ranks, dtype=torch.int).reshape(len(ranks) // (sp * tp), sp, tp)
+            layout = grid.transpose(1, 2).reshape(-1, sp)
+            self._sequence = DeviceMesh(device_type, layout, mesh_dim_names=(SDP, SP))
         # Split placement: the actor <-> rollout links (every rank takes part in creating their groups).
         self._links: dict[tuple[str, str, bool], DeviceMesh] = {}
         if dims.disjoint("actor", "rollout"):
@@ -265,6 +314,15 @@ class RoleMeshes:
             raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
         return self._experts if role in EXPERT_PARALLEL and self.hosts(role) else None
 
+    def sequence_mesh(self, role: str) -> DeviceMesh | None:
+        """The 1-D mesh of this rank's sequence-parallel group (``mesh.actor_sp`` > 1; group rank = place in the
+        sequence); None with ``actor_sp`` 1, for roles outside ``SEQUENCE_PARALLEL``, and on ranks without the role."""
+        if role not in self._meshes:
+            raise ValueError(f"unknown role {role!r}; roles are {ROLES}")
+        if self._sequence is None or role not in SEQUENCE_PARALLEL or not self.hosts(role):
+            return None
+        return self._sequence[SP]
+
     def dp_rank(self, role: str) -> int | None:
         mesh = self.get(role, DP)
         return None if mesh is None else mesh.get_local_rank()
@@ -282,7 +340,7 @@ class RoleMeshes:
         return mesh if self.rank in mesh.mesh.tolist() else None
 
 
-# -- an engine's model-parallel groups ----------------------------------------------------------------------------------
+# -- an engine's model-parallel groups ---------------------------------------------------------------------------------
 
 
 def grid_coords(index: int, *, tp: int, dp: int) -> tuple[int, int, int]:

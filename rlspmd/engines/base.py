@@ -131,7 +131,8 @@ class TrainingEngineConfig(Component):
 
     Traits the rest of the run reads: ``supports_lora`` (``actor.lora``), ``supports_mesh_tp`` (``mesh.actor_tp``
     is this engine's tensor parallelism), ``supports_vision`` (vision-language models, ``docs/vision.md``),
-    ``supports_moe`` (mixture-of-experts models and ``mesh.actor_ep``, ``docs/moe.md``), ``lends_weights`` (a
+    ``supports_moe`` (mixture-of-experts models and ``mesh.actor_ep``, ``docs/moe.md``), ``supports_mesh_sp``
+    (``mesh.actor_sp`` is this engine's sequence parallelism, ``docs/sequence-parallel.md``), ``lends_weights`` (a
     colocated native rollout engine reads the gathered weights in place: an ``InPlaceEngine``), ``vocab_outputs`` (its
     policy module computes what needs the whole vocabulary at each token on request: the ``extras`` and ``jsd`` of
     ``rlspmd.models.policy.CausalLMPolicy``, for the optimal token baseline and GKD)."""
@@ -141,6 +142,7 @@ class TrainingEngineConfig(Component):
     supports_mesh_tp: ClassVar[bool] = False
     supports_vision: ClassVar[bool] = False
     supports_moe: ClassVar[bool] = False
+    supports_mesh_sp: ClassVar[bool] = False
     lends_weights: ClassVar[bool] = False
     vocab_outputs: ClassVar[bool] = False
     param_dtype: str = "auto"
@@ -170,12 +172,16 @@ class TrainingEngineConfig(Component):
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
         expert_mesh: DeviceMesh | None = None,
+        sequence_mesh: DeviceMesh | None = None,
+        sequence_mode: str = "auto",
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         """A role's model on this engine. ``kind``: what the module computes; ``optim=None``: frozen; ``field_name``
         and ``section`` name the config fields in errors (``actor.model.path``, ``actor``); ``lora``: a policy training
         LoRA adapters only (engines with ``supports_lora``); ``train_mesh``: the ``(dp, tp)`` mesh of
         ``mesh.actor_tp`` > 1 (engines with ``supports_mesh_tp``); ``expert_mesh``: the ``(edp, ep)`` mesh of
-        ``mesh.actor_ep`` > 1 (engines with ``supports_moe``); ``freeze_vision``: a vision-language policy trains
-        its language model only (``actor.freeze_vision_tower``). Collective over ``mesh``."""
+        ``mesh.actor_ep`` > 1 (engines with ``supports_moe``); ``sequence_mesh``: this rank's sequence-parallel group
+        of ``mesh.actor_sp`` > 1 and ``sequence_mode`` its attention (engines with ``supports_mesh_sp``);
+        ``freeze_vision``: a vision-language policy trains its language model only (``actor.freeze_vision_tower``).
+        Collective over ``mesh``."""
         raise NotImplementedError

@@ -39,13 +39,17 @@ Kernels (``ModelConfig.attn_kernel``; ``auto`` picks the first that runs on the 
 
 ``auto`` on CUDA prefers flash_attn, then varlen, then flex (half precision; float32 falls back to sdpa_loop, since the
 compiled float32 FlexAttention failed to lower on an H100); the GPU suite (``scripts/bench/gpu_suite.py``) times varlen
-against flex: on an H100, 1.80 ms against 3.13 ms for one q05 layer's forward and backward (docs/performance.md). ``check_attn_kernel`` validates a choice at start-up
-(before models load) and returns the name the run log reports.
+against flex: on an H100, 1.80 ms against 3.13 ms for one q05 layer's forward and backward (docs/performance.md).
+``check_attn_kernel`` validates a choice at start-up (before models load) and returns the name the run log reports.
 
 Host syncs: exactly one device-to-host copy per packed micro-batch, in ``TokenCounts.of`` (the valid-token counts:
 the packed length ``T`` and the kernels' integer max length are host integers). A caller that already has the
 counts on the host passes them (``pack(..., counts=...)``) and the packed forward then syncs nowhere. Internal
 invariant checks that would read device data run on CPU only.
+
+Sequence parallelism (``mesh.actor_sp``, ``distributed/sequence_parallel.py``) hands each rank a slice of one pack;
+its ``PackedAttention`` then carries a ``seq`` object through which attention sees the whole pack (the kernels here
+run on the whole pack for a share of the heads, or on all-gathered keys and values).
 
 Equivalence with the padded forward (log-probs, entropies, values, losses, gradients) and between kernels is tested
 in ``tests/test_packing.py`` (CUDA kernels in its ``gpu``-marked tests). Simplification: a sliding-window layer is
@@ -234,6 +238,21 @@ class PackedAttention:
     """Per-sample lengths on the host (``sdpa_loop`` slices by them, without reading ``cu_seqlens`` back)."""
     block_mask: object | None = None
     """FlexAttention's document-causal ``BlockMask`` (``flex`` only)."""
+    seq: object | None = None
+    """Sequence parallelism (``distributed/sequence_parallel.py: SequenceShard``): this rank holds a slice of the pack,
+    the rest of this object describes the whole pack, and attention goes through ``seq.attention``. None: the rank
+    holds the whole pack."""
+
+    def kwargs(self) -> dict:
+        """The keyword arguments transformers forwards to the attention function for a packed sequence: ours, and
+        the ``cu_seq_lens``/``max_length`` keys of transformers' own flash-attention integration."""
+        return dict(
+            packed_attention=self,
+            cu_seq_lens_q=self.cu_seqlens,
+            cu_seq_lens_k=self.cu_seqlens,
+            max_length_q=self.max_seqlen,
+            max_length_k=self.max_seqlen,
+        )
 
 
 @dataclass
@@ -271,14 +290,7 @@ class PackedBatch:
     def attention_kwargs(self) -> dict:
         """The keyword arguments transformers forwards to the attention function for a packed sequence: ours, and
         the ``cu_seq_lens``/``max_length`` keys of transformers' own flash-attention integration."""
-        a = self.attention
-        return dict(
-            packed_attention=a,
-            cu_seq_lens_q=a.cu_seqlens,
-            cu_seq_lens_k=a.cu_seqlens,
-            max_length_q=a.max_seqlen,
-            max_length_k=a.max_seqlen,
-        )
+        return self.attention.kwargs()
 
     def unpack(self, x_T: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``(T, ...)`` per packed token -> ``(B, L, ...)`` with ``fill`` at padding (differentiable)."""
@@ -513,12 +525,17 @@ def packed_attention_forward(module, query, key, value, attention_mask, dropout:
     window = kwargs.get("sliding_window")
     if window is not None and meta.max_seqlen > window:
         raise ValueError(
-            f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; set model.packing=False"
+            f"packed attention: a sample of {meta.max_seqlen} tokens exceeds the sliding window {window}; "
+            "set model.packing=False"
         )
     scale = scaling if scaling is not None else D**-0.5
     # (1, heads, T, D) -> contiguous (T, heads, D): each sample a contiguous slice (on CPU, SDPA on strided per-sample
     # views of the (heads, T, D) layout measured 1.5-3x slower, forward + backward), FlashAttention's own layout
     flat = lambda x: x.transpose(1, 2).reshape(S, x.shape[1], D)  # noqa: E731
+    if meta.seq is not None:  # this rank's slice of a sequence-parallel pack: the group attends over the whole
+        return meta.seq.attention(flat(query), flat(key), flat(value), meta, KERNELS[meta.kernel], scale, dropout)[
+            None
+        ], None
     out = KERNELS[meta.kernel](flat(query), flat(key), flat(value), meta, scale, dropout)
     return out[None], None
 
@@ -569,7 +586,8 @@ def training_attn_implementation(requested: str, *, packing: bool, field_name: s
     if requested.startswith("flash_attention"):
         return requested
     raise ValueError(
-        f"{field_name}={requested!r} cannot run packed sequences; use sdpa or flash_attention_2, or set model.packing=False"
+        f"{field_name}={requested!r} cannot run packed sequences; use sdpa or flash_attention_2, "
+        "or set model.packing=False"
     )
 
 
@@ -584,16 +602,26 @@ def packed_hidden_states(
     as already prepared and skips mask creation, whose packed-sequence detection reads a device value back (a host
     sync per forward); the attention function, which finds ``packed_attention`` in its keywords, ignores it.
     """
+    return packed_decoder_hidden(
+        decoder, packed.input_ids_1T, packed.position_ids_1T, packed.attention, inputs_embeds=inputs_embeds, **extra
+    )
+
+
+def packed_decoder_hidden(
+    decoder: torch.nn.Module,
+    input_ids_1T: torch.Tensor,
+    position_ids_1T: torch.Tensor,
+    attention: PackedAttention,
+    *,
+    inputs_embeds: torch.Tensor | None = None,
+    **extra,
+) -> torch.Tensor:
+    """``packed_hidden_states`` from the pieces of a pack (a sequence-parallel rank runs its slice of one)."""
     mask = None
     if decoder.config._attn_implementation == PACKED_ATTENTION:
-        mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=packed.input_ids_1T.device)
-    ids = dict(input_ids=packed.input_ids_1T) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
+        mask = torch.empty((1, 1, 0, 0), dtype=torch.bool, device=position_ids_1T.device)
+    ids = dict(input_ids=input_ids_1T) if inputs_embeds is None else dict(inputs_embeds=inputs_embeds)
     out = decoder(
-        **ids,
-        position_ids=packed.position_ids_1T,
-        attention_mask=mask,
-        use_cache=False,
-        **packed.attention_kwargs(),
-        **extra,
+        **ids, position_ids=position_ids_1T, attention_mask=mask, use_cache=False, **attention.kwargs(), **extra
     )
     return out.last_hidden_state[0]

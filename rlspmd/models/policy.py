@@ -60,6 +60,8 @@ class CausalLMPolicy(nn.Module):
         self.packing = packing
         self.attn_kernel = attn_kernel
         self.moe = adapt_moe(hf_model)
+        self.seq = None
+        """The engine's sequence-parallel group (``distributed/sequence_parallel.py: SequenceParallel``) or None."""
 
     @property
     def config(self):
@@ -103,6 +105,27 @@ class CausalLMPolicy(nn.Module):
 
         else:
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, head.weight.dtype)
+            if self.seq is not None:  # the group's rows packed together, each rank a slice (rlspmd.validate: no MoE)
+                if extras or jsd is not None:
+                    raise ValueError(
+                        "sequence parallel (mesh.actor_sp > 1) computes log-probs and entropy only: no vocabulary "
+                        f"extras {extras} or GKD's JSD (the teacher role and algorithm.kl_estimator 'full' / OTB)"
+                    )
+
+                def logprobs(hidden_NH, targets_N, scalars):
+                    return chunked_logprobs(hidden_NH, head.weight, targets_N, **{**kw, "temperature": scalars[0],
+                                            "with_entropy": bool(scalars[1])})  # fmt: skip
+
+                return self.seq.run(
+                    self.hf.get_decoder(),
+                    logprobs,
+                    input_ids_BL,
+                    attention_mask_BL,
+                    position_ids_BL,
+                    response_len=response_len,
+                    scalars=(float(temperature), float(with_entropy)),
+                    kernel=kernel,
+                )
             packed = pack(
                 input_ids_BL,
                 attention_mask_BL,

@@ -38,6 +38,8 @@ class ValueModel(nn.Module):
         self.value_head = value_head
         self.packing = packing
         self.attn_kernel = attn_kernel
+        self.seq = None
+        """The engine's sequence-parallel group (``distributed/sequence_parallel.py: SequenceParallel``) or None."""
 
     @property
     def config(self):
@@ -49,6 +51,17 @@ class ValueModel(nn.Module):
         """``counts``: the micro-batch's host-side token counts when the caller has them (packed path only)."""
         if self.packing:  # valid tokens only (rlspmd.models.packing); 0 at padded response positions
             kernel = packed_kernel(self.attn_kernel, input_ids_BL.device, self.value_head.weight.dtype)
+            if self.seq is not None:  # the group's rows packed together, each rank a slice
+                (values_BR,) = self.seq.run(
+                    self.hf,
+                    lambda hidden_NH, targets_N, scalars: (_scalar_head(self.value_head, hidden_NH),),
+                    input_ids_BL,
+                    attention_mask_BL,
+                    position_ids_BL,
+                    response_len=response_len,
+                    kernel=kernel,
+                )
+                return values_BR
             packed = pack(
                 input_ids_BL,
                 attention_mask_BL,
@@ -199,5 +212,6 @@ def check_sequence_classifier(model_dir: Path, *, field_name: str) -> None:
     archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ValueError(
-            f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, not a *ForSequenceClassification model"
+            f"{field_name}: {model_dir} is a {archs or 'model without architectures'}, "
+            "not a *ForSequenceClassification model"
         )

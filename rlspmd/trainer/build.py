@@ -165,6 +165,8 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
 
     mesh = meshes.get("actor", DP)
     train_mesh = meshes.train_mesh("actor")  # (dp, tp) with mesh.actor_tp > 1: the engines' layout, not the data's
+    # mesh.actor_sp > 1: this rank's sequence-parallel group (the engines split packed sequences; data stays per rank)
+    seq = dict(sequence_mesh=meshes.sequence_mesh("actor"), sequence_mode=cfg.mesh.actor_sp_mode)
     dp, n, R = mesh.size(), cfg.rollout.n, cfg.rollout.max_response_length
     tbs = cfg.data.train_batch_size
     checkpointer = Checkpointer(cfg.checkpoint, output_dir=trainer.output_dir, rank=rt.rank, world_size=dp, mesh=mesh)
@@ -202,7 +204,14 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
     if plan.critic:
         c_plan = critic_plan(cfg.critic, total_steps=trainer.total_steps, **plans)
         critic = build_critic(
-            cfg.critic, model=m, mesh=mesh, device=rt.device, plan=c_plan, seed=trainer.seed, train_mesh=train_mesh
+            cfg.critic,
+            model=m,
+            mesh=mesh,
+            device=rt.device,
+            plan=c_plan,
+            seed=trainer.seed,
+            train_mesh=train_mesh,
+            **seq,
         )
         critic_rows = c_plan.local_mini_batch
     a, estimator, signal = cfg.actor, cfg.algorithm.adv_estimator, cfg.teacher.signal
@@ -238,6 +247,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
         seed=trainer.seed,
         train_mesh=train_mesh,
         expert_mesh=expert_mesh,
+        **seq,
         rollout_routing=records_routing(cfg.rollout),
         sum_pi_squared=estimator.uses_sum_pi_squared,
         loss_term=TeacherLossTerm(signal.build(), teacher=teacher) if plan.teacher and signal.at == "loss" else None,
@@ -252,6 +262,7 @@ def build_roles(cfg: Config, rt: Runtime, meshes: RoleMeshes) -> Roles:
             policy=actor,
             train_mesh=train_mesh,
             expert_mesh=expert_mesh,
+            **seq,
         )
         if plan.reference
         else NoReference()

@@ -66,11 +66,15 @@ def build_policy(
     seed: int = 0,
     train_mesh=None,
     expert_mesh=None,
+    sequence_mesh=None,
+    sequence_mode: str = "auto",
     rollout_routing: bool = False,
     sum_pi_squared: bool = False,
     loss_term: LossTerm | None = None,
 ) -> Policy:
-    """``rollout_routing``: the rollout engine records the experts of a MoE model's tokens (``roles/moe.py``)."""
+    """``rollout_routing``: the rollout engine records the experts of a MoE model's tokens (``roles/moe.py``).
+    ``sequence_mesh``, ``sequence_mode``: ``mesh.actor_sp`` > 1 (``RoleMeshes.sequence_mesh``,
+    ``mesh.actor_sp_mode``)."""
     engine = cfg.engine.build(
         "policy",
         cfg.model.path,
@@ -86,6 +90,8 @@ def build_policy(
         lora=cfg.lora,
         train_mesh=train_mesh,
         expert_mesh=expert_mesh,
+        sequence_mesh=sequence_mesh,
+        sequence_mode=sequence_mode,
         freeze_vision=cfg.freeze_vision_tower,
     )
     hf_config = engine.hf_model.config
@@ -125,6 +131,8 @@ def build_reference(
     policy: Policy | None = None,
     train_mesh=None,
     expert_mesh=None,
+    sequence_mesh=None,
+    sequence_mode: str = "auto",
 ) -> Reference:
     """The reference runs on the actor's engine and layout. With LoRA it is the actor's own engine with the adapters
     switched off (the base model: no second copy of the weights)."""
@@ -147,6 +155,8 @@ def build_reference(
         section="actor",
         train_mesh=train_mesh,
         expert_mesh=expert_mesh,
+        sequence_mesh=sequence_mesh,
+        sequence_mode=sequence_mode,
     )
     offload = resolve_ref_offload(cfg, device=device, cpu_offload=actor.engine.params_on_host())
     return Reference(cfg, engine=engine, temperature=temperature, offload=offload)
@@ -173,7 +183,16 @@ def build_teacher(
 
 
 def build_critic(
-    cfg: CriticConfig, *, model: ModelConfig, mesh, device: torch.device, plan: UpdatePlan, seed: int, train_mesh=None
+    cfg: CriticConfig,
+    *,
+    model: ModelConfig,
+    mesh,
+    device: torch.device,
+    plan: UpdatePlan,
+    seed: int,
+    train_mesh=None,
+    sequence_mesh=None,
+    sequence_mode: str = "auto",
 ) -> Critic:
     """``model``: the actor's model section (the critic starts from its weights unless ``critic.model_path`` is set)."""
     engine = cfg.engine.build(
@@ -189,6 +208,8 @@ def build_critic(
         field_name="critic.model_path" if cfg.model_path else "actor.model.path",
         section="critic",
         train_mesh=train_mesh,
+        sequence_mesh=sequence_mesh,
+        sequence_mode=sequence_mode,
     )
     return Critic(cfg, engine=engine, plan=plan)
 

@@ -28,6 +28,7 @@ from rlspmd.validate.files import check_context, check_data_files, check_files_e
 from rlspmd.validate.problems import ConfigError, Problems, check_types
 from rlspmd.validate.sections import (
     check_actor,
+    check_actor_sp,
     check_actor_tp,
     check_agent,
     check_algorithm,
@@ -110,6 +111,8 @@ def config_problems(cfg: Config, *, world_size: int, check_files: bool = True) -
         check_critic(p, cfg.critic, train_batch_size=d.train_batch_size, n=r.n, dp=dp)
     if cfg.mesh.actor_tp > 1:
         check_actor_tp(p, cfg, with_critic=with_critic, check_files=check_files)
+    if cfg.mesh.actor_sp > 1:
+        check_actor_sp(p, cfg, with_critic=with_critic, check_files=check_files)
     for name, value, why in moe_problems(cfg, check_files=check_files):  # actor.moe, mesh.actor_ep
         p.add(name, value, why)
     check_algorithm(p, cfg.algorithm, train_batch_size=d.train_batch_size, n=r.n, dp=dp)

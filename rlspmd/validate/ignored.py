@@ -13,6 +13,7 @@ from rlspmd.config import (
     CriticConfig,
     FilterGroupsConfig,
     FixedKL,
+    MeshConfig,
     OverlongBufferConfig,
     RewardConfig,
     RewardModelConfig,
@@ -39,6 +40,8 @@ def ignored_settings(cfg: Config) -> list[str]:
     ):
         out.append("actor.kl_loss_coef / kl_loss_type are set but actor.use_kl_loss=False")
     out += _ignored_policy_loss_settings(cfg.actor)
+    if cfg.mesh.actor_sp == 1 and cfg.mesh.actor_sp_mode != MeshConfig.actor_sp_mode:
+        out.append("mesh.actor_sp_mode is set but mesh.actor_sp=1 (no sequence parallelism)")
     est = alg.adv_estimator.name
     if alg.adv_estimator.uses_reward_components and alg.use_kl_in_reward:
         out.append(

@@ -132,6 +132,72 @@ def check_actor_tp(p: Problems, cfg: Config, *, with_critic: bool, check_files: 
             )
 
 
+def check_actor_sp(p: Problems, cfg: Config, *, with_critic: bool, check_files: bool) -> None:
+    """Sequence parallelism of the training roles (``mesh.actor_sp``; its divisibility of the ranks and its
+    combinations with ``actor_tp`` / ``actor_ep`` are placement checks): an engine whose sequence parallelism it is
+    (FSDP), packed sequences through rlspmd's attention, a dense text model, and (when files are checked) heads that
+    the chosen mode can split: every model the actor, reference and critic load."""
+    from rlspmd.distributed.sequence_parallel import resolve_sp_mode
+    from rlspmd.models.moe import MOE_MODEL_TYPES
+    from rlspmd.models.vision import VISION_MODEL_TYPES
+
+    sp, m = cfg.mesh.actor_sp, cfg.actor.model
+    for section, engine in (("actor", cfg.actor.engine), *((("critic", cfg.critic.engine),) if with_critic else ())):
+        if not engine.supports_mesh_sp:
+            p.add(
+                "mesh.actor_sp",
+                sp,
+                f"is the fsdp engine's sequence parallelism; {section}.engine:{engine.name} has none",
+            )
+    if not m.packing or m.attn_implementation != "sdpa":
+        why = "model.packing=False" if not m.packing else f"attn_implementation={m.attn_implementation!r}"
+        p.add(
+            "mesh.actor_sp",
+            sp,
+            "splits packed sequences run by rlspmd's attention (actor.model.packing=True, "
+            f"attn_implementation='sdpa'); got {why}",
+        )
+    if cfg.teacher.enabled:
+        p.add(
+            "teacher.model_path",
+            cfg.teacher.model_path,
+            f"a teacher role does not run with mesh.actor_sp={sp} yet: its signals need the vocabulary outputs "
+            "(argmax, vocab_logprobs, GKD's JSD) that the split policy forward does not compute; use mesh.actor_sp=1",
+        )
+    if cfg.algorithm.adv_estimator.uses_sum_pi_squared:
+        p.add(
+            "algorithm.adv_estimator",
+            cfg.algorithm.adv_estimator.name,
+            f"needs the sum of squared probabilities over the vocabulary, which the policy forward does not compute "
+            f"with mesh.actor_sp={sp} yet; use mesh.actor_sp=1",
+        )
+    if not check_files:
+        return
+    models = [("actor.model.path", m.path), ("ref.model_path", cfg.ref.model_path)]
+    if with_critic:
+        models.append(("critic.model_path", cfg.critic.model_path))
+    for field_name, path in models:
+        config_json = None if path is None else Path(path).expanduser() / "config.json"
+        if config_json is None or not config_json.is_file():
+            continue
+        c = json.loads(config_json.read_text())
+        model_type = c.get("model_type")
+        if model_type in MOE_MODEL_TYPES or model_type in VISION_MODEL_TYPES:
+            kind = "mixture-of-experts" if model_type in MOE_MODEL_TYPES else "vision-language"
+            p.add("mesh.actor_sp", sp, f"does not run {kind} models yet ({field_name}={path}: {model_type})")
+            continue
+        heads = c.get("num_attention_heads")
+        if not isinstance(heads, int):
+            continue
+        try:
+            resolve_sp_mode(
+                cfg.mesh.actor_sp_mode, heads=heads, kv_heads=c.get("num_key_value_heads") or heads, sp=sp,
+                tp=cfg.mesh.actor_tp,
+            )  # fmt: skip
+        except ValueError as e:
+            p.add("mesh.actor_sp_mode", cfg.mesh.actor_sp_mode, f"{field_name}={path}: {e}")
+
+
 def _lora(p: Problems, lora: LoraConfig, *, engine) -> None:
     p.at_least("actor.lora.rank", lora.rank, 0)
     if not lora.enabled:
@@ -235,7 +301,8 @@ def check_gdpo(p: Problems, alg: AlgorithmConfig, rw: RewardConfig, *, agent: bo
             "algorithm.adv_estimator.reward_weights",
             weights,
             f"needs one weight per reward component: {len(columns)} "
-            f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with rollout.agent, then reward.components)",
+            f"columns {columns} (the rule score, the reward model's with reward.model.path, the agent's with "
+            "rollout.agent, then reward.components)",
         )
 
 

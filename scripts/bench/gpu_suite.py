@@ -19,14 +19,16 @@ traps SIGTERM to checkpoint, so the kill is SIGKILL), in this order:
               decoding vs eager, no host syncs, MoE grouped GEMM vs the loop), as one JSON line
   moe         one MoE layer's experts at Qwen3-30B-A3B's shapes, grouped GEMM vs per-expert loop (``moe_experts.py``)
   q15         the same GRPO step on the 1.3 B model, for MFU at a larger size (built in this phase)
+  sequence_parallel  one actor update on a 16k / 32k-token response per rank, SP 1 vs 2 on 2 GPUs: device memory
+              and step time (``sequence_parallel.py``); skipped with fewer than 2 GPUs
   summary     every target of issue 12 with its measured value
 
 Every benchmark prints one JSON line; the suite re-prints them (plus one status line per phase: seconds, exit status,
-timed out or skipped, and the output's tail when it failed) and writes them to ``$OUT/gpu_suite.jsonl`` (``--out-dir``, default ``$OUT`` or ``outputs/gpu_suite``),
-with each phase's full output in ``<phase>.log``. The phase limits add up to ``--budget-s`` (510 s, under 9 minutes
-on one H100 with the models already built; a first run also builds them); a phase starts only with at least 20 s of
-the budget left. ``--smoke`` runs the smoke configs (``configs/bench/grpo_q05.py:smoke``, ``grpo_q15.py:smoke``) on
-``models/bench-tiny`` with generous limits.
+timed out or skipped, and the output's tail when it failed) and writes them to ``$OUT/gpu_suite.jsonl``
+(``--out-dir``, default ``$OUT`` or ``outputs/gpu_suite``), with each phase's full output in ``<phase>.log``. The
+phase limits add up to ``--budget-s`` (510 s, under 9 minutes on one H100 with the models already built; a first run
+also builds them); a phase starts only with at least 20 s of the budget left. ``--smoke`` runs the smoke configs
+(``configs/bench/grpo_q05.py:smoke``, ``grpo_q15.py:smoke``) on ``models/bench-tiny`` with generous limits.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
                 ["scripts/bench/grpo_stages.py", "--config", "configs/bench/grpo_q15.py:smoke", "--profile-step", "0"],
                 600,
             ),
+            (
+                "sequence_parallel",
+                ["scripts/bench/sequence_parallel.py", "--lengths", "256", "--sp", "1", "2", "--nproc", "2"],
+                300,
+            ),
         ]
     return [
         ("build", ["scripts/bench/grpo_workload.py", "--which", "grpo_q05", "--num-prompts", "256"], 70),
@@ -158,6 +165,11 @@ def phases(smoke: bool) -> list[tuple[str, list[str], float]]:
             ],
             120,
         ),  # its model is built inside its own time limit
+        (  # 2 GPUs, one rank each; reports itself skipped on a 1-GPU machine
+            "sequence_parallel",
+            ["scripts/bench/sequence_parallel.py", "--lengths", "16384", "32768", "--sp", "1", "2", "--nproc", "2"],
+            60,
+        ),
     ]
 
 

@@ -31,13 +31,14 @@ from rlspmd.models.vision import freeze_vision_tower
 @dataclass
 class FSDPConfig(TrainingEngineConfig):
     """The FSDP2 engine: ``fully_shard`` on each decoder layer, then the root; every feature (LoRA, ``mesh.actor_tp``,
-    CPU offload, packing). ``SFTConfig.fsdp`` is one too."""
+    ``mesh.actor_sp``, CPU offload, packing). ``SFTConfig.fsdp`` is one too."""
 
     name: ClassVar[str] = "fsdp"
     supports_lora: ClassVar[bool] = True
     supports_mesh_tp: ClassVar[bool] = True
     supports_vision: ClassVar[bool] = True
     supports_moe: ClassVar[bool] = True
+    supports_mesh_sp: ClassVar[bool] = True
     lends_weights: ClassVar[bool] = True
     vocab_outputs: ClassVar[bool] = True
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -69,6 +70,8 @@ class FSDPConfig(TrainingEngineConfig):
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
         expert_mesh: DeviceMesh | None = None,
+        sequence_mesh: DeviceMesh | None = None,
+        sequence_mode: str = "auto",
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         lora = lora if lora is not None and lora.enabled else None
@@ -88,6 +91,8 @@ class FSDPConfig(TrainingEngineConfig):
             kw["train_mesh"] = train_mesh
         if expert_mesh is not None:
             kw["expert_mesh"] = expert_mesh
+        if sequence_mesh is not None:
+            kw.update(sequence_mesh=sequence_mesh, sequence_mode=sequence_mode)
         if lora is not None:
             return LoraEngine(module, module.hf, lora=lora, **kw)
         return FSDPEngine(module, module.hf, **kw)

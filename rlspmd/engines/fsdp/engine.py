@@ -24,6 +24,13 @@ over the role's DP mesh with the dense parameters. Gradients of the experts are 
 contributions from the other EP ranks arrive through the ``all_to_all``'s backward. The gradient norm is taken per
 mesh (``grad_norm_2d``), and the weight stream gathers each tensor whole (as with TP).
 
+**Sequence parallel + FSDP2.** Given a sequence-parallel group (``RoleMeshes.sequence_mesh``, ``mesh.actor_sp`` > 1),
+the role module's packed forwards split the group's rows over its ranks (``distributed/sequence_parallel.py``): the
+parameters stay FSDP2-sharded over all the role's ranks (each rank's gradient is its slice's share; the sum over ranks
+is the whole), and ``optimizer_step`` runs each micro-batch as ``sp`` turns, one member's rows at a time, so a
+backward holds ``1 / sp`` of one micro-batch's activations. It composes with tensor parallelism (attention heads split
+over ``tp`` first, then over ``sp``) and LoRA.
+
 Gradients are *summed* over DP ranks (gradient divide factor 1): losses are already normalised by the
 global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
 ranks or micro-batches.
@@ -54,13 +61,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from rlspmd.distributed.sequence_parallel import SequenceParallel, resolve_sp_mode
 from rlspmd.distributed.tp_batch import gather_group_rows, keep_own_rows
 from rlspmd.engines.base import UpdateStats, compute_dtype
 from rlspmd.engines.optim import OptimConfig, Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
 from rlspmd.models.moe import apply_ep, moe_blocks
+from rlspmd.models.policy import CausalLMPolicy
 from rlspmd.models.sharded_load import WeightPlan, is_meta, materialize
+from rlspmd.models.value import ValueModel
 from rlspmd.models.vision import vision_blocks
 
 
@@ -147,6 +157,24 @@ class TPGroupRows:
         return tuple(own(o) for o in out) if isinstance(out, tuple) else own(out)
 
 
+def apply_sp(
+    module: nn.Module, hf_model: nn.Module, *, sp_mesh: DeviceMesh, mode: str, train_mesh: DeviceMesh | None
+) -> SequenceParallel:
+    """Make ``module`` (a policy or value model: its ``seq``) split its packed forwards over ``sp_mesh``; ``mode``
+    (``mesh.actor_sp_mode``) resolved against the model's heads (after ``train_mesh``'s tensor parallelism)."""
+    cfg = hf_model.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    tp = 1 if train_mesh is None else train_mesh["tp"].size()
+    resolved = resolve_sp_mode(mode, heads=heads, kv_heads=kv, sp=sp_mesh.size(), tp=tp)
+    assert isinstance(module, (CausalLMPolicy, ValueModel)) and module.packing, (
+        "sequence parallelism splits packed policy and value forwards (rlspmd.validate)"
+    )
+    assert not isinstance(module, CausalLMPolicy) or module.moe is None, "no MoE models under sequence parallelism"
+    module.seq = SequenceParallel(sp_mesh.get_group(), mode=resolved)
+    return module.seq
+
+
 def grad_norm_2d(params: list[nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of the gradients of parameters that live on different meshes and placements (2-D TP
     weights, 1-D FSDP norms): one norm per (mesh, placements) group, reduced by DTensor, then combined."""
@@ -225,10 +253,13 @@ class FSDPEngine:
         weights: WeightPlan | None = None,
         train_mesh: DeviceMesh | None = None,
         expert_mesh: DeviceMesh | None = None,
+        sequence_mesh: DeviceMesh | None = None,
+        sequence_mode: str = "auto",
     ):
         """``fused_optimizer``: fused AdamW; None picks it where the sharded parameters live on CUDA. ``weights``: where
         the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor parallel + FSDP2.
-        ``expert_mesh``: ``(edp, ep)``, expert parallel for the MoE layers + FSDP2."""
+        ``expert_mesh``: ``(edp, ep)``, expert parallel for the MoE layers + FSDP2. ``sequence_mesh``: this rank's
+        sequence-parallel group (1-D), ``sequence_mode`` its attention (``mesh.actor_sp_mode``)."""
         self.mesh = mesh
         self.train_mesh = train_mesh
         self.expert_mesh = expert_mesh
@@ -256,6 +287,9 @@ class FSDPEngine:
         if train_mesh is not None:
             # after fully_shard: FSDP2's forward hooks see the group's outputs, ours then cut this rank's rows
             TPGroupRows(module, train_mesh["tp"].get_group())
+        self.seq: SequenceParallel | None = None
+        if sequence_mesh is not None:
+            self.seq = apply_sp(module, hf_model, sp_mesh=sequence_mesh, mode=sequence_mode, train_mesh=train_mesh)
         if weights is not None:
             # FSDP2's CPU offload keeps the sharded parameters in host memory
             materialize(module, device=torch.device("cpu") if fsdp.cpu_offload else device)
@@ -308,7 +342,14 @@ class FSDPEngine:
         assert self.optim is not None, "optimizer_step on a frozen engine"
         self.optim.zero_grad()
         for mb in micro_batches:
-            loss_fn(self.module, mb).backward()
+            if self.seq is None:
+                loss_fn(self.module, mb).backward()
+                continue
+            for owner in range(self.seq.size):  # the SP group's turns: one member's rows at a time, split over all
+                if owner == self.seq.rank:
+                    loss_fn(self.module, mb).backward()
+                else:
+                    self.seq.follow(self.module, device=self.device).backward()
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.train_mesh is None and self.expert_mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.optim.max_norm)

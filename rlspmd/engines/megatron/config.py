@@ -57,10 +57,13 @@ class MegatronConfig(TrainingEngineConfig):
         lora: LoraConfig | None = None,
         train_mesh: DeviceMesh | None = None,
         expert_mesh: DeviceMesh | None = None,
+        sequence_mesh: DeviceMesh | None = None,
+        sequence_mode: str = "auto",
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         assert train_mesh is None and (lora is None or not lora.enabled), "rlspmd.validate: fsdp-only features"
         assert expert_mesh is None, "rlspmd.validate: expert parallelism needs supports_moe"
+        assert sequence_mesh is None, "rlspmd.validate: sequence parallelism needs supports_mesh_sp"
         assert not freeze_vision, "rlspmd.validate: vision-language models need supports_vision"
         if kind == "scorer":
             from rlspmd.engines.fsdp import FSDPConfig
