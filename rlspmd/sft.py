@@ -38,7 +38,7 @@ from rlspmd.engines.base import compute_dtype
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
-from rlspmd.models.packing import check_attn_kernel
+from rlspmd.models.attn_kernels import check_attn_kernel
 from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch, position_ids
 from rlspmd.models.sharded_load import build_policy_module

@@ -12,15 +12,13 @@ from rlspmd.models.packing import (
     PACKED_ATTENTION,
     PackedAttention,
     TokenCounts,
-    check_attn_kernel,
     cu_seqlens_from_position_ids,
     document_causal_block_mask,
-    kernel_problem,
     pack,
-    resolve_attn_kernel,
     sdpa_loop_attention,
     training_attn_implementation,
 )
+from rlspmd.models.attn_kernels import check_attn_kernel, kernel_problem, resolve_attn_kernel
 from rlspmd.models.policy import CausalLMPolicy
 
 

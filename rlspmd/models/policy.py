@@ -34,7 +34,8 @@ from torch import nn
 
 from rlspmd.models.logprobs import DEFAULT_CHUNK, VOCAB_LOGPROBS, JSDTarget, chunked_jsd, chunked_logprobs
 from rlspmd.models.moe import adapt_moe
-from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states
+from rlspmd.models.attn_kernels import packed_kernel
 
 
 def response_hidden(hidden_BLH: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -22,7 +22,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
 from rlspmd.models.loader import DTYPES, check_model_dir
-from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel, training_attn_implementation
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, training_attn_implementation
+from rlspmd.models.attn_kernels import packed_kernel
 from rlspmd.models.policy import response_hidden
 
 HEAD_PREFIXES = ("value_head.", "score.")

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
-from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states, packed_kernel
+from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states
+from rlspmd.models.attn_kernels import packed_kernel
 
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 """``model_type`` of the vision-language families the trainer and the native engine run."""

@@ -29,7 +29,7 @@ from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
-from rlspmd.models.packing import check_attn_kernel
+from rlspmd.models.attn_kernels import check_attn_kernel
 from rlspmd.protocol import Batch
 from rlspmd.rewards import RewardManager
 from rlspmd.rewards.functions import spec_name

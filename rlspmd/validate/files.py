@@ -98,9 +98,9 @@ def check_context(p: Problems, cfg: Config, *, with_critic: bool) -> None:
             p.add(
                 "data.max_prompt_length",
                 d.max_prompt_length,
-                f"+ rollout.max_response_length={r.max_response_length} ({what}) = {total} tokens exceeds the context of "
-                f"{field}={path!r} (max_position_embeddings={limit} in its config.json); lower one of them so their sum "
-                f"is <= {limit}",
+                f"+ rollout.max_response_length={r.max_response_length} ({what}) = {total} tokens exceeds the "
+                f"context of {field}={path!r} (max_position_embeddings={limit} in its config.json); lower one of them "
+                f"so their sum is <= {limit}",
             )
     path = cfg.actor.model.path
     for name, value, why in r.engine.context_problems(model_path=path, model_context=model_context(path)):

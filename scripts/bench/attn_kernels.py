@@ -52,7 +52,8 @@ def main(argv=None):
 
     import torch
 
-    from rlspmd.models.packing import KERNELS, PackedAttention, document_causal_block_mask, kernel_problem
+    from rlspmd.models.packing import KERNELS, PackedAttention, document_causal_block_mask
+    from rlspmd.models.attn_kernels import kernel_problem
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)

@@ -234,7 +234,7 @@ def env_report() -> dict:
 
     import torch
 
-    from rlspmd.models.packing import kernel_problem
+    from rlspmd.models.attn_kernels import kernel_problem
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")

@@ -54,7 +54,7 @@ def main(argv=None):
     from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, shutdown
     from rlspmd.engines.base import compute_dtype
-    from rlspmd.models.packing import check_attn_kernel
+    from rlspmd.models.attn_kernels import check_attn_kernel
     from rlspmd.trainer.timing import StageProbe, device_synchronize
 
     cfg = load_config_file(a.config)
