@@ -90,6 +90,7 @@ def _differ(want: dict, got: dict, *, skip: tuple[str, ...] = ()) -> dict:
     return {k: (want[k], got.get(k)) for k in want if not k.startswith(skip) and got.get(k) != want[k]}
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_plus_two_ranks_at_max_staleness_0_are_bit_identical_to_the_synchronous_loop(
     tiny_model, arithmetic_data, reward_fn, tmp_path

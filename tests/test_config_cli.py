@@ -169,6 +169,7 @@ def test_dry_run_prints_layout_4_ranks():
     assert out.count("world size 4") == 1  # printed by rank 0 only
 
 
+@pytest.mark.slow  # several 4-rank dry runs: over 20 s on 2 cores
 def test_dry_run_split_placement_and_bad_degrees():
     proc = torchrun(
         [

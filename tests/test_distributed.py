@@ -54,6 +54,7 @@ def test_fsdp2_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
     assert_same_gradients(grads_by_layout("policy_grad_check.py", tiny_model, tmp_path), "pg_loss")
 
 
+@pytest.mark.slow  # every loss through the Policy role on 1 and 2 ranks (the PPO-clip case stays in the quick subset)
 def test_every_policy_loss_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
     """Each ``actor.policy_loss`` (sapo with its tau options) trains through the Policy role, rank-independently.
     Clip-Cov and KL-Cov select tokens by micro-batch statistics (as verl does), so they are left out."""
