@@ -102,25 +102,35 @@ def hf_logprobs(model_dir, refs, R: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_log_probs_equal_transformers_forward(tiny_vl_model, packing):
+def assert_log_probs_equal_transformers(
+    model_dir, *, packing: bool, device=torch.device("cpu"), atol: float = TOL
+) -> tuple[Batch, list[dict]]:
+    """rlspmd's training wrapper of ``model_dir`` (fp32, on ``device``) gives ``vl_rows``' response log-probs as
+    transformers' forward on CPU does, within ``atol``; returns the rows."""
     from rlspmd.models.sharded_load import build_policy_module
 
-    batch, refs = vl_rows(tiny_vl_model)
+    batch, refs = vl_rows(model_dir)
     R = batch["responses_BR"].shape[1]
-    expected = hf_logprobs(tiny_vl_model, refs, R) * batch["response_mask_BR"]
+    mask = batch["response_mask_BR"]
+    expected = hf_logprobs(model_dir, refs, R) * mask
     module = build_policy_module(
-        str(tiny_vl_model), dtype="float32", attn_implementation="sdpa", field_name="model", packing=packing
-    )
+        str(model_dir), dtype="float32", attn_implementation="sdpa", field_name="model", packing=packing
+    ).to(device)
     with torch.no_grad():
         lp, _ = module(
-            batch["input_ids_BL"],
-            batch["attention_mask_BL"],
-            batch["position_ids_BL"],
+            batch["input_ids_BL"].to(device),
+            batch["attention_mask_BL"].to(device),
+            batch["position_ids_BL"].to(device),
             images=batch["images"],
             response_len=R,
         )
-    torch.testing.assert_close(lp * batch["response_mask_BR"], expected, atol=TOL, rtol=0)
+    torch.testing.assert_close(lp.cpu() * mask, expected, atol=atol, rtol=0)
+    return batch, refs
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_log_probs_equal_transformers_forward(tiny_vl_model, packing):
+    assert_log_probs_equal_transformers(tiny_vl_model, packing=packing)
 
 
 def test_mrope_positions_equal_transformers(tiny_vl_model):
@@ -435,6 +445,23 @@ def hf_greedy(model_dir, refs, n: int) -> list[list[int]]:
     return out
 
 
+def assert_native_greedy_equals_transformers(
+    model_dir, batch: Batch, refs, n: int, *, device=torch.device("cpu")
+) -> list[list[int]]:
+    """The native engine on ``device`` (eager, one batch) decodes ``n`` greedy tokens per row as transformers'
+    ``generate`` on CPU does; returns them."""
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.rollout.native import NativeEngine, OwnWeights
+    from rlspmd.rollout.sampling import SamplingParams
+
+    hf = load_causal_lm(model_dir, dtype="float32", attn_implementation="sdpa", field_name="model").to(device)
+    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=device)
+    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=n), generator=None)
+    expected = hf_greedy(model_dir, refs, n)
+    assert out["responses_BR"].tolist() == expected
+    return expected
+
+
 @pytest.fixture(scope="module")
 def lively_vl_model(tiny_vl_model, tmp_path_factory):
     """The tiny VL model with its matrices redrawn 10x larger (seeded): its greedy tokens depend on the images and
@@ -458,17 +485,8 @@ def lively_vl_model(tiny_vl_model, tmp_path_factory):
 def test_native_engine_greedy_generation_equals_transformers_generate(lively_vl_model):
     """Left-padded prompts with one, two and no images, decoded in one batch (eager, prefill with image features and
     M-RoPE, decode steps at index + delta), give transformers' greedy tokens."""
-    from rlspmd.models.loader import load_causal_lm
-    from rlspmd.rollout.native import NativeEngine, OwnWeights
-    from rlspmd.rollout.sampling import SamplingParams
-
     batch, refs = vl_rows(lively_vl_model)
-    n = 12
-    expected = hf_greedy(lively_vl_model, refs, n)
-    hf = load_causal_lm(lively_vl_model, dtype="float32", attn_implementation="sdpa", field_name="model")
-    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=torch.device("cpu"))
-    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=n), generator=None)
-    assert out["responses_BR"].tolist() == expected
+    expected = assert_native_greedy_equals_transformers(lively_vl_model, batch, refs, 12)
     assert len({tuple(e) for e in expected}) == len(expected)  # the rows (their images) lead to different tokens
 
 
@@ -807,30 +825,8 @@ def tiny_qwen2_vl(tiny_vl_model, tmp_path_factory):
 
 
 def test_qwen2_vl_log_probs_and_greedy_generation_equal_transformers(tiny_qwen2_vl):
-    from rlspmd.models.loader import load_causal_lm
-    from rlspmd.models.sharded_load import build_policy_module
-    from rlspmd.rollout.native import NativeEngine, OwnWeights
-    from rlspmd.rollout.sampling import SamplingParams
-
-    batch, refs = vl_rows(tiny_qwen2_vl)
-    R = batch["responses_BR"].shape[1]
-    expected = hf_logprobs(tiny_qwen2_vl, refs, R) * batch["response_mask_BR"]
-    module = build_policy_module(
-        str(tiny_qwen2_vl), dtype="float32", attn_implementation="sdpa", field_name="m", packing=True
-    )
-    with torch.no_grad():
-        lp, _ = module(
-            batch["input_ids_BL"],
-            batch["attention_mask_BL"],
-            batch["position_ids_BL"],
-            images=batch["images"],
-            response_len=R,
-        )
-    torch.testing.assert_close(lp * batch["response_mask_BR"], expected, atol=TOL, rtol=0)
-    hf = load_causal_lm(tiny_qwen2_vl, dtype="float32", attn_implementation="sdpa", field_name="m")
-    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=torch.device("cpu"))
-    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=8), generator=None)
-    assert out["responses_BR"].tolist() == hf_greedy(tiny_qwen2_vl, refs, 8)
+    batch, refs = assert_log_probs_equal_transformers(tiny_qwen2_vl, packing=True)
+    assert_native_greedy_equals_transformers(tiny_qwen2_vl, batch, refs, 8)
 
 
 @pytest.mark.gpu
@@ -839,31 +835,7 @@ def test_qwen2_vl_log_probs_and_greedy_generation_equal_transformers(tiny_qwen2_
 def test_cuda_log_probs_and_greedy_generation_equal_transformers_on_cpu(lively_vl_model, packing):
     """On CUDA (fp32, TF32 off): the training wrapper's log-probs (padded and packed, image features scattered on the
     GPU) and the native engine's greedy tokens equal transformers' forward and ``generate`` on CPU."""
-    from rlspmd.models.loader import load_causal_lm
-    from rlspmd.models.sharded_load import build_policy_module
-    from rlspmd.rollout.native import NativeEngine, OwnWeights
-    from rlspmd.rollout.sampling import SamplingParams
-
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.device("cuda")
-    batch, refs = vl_rows(lively_vl_model)
-    R = batch["responses_BR"].shape[1]
-    mask = batch["response_mask_BR"]
-    expected = hf_logprobs(lively_vl_model, refs, R) * mask
-    module = build_policy_module(
-        str(lively_vl_model), dtype="float32", attn_implementation="sdpa", field_name="model", packing=packing
-    ).to(cuda)
-    with torch.no_grad():
-        lp, _ = module(
-            batch["input_ids_BL"].to(cuda),
-            batch["attention_mask_BL"].to(cuda),
-            batch["position_ids_BL"].to(cuda),
-            images=batch["images"],
-            response_len=R,
-        )
-    torch.testing.assert_close(lp.cpu() * mask, expected, atol=1e-3, rtol=0)
-    n = 12
-    hf = load_causal_lm(lively_vl_model, dtype="float32", attn_implementation="sdpa", field_name="model").to(cuda)
-    engine = NativeEngine(OwnWeights(hf), eos_ids=[], pad_id=0, max_batch_size=8, device=cuda)
-    out = engine.generate(prompt_batch(batch, refs), SamplingParams(temperature=0.0, max_new_tokens=n), generator=None)
-    assert out["responses_BR"].tolist() == hf_greedy(lively_vl_model, refs, n)
+    batch, refs = assert_log_probs_equal_transformers(lively_vl_model, packing=packing, device=cuda, atol=1e-3)
+    assert_native_greedy_equals_transformers(lively_vl_model, batch, refs, 12, device=cuda)
