@@ -1,6 +1,6 @@
-"""Vision-language models (``rlspmd/models/vision.py``, ``rlspmd/data/images.py``): the tiny random Qwen2.5-VL gives
-the same log-probs in rlspmd's training wrapper (padded and packed, loaded whole and sharded under FSDP2) as
-transformers' own forward, on rows with one, two and no images; M-RoPE positions are transformers'."""
+"""Vision-language models (``rlspmd/models/vision.py``, ``rlspmd/data/images.py``): the tiny random Qwen2.5-VL (and
+Qwen2-VL, Qwen3-VL) gives the same log-probs in rlspmd's training wrapper (padded and packed, loaded whole and sharded
+under FSDP2) as transformers' own forward, on rows with one, two and no images; M-RoPE positions are transformers'."""
 
 from __future__ import annotations
 
@@ -177,17 +177,22 @@ def test_images_reach_the_model(tiny_vl_model):
     assert (changed[:2] > 1e-4).all() and changed[2] == 0, changed
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_vl_model", "tiny_qwen3_vl"])
 @pytest.mark.parametrize("freeze", [False, True])
-def test_sharded_fsdp_engine_equals_transformers_and_trains_the_tower_unless_frozen(tiny_vl_model, mesh_of_one, freeze):
+def test_sharded_fsdp_engine_equals_transformers_and_trains_the_tower_unless_frozen(
+    request, model_fixture, mesh_of_one, freeze
+):
     """The trainer's path: built on the meta device, FSDP2-wrapped (vision blocks included), each rank's shards read
     from safetensors; log-probs over micro-batches (the first two rows share one image object, as a prompt's samples
-    do) equal transformers'; one optimiser step moves the vision tower's weights unless ``freeze_vision_tower``."""
+    do) equal transformers'; one optimiser step moves the vision tower's weights unless ``freeze_vision_tower``
+    (Qwen3-VL: its DeepStack mergers too, which get gradients through the decoder layers they feed)."""
     from rlspmd.config import FSDPConfig, ModelConfig, OptimConfig
     from rlspmd.engines.fsdp import FSDPEngine
     from rlspmd.models.vision import freeze_vision_tower
     from rlspmd.roles.policy import compute_logprobs
     from rlspmd.engines.fsdp import fsdp_role_module
 
+    tiny_vl_model = request.getfixturevalue(model_fixture)
     batch, refs = vl_rows(tiny_vl_model)
     batch, refs = batch.select([0, 0, 1, 2]), [refs[0], refs[0], refs[1], refs[2]]
     assert batch["images"][0] is batch["images"][1]
@@ -831,11 +836,173 @@ def test_qwen2_vl_log_probs_and_greedy_generation_equal_transformers(tiny_qwen2_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_fixture", ["lively_vl_model", "tiny_qwen3_vl"])
 @pytest.mark.parametrize("packing", [False, True])
-def test_cuda_log_probs_and_greedy_generation_equal_transformers_on_cpu(lively_vl_model, packing):
+def test_cuda_log_probs_and_greedy_generation_equal_transformers_on_cpu(request, model_fixture, packing):
     """On CUDA (fp32, TF32 off): the training wrapper's log-probs (padded and packed, image features scattered on the
-    GPU) and the native engine's greedy tokens equal transformers' forward and ``generate`` on CPU."""
+    GPU; Qwen3-VL: DeepStack features too) and the native engine's greedy tokens equal transformers' forward and
+    ``generate`` on CPU."""
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.device("cuda")
-    batch, refs = assert_log_probs_equal_transformers(lively_vl_model, packing=packing, device=cuda, atol=1e-3)
-    assert_native_greedy_equals_transformers(lively_vl_model, batch, refs, 12, device=cuda)
+    model_dir = request.getfixturevalue(model_fixture)
+    batch, refs = assert_log_probs_equal_transformers(model_dir, packing=packing, device=cuda, atol=1e-3)
+    assert_native_greedy_equals_transformers(model_dir, batch, refs, 12, device=cuda)
+
+
+# -- Qwen3-VL: DeepStack, interleaved M-RoPE, a Qwen3 language model ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_vl(tmp_path_factory):
+    """A tiny random Qwen3-VL (``build_tiny.py --vision qwen3_vl``: two vision blocks, each feeding a DeepStack merger
+    whose features go into decoder layers 0 and 1), matrices redrawn large enough that greedy tokens depend on the
+    images (as ``lively_vl_model``)."""
+    from transformers import AutoModelForImageTextToText
+
+    from conftest import load_script
+
+    out = load_script("scripts/models/build_tiny.py").build(
+        tmp_path_factory.mktemp("qwen3_vl") / "model", vision="qwen3_vl"
+    )
+    hf = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32)
+    assert hf.config.model_type == "qwen3_vl" and hf.config.vision_config.deepstack_visual_indexes == [0, 1]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    hf.save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_qwen3_vl_log_probs_equal_transformers_forward(tiny_qwen3_vl, packing, monkeypatch):
+    """DeepStack features reach the first decoder layers at the image tokens, padded and packed; without them the
+    log-probs of the rows with images differ (the comparison can fail)."""
+    from rlspmd.models import vision
+
+    assert_log_probs_equal_transformers(tiny_qwen3_vl, packing=packing)
+    monkeypatch.setattr(vision, "deepstack_inputs", lambda *a, **k: {})
+    with pytest.raises(AssertionError, match="Mismatched elements"):
+        assert_log_probs_equal_transformers(tiny_qwen3_vl, packing=packing)
+
+
+def test_qwen3_vl_mrope_positions_equal_transformers(tiny_qwen3_vl):
+    from transformers import AutoModelForImageTextToText
+
+    from rlspmd.models.vision import VisionSpec, mrope_position_ids
+
+    batch, _ = vl_rows(tiny_qwen3_vl)
+    hf = AutoModelForImageTextToText.from_pretrained(str(tiny_qwen3_vl), dtype=torch.float32)
+    ids, mask, images = batch["input_ids_BL"], batch["attention_mask_BL"], batch["images"]
+    grids = torch.cat([im.grid_thw for im in images if im is not None])
+    expected, expected_delta = hf.model.get_rope_index(
+        ids, mm_token_type_ids=(ids == hf.config.image_token_id).int(), image_grid_thw=grids, attention_mask=mask
+    )
+    spec = VisionSpec.of(hf.config)
+    assert spec.deepstack == 2
+    pos, delta, _ = mrope_position_ids(ids, mask, images, spec=spec, prompt_len=ids.shape[1] - 5)
+    assert torch.equal(pos, expected) and torch.equal(delta, expected_delta[:, 0])
+
+
+def test_qwen3_vl_native_greedy_generation_equals_transformers_generate(tiny_qwen3_vl, monkeypatch):
+    """The native engine's prefill adds the DeepStack features after the first layers: greedy tokens (one batch, and
+    request by request with continuous batching) equal ``generate``'s on rows with one, two and no images; without
+    the features the rows with images decode other tokens (the comparison can fail)."""
+    from rlspmd.models import vision_decoder
+    from rlspmd.models.loader import load_causal_lm
+    from rlspmd.rollout.continuous import Request, SlotDecoder, serve
+    from rlspmd.rollout.sampling import SamplingParams
+
+    batch, refs = vl_rows(tiny_qwen3_vl)
+    n = 8
+    expected = assert_native_greedy_equals_transformers(tiny_qwen3_vl, batch, refs, n)
+    assert len({tuple(e) for e in expected}) == len(expected)  # the rows (their images) lead to different tokens
+    hf = load_causal_lm(tiny_qwen3_vl, dtype="float32", attn_implementation="sdpa", field_name="model")
+    requests = Requests(
+        [
+            Request(
+                k, r["ids"][0, : r["prompt_len"]].tolist(), n, seed=0, images=r["images"], prompt_len=r["prompt_len"]
+            )
+            for k, r in enumerate(refs)
+        ]
+    )
+    serve(
+        SlotDecoder(hf, slots=2, max_len=128, device=torch.device("cpu")),
+        requests,
+        SamplingParams(temperature=0.0),
+        slots=2,
+        eos_ids=[],
+    )
+    assert [requests.results[k] for k in range(len(refs))] == expected
+    monkeypatch.setattr(vision_decoder, "deepstack_hook", lambda *a: None)
+    with pytest.raises(AssertionError):
+        assert_native_greedy_equals_transformers(tiny_qwen3_vl, batch, refs, n)
+
+
+def test_qwen3_vl_loads_sharded_and_export_round_trips(tiny_qwen3_vl, mesh_of_one, tmp_path):
+    """transformers saves Qwen3-VL (and the Hub holds it) in its own layout (``model.language_model.*``,
+    ``model.visual.*``, DeepStack mergers and the learned position embedding included): it loads sharded under FSDP2,
+    and the HF export loads back in transformers with the same weights and the image processor."""
+    from safetensors.torch import load_file
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from rlspmd.config import FSDPConfig, ModelConfig, NativeConfig
+    from rlspmd.engines.fsdp import FSDPEngine, fsdp_role_module
+    from rlspmd.models.loader import load_tokenizer
+    from rlspmd.models.vision import model_problems
+    from rlspmd.trainer.checkpoint import save_hf_model
+
+    state = load_file(tiny_qwen3_vl / "model.safetensors")
+    assert (
+        "model.visual.deepstack_merger_list.1.linear_fc2.weight" in state and "model.visual.pos_embed.weight" in state
+    )
+    model = ModelConfig(path=str(tiny_qwen3_vl), sharded_load=True)
+    module, weights = fsdp_role_module("policy", model.path, model=model, field_name="model.path")
+    engine = FSDPEngine(
+        module,
+        module.hf,
+        mesh=mesh_of_one["dp"],
+        device=torch.device("cpu"),
+        fsdp=FSDPConfig(),
+        optim=None,
+        weights=weights,
+    )
+    tok = load_tokenizer(tiny_qwen3_vl, field_name="model")
+    out = save_hf_model(engine, tok, tiny_qwen3_vl, tmp_path / "export", is_main=True)
+    assert AutoImageProcessor.from_pretrained(str(out)).patch_size == 16
+    back = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32).state_dict()
+    original = AutoModelForImageTextToText.from_pretrained(str(tiny_qwen3_vl), dtype=torch.float32).state_dict()
+    assert back.keys() == original.keys()
+    for k in original:
+        assert torch.equal(back[k], original[k]), k
+    kw = dict(freeze_vision_tower=True, critic=False, tp=1, engine=FSDPConfig(), lora=False)
+    assert model_problems(str(tiny_qwen3_vl), **kw, rollout_engine=NativeConfig()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_qwen3_vl_trains_a_grpo_step_on_two_ranks(tiny_qwen3_vl, tmp_path):
+    """A Qwen3-VL trains through ``rlspmd.train`` on 2 ranks with the native engine (colocated, reading the
+    FSDP2-gathered weights in place): the rollout's log-probs (its prefill adds the DeepStack features) equal the
+    trainer's (packed, DeepStack at the packed image tokens) up to float noise, and the update has a gradient."""
+    from conftest import torchrun
+    from rl_run import rl_args, write_reward
+
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [
+        mm_row(
+            " and ".join(["<image>"] * len(sizes)) + ": what colour?",
+            [{"bytes": png(k * 10 + j, size)} for j, size in enumerate(sizes)],
+        )
+        for k, sizes in enumerate(SIZES[:4])
+    ]
+    write_rows(data / "train.parquet", rows)
+    write_rows(data / "test.parquet", rows)
+    out = tmp_path / "run"
+    args = rl_args(tiny_qwen3_vl, data, out, steps=1, reward=write_reward(tmp_path))
+    torchrun([*args, "--data.max-prompt-length", "64", "--data.max-val-samples", "4"], 2, timeout=600)
+    rows = [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if r["step"]]
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["actor/grad_norm"] > 0 and rows[0]["rollout/logprob_gap"] < 1e-4, rows[0]

@@ -83,6 +83,9 @@ class LlamaFamilyDecoder:
         self.n_layers = len(base.layers)
         self.routing: torch.Tensor | None = None
         """MoE models: the experts each token of the last forward used, ``(B, S, N, K)``; None for dense models."""
+        self.after_layer = None
+        """``(i, h) -> h`` run after decoder layer ``i`` of the next forward, or None: a vision-language decoder's
+        prefill adds its DeepStack features with it (``decoder_layers``)."""
 
     def _params_dtype(self) -> torch.dtype:
         return self.base.embed_tokens.weight.dtype
@@ -212,7 +215,18 @@ class LlamaFamilyDecoder:
 
         routes: list[torch.Tensor] = []
         h = decoder_layers(
-            base, h, cos, sin, n_heads=H, n_kv=KV, head_dim=D, eps=self.eps, write=write, attend=attend, routes=routes
+            base,
+            h,
+            cos,
+            sin,
+            n_heads=H,
+            n_kv=KV,
+            head_dim=D,
+            eps=self.eps,
+            write=write,
+            attend=attend,
+            routes=routes,
+            after_layer=self.after_layer,
         )
         self.routing = torch.stack(routes, 2) if routes else None
         self.length = end
@@ -233,12 +247,14 @@ def decoder_layers(
     write,
     attend,
     routes: list | None = None,
+    after_layer=None,
 ) -> torch.Tensor:
     """The decoder layers of a Llama-family ``base`` model over hidden states ``h`` (B, S, hidden), with the caller's
     KV cache: ``write(i, k, v)`` stores layer ``i``'s new keys and values (B, KV, S, D) and ``attend(i, q, k, v)``
     returns its attention output (B, H, S, D). The static-batch decoder (``LlamaFamilyDecoder``) and the continuous
     batching one (``rollout/continuous.py``) differ only in those two. ``routes``: each sparse layer appends the
-    experts its tokens used, ``(B, S, K)``."""
+    experts its tokens used, ``(B, S, K)``. ``after_layer(i, h) -> h``: run on each layer's output (Qwen3-VL's
+    DeepStack features at a prefill's image tokens)."""
     B, S, H, KV, D = h.shape[0], h.shape[1], n_heads, n_kv, head_dim
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
@@ -255,6 +271,8 @@ def decoder_layers(
         h = h + linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
         x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
         h = h + feed_forward(layer.mlp, x, routes)
+        if after_layer is not None:
+            h = after_layer(i, h)
     return h
 
 

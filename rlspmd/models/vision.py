@@ -1,5 +1,6 @@
 """Vision-language models in the trainer: Qwen2-VL / Qwen2.5-VL (a vision tower and merger in front of a Qwen2
-language model with M-RoPE).
+language model with M-RoPE) and Qwen3-VL (the same shape with a Qwen3 language model, interleaved M-RoPE, and DeepStack:
+features of intermediate vision blocks added to the hidden states of the first decoder layers at the image tokens).
 
 A sample's images travel with it as one per-sample object, ``ImageInputs`` (the pixel patches and ``(t, h, w)`` grids
 the model's own image processor made when the prompts were read, ``rlspmd/data/images.py``), in the Batch's
@@ -15,7 +16,9 @@ re-decoded. The prompt's token ids already hold one ``<|image_pad|>`` per image 
 * computes the 3-D M-RoPE position ids (``mrope_position_ids``: text tokens count on, an image's tokens take its
   temporal/height/width grid coordinates from where the text stopped, and text after it resumes past the image's
   largest side), and packs them with the tokens (``models/packing.py`` carries the leading dim);
-* runs the language model on the embeddings and computes log-probs and entropy as the text policy does.
+* runs the language model on the embeddings (Qwen3-VL: with the DeepStack features and the image tokens' mask, which
+  its language model adds after each of its first layers; padded or packed, the mask marks the same tokens the
+  features replaced) and computes log-probs and entropy as the text policy does.
 
 Simplifications: images only (no video); the M-RoPE positions and the placeholders' indices are computed on the host
 from the micro-batch's token ids (one device-to-host copy per micro-batch, which the text path avoids); tensor
@@ -34,7 +37,7 @@ from rlspmd.models.logprobs import DEFAULT_CHUNK, chunked_logprobs
 from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states
 from rlspmd.models.attn_kernels import packed_kernel
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """``model_type`` of the vision-language families the trainer and the native engine run."""
 
 
@@ -67,10 +70,18 @@ class VisionSpec:
     image_token_id: int
     merge_size: int
     """Patches merged per image token, per side (``vision_config.spatial_merge_size``)."""
+    deepstack: int = 0
+    """DeepStack levels (Qwen3-VL: ``len(vision_config.deepstack_visual_indexes)``): the vision tower's extra
+    features, one set per decoder layer ``0 .. deepstack - 1``, added to its output at the image tokens; 0: none."""
 
     @classmethod
     def of(cls, config) -> "VisionSpec":
-        return cls(image_token_id=config.image_token_id, merge_size=config.vision_config.spatial_merge_size)
+        deepstack = len(config.vision_config.deepstack_visual_indexes) if config.model_type == "qwen3_vl" else 0
+        return cls(
+            image_token_id=config.image_token_id,
+            merge_size=config.vision_config.spatial_merge_size,
+            deepstack=deepstack,
+        )
 
 
 def vision_inputs(batch) -> dict:
@@ -140,9 +151,22 @@ def mrope_position_ids(
     return pos, deltas, image_index
 
 
-def image_embeddings(hf_model: nn.Module, images: Sequence[ImageInputs | None], *, device: torch.device):
-    """``(image tokens, hidden)``: the vision tower's merged features of every row's images, in row order (None when
-    no row has any). Each distinct ``ImageInputs`` runs through the tower once."""
+@dataclass(frozen=True)
+class ImageFeatures:
+    """The vision tower's output for a batch's image tokens, in row order."""
+
+    merged: torch.Tensor
+    """(image tokens, hidden): what replaces the image placeholders' embeddings."""
+    deepstack: list[torch.Tensor]
+    """(image tokens, hidden) per DeepStack level (Qwen3-VL): decoder layer ``i`` adds ``deepstack[i]`` to its output
+    at the image tokens. Empty for a model without DeepStack."""
+
+
+def image_embeddings(
+    hf_model: nn.Module, images: Sequence[ImageInputs | None], *, device: torch.device
+) -> ImageFeatures | None:
+    """The vision tower's features of every row's images, in row order (None when no row has any). Each distinct
+    ``ImageInputs`` runs through the tower once."""
     slot: dict[int, int] = {}
     unique: list[ImageInputs] = []
     order: list[int] = []
@@ -159,17 +183,52 @@ def image_embeddings(hf_model: nn.Module, images: Sequence[ImageInputs | None], 
     dtype = visual.patch_embed.proj.weight.dtype
     pixels = torch.cat([u.pixel_values for u in unique]).to(device=device, dtype=dtype)
     grid = torch.cat([u.grid_thw for u in unique]).to(device)
-    merged = visual(pixels, grid_thw=grid).pooler_output
-    per = merged.split([sum(u.tokens_per_image(visual.spatial_merge_size)) for u in unique])
-    return torch.cat([per[i] for i in order])
+    out = visual(pixels, grid_thw=grid)
+    sizes = [sum(u.tokens_per_image(visual.spatial_merge_size)) for u in unique]
+
+    def in_row_order(x: torch.Tensor) -> torch.Tensor:
+        per = x.split(sizes)
+        return torch.cat([per[i] for i in order])
+
+    deepstack = out.deepstack_features if VisionSpec.of(hf_model.config).deepstack else []
+    return ImageFeatures(in_row_order(out.pooler_output), [in_row_order(x) for x in deepstack])
 
 
-def with_images(embeds_NH: torch.Tensor, index_N: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+def with_images(embeds_NH: torch.Tensor, index_N: torch.Tensor, features: ImageFeatures | None) -> torch.Tensor:
     """``embeds_NH`` (flat tokens) with rows ``index_N`` replaced by the image ``features`` (differentiable in both)."""
     if features is None:
         assert index_N.numel() == 0, "image placeholders without images"
         return embeds_NH
-    return embeds_NH.index_put((index_N.to(embeds_NH.device),), features.to(embeds_NH.dtype))
+    return embeds_NH.index_put((index_N.to(embeds_NH.device),), features.merged.to(embeds_NH.dtype))
+
+
+def deepstack_inputs(features: ImageFeatures | None, index_N: torch.Tensor, shape: tuple[int, ...], device) -> dict:
+    """The keywords that make a Qwen3-VL language model's forward add the DeepStack features: the image tokens' mask
+    (``shape``: the tokens' ``(B, L)``, or ``(1, T)`` packed; ``index_N`` their flat indices, ascending, in the
+    features' order) and the features. Nothing for a model without DeepStack or a micro-batch without images."""
+    if features is None or not features.deepstack:
+        return {}
+    mask = torch.zeros(shape, dtype=torch.bool, device=device)
+    mask.view(-1)[index_N.to(device)] = True
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": features.deepstack}
+
+
+def deepstack_hook(features: ImageFeatures | None, index_N: torch.Tensor):
+    """For the native decoders' prefill: ``(i, h_BSH) -> h_BSH`` adding DeepStack level ``i``'s features at the flat
+    token indices ``index_N`` after decoder layer ``i`` (as transformers' language model does); None when there is
+    nothing to add."""
+    if features is None or not features.deepstack:
+        return None
+    deep = features.deepstack
+
+    def after_layer(i: int, h: torch.Tensor) -> torch.Tensor:
+        if i >= len(deep):
+            return h
+        flat = h.flatten(0, 1)
+        index = index_N.to(h.device)
+        return flat.index_put((index,), flat[index] + deep[i].to(h.dtype)).view_as(h)
+
+    return after_layer
 
 
 class VisionLanguagePolicy(nn.Module):
@@ -222,7 +281,11 @@ class VisionLanguagePolicy(nn.Module):
         if not self.packing:
             embeds = with_images(lm.embed_tokens(input_ids_BL).flatten(0, 1), image_index, features).view(B, L, -1)
             hidden = lm(
-                inputs_embeds=embeds, attention_mask=attention_mask_BL, position_ids=pos_3BL.to(dev), use_cache=False
+                inputs_embeds=embeds,
+                attention_mask=attention_mask_BL,
+                position_ids=pos_3BL.to(dev),
+                use_cache=False,
+                **deepstack_inputs(features, image_index, (B, L), dev),
             ).last_hidden_state
             return chunked_logprobs(hidden[:, L - R - 1 : L - 1], head.weight, input_ids_BL[:, -R:], **kw)
         kernel = packed_kernel(self.attn_kernel, dev, head.weight.dtype)
@@ -230,8 +293,10 @@ class VisionLanguagePolicy(nn.Module):
         # the placeholders' places in the pack: the pack keeps row-major order, so the features' order is kept
         where = torch.full((B * L,), -1, dtype=torch.long)
         where[packed.token_index_T.cpu()] = torch.arange(packed.num_tokens)
-        embeds = with_images(lm.embed_tokens(packed.input_ids_1T[0]), where[image_index], features)
-        hidden_TH = packed_hidden_states(lm, packed, inputs_embeds=embeds[None])
+        at = where[image_index]
+        embeds = with_images(lm.embed_tokens(packed.input_ids_1T[0]), at, features)
+        deep = deepstack_inputs(features, at, (1, packed.num_tokens), dev)
+        hidden_TH = packed_hidden_states(lm, packed, inputs_embeds=embeds[None], **deep)
         targets_N = packed.target_pos_N
         lp_N, ent_N = chunked_logprobs(
             hidden_TH.index_select(0, targets_N - 1),
@@ -261,14 +326,16 @@ def auto_class(config):
 
 
 def vision_blocks(hf_model: nn.Module) -> list[nn.Module]:
-    """The vision tower's blocks of a vision-language model (FSDP units of their own); none for a text model."""
+    """The vision tower's blocks of a vision-language model (FSDP units of their own; Qwen3-VL's DeepStack mergers stay
+    in the root unit with the patch embedding and the final merger); none for a text model."""
     if not is_vision_language(hf_model.config):
         return []
     return list(hf_model.model.visual.blocks)
 
 
 def freeze_vision_tower(hf_model: nn.Module) -> None:
-    """``actor.freeze_vision_tower``: the vision tower and its merger get no gradients (and no optimiser state)."""
+    """``actor.freeze_vision_tower``: the vision tower and its mergers (Qwen3-VL's DeepStack mergers included) get no
+    gradients (and no optimiser state)."""
     hf_model.model.visual.requires_grad_(False)
 
 

@@ -2,7 +2,8 @@
 
 ``VisionDecoder`` is the Llama-family decoder (``models/decoder.py``) of the language model with a different prefill:
 the prompt's embeddings carry the vision tower's features at the image placeholders, and its rotary embedding is
-computed from the 3-D M-RoPE positions (the model's own rotary module, as in training). Decode steps are text: all
+computed from the 3-D M-RoPE positions (the model's own rotary module, as in training); a Qwen3-VL prefill also adds
+the DeepStack features at the image tokens after each of the first decoder layers. Decode steps are text: all
 three position components are equal, so the 1-D RoPE table serves them, at position ``index + delta`` (the row's
 M-RoPE delta, ``mrope_position_ids``). The weights are read from the module tree at every call, as for text models,
 so colocated with an FSDP2 actor the gathered parameters (vision blocks included) are used in place.
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlspmd.models.decoder import HFDecoder, LlamaFamilyDecoder, make_decoder, signed_sin
-from rlspmd.models.vision import ImageInputs, VisionSpec, image_embeddings, is_vision_language, mrope_position_ids
-from rlspmd.models.vision import with_images
+from rlspmd.models.vision import ImageInputs, VisionSpec, deepstack_hook, image_embeddings, is_vision_language
+from rlspmd.models.vision import mrope_position_ids, with_images
 
 
 def rollout_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
@@ -36,17 +37,19 @@ def prompt_embeddings(
     spec: VisionSpec,
     prompt_len: int | Sequence[int] | None = None,
 ):
-    """A prefill's inputs: ``(embeddings (B, P, hidden), (cos, signed sin) (B, 1, P, D), next positions (B,))``.
+    """A prefill's inputs: ``(embeddings (B, P, hidden), (cos, signed sin) (B, 1, P, D), next positions (B,),
+    after_layer)``, ``after_layer``: the DeepStack hook of ``decoder_layers`` (``deepstack_hook``; None without).
     ``prompt_len``: the columns where image placeholders count (``mrope_position_ids``); None: all of them."""
     B, P = prompt_ids_BP.shape
     dev = prompt_ids_BP.device
     limit = P if prompt_len is None else prompt_len
     pos_3BP, deltas, index = mrope_position_ids(prompt_ids_BP, prompt_mask_BP, images, spec=spec, prompt_len=limit)
     h = F.embedding(prompt_ids_BP, base.embed_tokens.weight).flatten(0, 1)
-    h = with_images(h, index, image_embeddings(hf_model, images, device=dev)).view(B, P, -1)
+    features = image_embeddings(hf_model, images, device=dev)
+    h = with_images(h, index, features).view(B, P, -1)
     cos, sin = base.rotary_emb(h, pos_3BP.to(dev))
     next_pos = prompt_mask_BP.long().sum(-1) + deltas.to(dev)
-    return h, (cos[:, None], signed_sin(sin[:, None])), next_pos
+    return h, (cos[:, None], signed_sin(sin[:, None])), next_pos, deepstack_hook(features, index)
 
 
 class VisionDecoder(LlamaFamilyDecoder):
@@ -64,6 +67,12 @@ class VisionDecoder(LlamaFamilyDecoder):
         finally:
             self.images = ()  # the prefill used them; decode steps are text
 
+    def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table):
+        try:
+            return super().prefill(prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table)
+        finally:
+            self.after_layer = None  # the prefill's DeepStack hook (set by ``prompt_inputs``); decode steps are text
+
     def rope_table_for(self, L: int, dev) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The text positions' table (all three M-RoPE components equal), asked of the rotary module with 3-D positions:
         transformers 5.17's Qwen2.5-VL rotary indexes them as (3, batch, positions) and fails on 1-D ones."""
@@ -75,4 +84,7 @@ class VisionDecoder(LlamaFamilyDecoder):
 
     def prompt_inputs(self, prompt_ids_BP, prompt_mask_BP):
         assert len(self.images) == prompt_ids_BP.shape[0], "VisionDecoder.start takes each row's images"
-        return prompt_embeddings(self.model, self.base, prompt_ids_BP, prompt_mask_BP, self.images, spec=self.spec)
+        h, rope, next_pos, self.after_layer = prompt_embeddings(
+            self.model, self.base, prompt_ids_BP, prompt_mask_BP, self.images, spec=self.spec
+        )
+        return h, rope, next_pos

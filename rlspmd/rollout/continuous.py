@@ -109,12 +109,12 @@ class SlotDecoder:
         # Causal within each context; padding keys are hidden, and a padding query still sees position 0 (no NaN).
         mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < n[:, None, None])
         slot_t = torch.tensor(slots, device=self.device)
-        h = rope = None
+        h = rope = after_layer = None
         deltas = torch.zeros(len(slots), dtype=torch.long, device=self.device)
         if self.vision is not None:  # image features in the embeddings, M-RoPE positions
             valid = (pos[None] < n[:, None]).long()
             images, bounds = [r.images for r in requests], [r.prompt_len for r in requests]
-            h, rope, next_pos = prompt_embeddings(
+            h, rope, next_pos, after_layer = prompt_embeddings(
                 self.m.model, self.base, ids, valid, images, spec=self.vision, prompt_len=bounds
             )
             deltas = next_pos - n
@@ -127,6 +127,7 @@ class SlotDecoder:
             ),
             h=h,
             rope=rope,
+            after_layer=after_layer,
         )
         self.lengths[slot_t] = n
         self.deltas[slot_t] = deltas
@@ -158,8 +159,9 @@ class SlotDecoder:
         self.lengths[slots] = pos + 1
         return self._logits(h[:, -1])
 
-    def _layers(self, ids_BS, pos_BS, write, attend, *, h=None, rope=None) -> torch.Tensor:
-        """``h``, ``rope``: a vision-language prefill's embeddings and (cos, signed sin), instead of the tokens'."""
+    def _layers(self, ids_BS, pos_BS, write, attend, *, h=None, rope=None, after_layer=None) -> torch.Tensor:
+        """``h``, ``rope``: a vision-language prefill's embeddings and (cos, signed sin), instead of the tokens';
+        ``after_layer``: its DeepStack hook (``decoder_layers``)."""
         m = self.m
         h = F.embedding(ids_BS, self.base.embed_tokens.weight) if h is None else h
         cos, sin = self._rope(h, pos_BS) if rope is None else rope
@@ -174,6 +176,7 @@ class SlotDecoder:
             eps=m.eps,
             write=write,
             attend=attend,
+            after_layer=after_layer,
         )
 
     def _logits(self, h_BH: torch.Tensor) -> torch.Tensor:

@@ -27,12 +27,17 @@ Hub. This script makes one from nothing:
   ``<|vision_start|><|image_pad|><|vision_end|>``), a small vision tower (``VISION_DEFAULTS``) and Qwen2-VL's image
   processor (``preprocessor_config.json``; transformers' PIL backend, which needs no torchvision), sized for small
   images: at most ``--max-pixels`` pixels, so a 112 x 112 image is 8 x 8 patches and 16 image tokens.
+* ``--vision qwen3_vl``: a Qwen3-VL-style model instead of Qwen2.5-VL: a Qwen3 language model (q/k norms) with
+  interleaved M-RoPE, Qwen3-VL's vision tower (``QWEN3_VISION_DEFAULTS``: 16-pixel patches, learned position
+  embeddings, two DeepStack mergers whose features go into the first two decoder layers) and the same image
+  processor with 16-pixel patches.
 
 Same arguments give byte-identical ``tokenizer.json`` and ``model.safetensors``.
 
     python scripts/models/build_tiny.py --out models/tiny
     python scripts/models/build_tiny.py --out models/b256 --hidden-size 256 --intermediate-size 688 --vocab-size 8192
     python scripts/models/build_tiny.py --out models/tiny-moe --moe        # Qwen3-MoE, 8 experts, top-2
+    python scripts/models/build_tiny.py --out models/tiny-vl3 --vision qwen3_vl
 """
 
 from __future__ import annotations
@@ -124,6 +129,20 @@ VISION_DEFAULTS = dict(
     tokens_per_second=2,
 )
 """The tiny vision tower: two blocks (the first with window attention over 2 x 2 merged patches, the second full)."""
+QWEN3_VISION_DEFAULTS = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=2,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    num_position_embeddings=64,
+    deepstack_visual_indexes=[0, 1],
+)
+"""The tiny Qwen3-VL vision tower: two blocks, an 8 x 8 grid of learned position embeddings (interpolated to each
+image's grid), and a DeepStack merger after each block (their features are added to decoder layers 0 and 1)."""
+VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 
 def vision_template(template: str) -> str:
@@ -224,7 +243,7 @@ def build(
     dtype: str = "float32",
     seed: int = 0,
     tools: bool = False,
-    vision: bool = False,
+    vision: bool | str = False,
     max_pixels: int = 112 * 112,
     num_experts: int = 8,
     top_k: int = 2,
@@ -233,14 +252,18 @@ def build(
     """Write the tokenizer and model to ``out`` and return it. ``vocab_size=None`` sizes the model from
     the trained tokenizer (rounded up to a multiple of 64, for matmul-friendly shapes). ``tools``: the tool-calling
     chat template and the ``TOOL_TOKENS`` (agentic RL); the same weights as without (the default vocabulary has room
-    for the added tokens). ``vision``: a Qwen2.5-VL-style model (see the module docstring); ``max_pixels``: the image
-    processor's largest image (pixels; larger images are scaled down, keeping their aspect ratio). ``num_experts``,
-    ``top_k``, ``moe_intermediate_size``: the experts of a MoE ``arch``."""
+    for the added tokens). ``vision``: a vision-language model (see the module docstring): True or ``"qwen2_5_vl"``
+    for Qwen2.5-VL, ``"qwen3_vl"`` for Qwen3-VL; ``max_pixels``: the image processor's largest image (pixels; larger
+    images are scaled down, keeping their aspect ratio). ``num_experts``, ``top_k``, ``moe_intermediate_size``: the
+    experts of a MoE ``arch``."""
     import torch
     import transformers
 
     if arch not in ARCHS:
         raise ValueError(f"--arch must be one of {list(ARCHS)}, got {arch!r}")
+    vision = "qwen2_5_vl" if vision is True else vision
+    if vision and vision not in VISION_ARCHS:
+        raise ValueError(f"--vision must be one of {list(VISION_ARCHS)}, got {vision!r}")
     if arch in MOE_ARCHS and not 0 < top_k <= num_experts:
         raise ValueError(f"--top-k {top_k} must be between 1 and --num-experts {num_experts}")
     if dtype not in ("float32", "bfloat16"):
@@ -293,6 +316,7 @@ def build(
             dtype=dtype,
             seed=seed,
             max_pixels=max_pixels,
+            family=vision,
         )
     moe = {}
     if arch in MOE_ARCHS:
@@ -340,18 +364,26 @@ def _build_vision(
     dtype: str,
     seed: int,
     max_pixels: int,
+    family: str,
 ) -> Path:
-    """The Qwen2.5-VL-style model and its image processor (``build(vision=True)``)."""
+    """The Qwen2.5-VL- or Qwen3-VL-style (``family``) model and its image processor (``build(vision=...)``)."""
     import torch
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     # M-RoPE splits the head's frequency pairs into (temporal, height, width) sections, in Qwen2.5-VL's 2:3:3 ratio
+    # (Qwen3-VL: 24:20:20, interleaved)
     pairs = hidden_size // num_heads // 2
-    hw = (pairs - pairs // 4) // 2
+    hw = (pairs - pairs // 4) // 2 if family == "qwen2_5_vl" else pairs * 5 // 16
     mrope_section = [pairs - 2 * hw, hw, hw]
     vocab = tokenizer.get_vocab()
-    config = transformers.Qwen2_5_VLConfig(
+    qwen3 = family == "qwen3_vl"
+    vision = QWEN3_VISION_DEFAULTS if qwen3 else VISION_DEFAULTS
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
+    if qwen3:
+        rope["mrope_interleaved"] = True
+    config_class = transformers.Qwen3VLConfig if qwen3 else transformers.Qwen2_5_VLConfig
+    config = config_class(
         text_config=dict(
             vocab_size=model_vocab,
             hidden_size=hidden_size,
@@ -360,10 +392,11 @@ def _build_vision(
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             max_position_embeddings=max_position,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+            rope_parameters=rope,
+            **({"head_dim": hidden_size // num_heads} if qwen3 else {}),
             **special,
         ),
-        vision_config=dict(VISION_DEFAULTS, out_hidden_size=hidden_size),
+        vision_config=dict(vision, out_hidden_size=hidden_size),
         image_token_id=vocab["<|image_pad|>"],
         video_token_id=vocab["<|video_pad|>"],
         vision_start_token_id=vocab["<|vision_start|>"],
@@ -372,16 +405,20 @@ def _build_vision(
         **special,
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model_class = (
+        transformers.Qwen3VLForConditionalGeneration if qwen3 else transformers.Qwen2_5_VLForConditionalGeneration
+    )
+    model = model_class._from_config(config, dtype=torch.float32)
     model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
     transformers.GenerationConfig(**special).save_pretrained(out)
-    patch, merge = VISION_DEFAULTS["patch_size"], VISION_DEFAULTS["spatial_merge_size"]
+    patch, merge = vision["patch_size"], vision["spatial_merge_size"]
     unit = (patch * merge) ** 2  # the smallest image: one merged patch
     Qwen2VLImageProcessorPil(
         size={"shortest_edge": 4 * unit, "longest_edge": max(max_pixels, 4 * unit)},
         patch_size=patch,
         merge_size=merge,
-        temporal_patch_size=VISION_DEFAULTS["temporal_patch_size"],
+        temporal_patch_size=vision["temporal_patch_size"],
+        **(dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if qwen3 else {}),  # Qwen3-VL's normalisation
     ).save_pretrained(out)
     # the class name real Qwen2.5-VL checkpoints carry: transformers picks its PIL backend without torchvision
     pre = out / "preprocessor_config.json"
@@ -429,7 +466,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tools", action="store_true", help="tool-calling chat template and tool-call tokens (agentic RL)")
     p.add_argument(
-        "--vision", action="store_true", help="a Qwen2.5-VL-style model with a tiny vision tower and image processor"
+        "--vision",
+        nargs="?",
+        const="qwen2_5_vl",
+        default=False,
+        choices=list(VISION_ARCHS),
+        help="a vision-language model (Qwen2.5-VL-style, or --vision qwen3_vl) with a tiny vision tower and image "
+        "processor",
     )
     p.add_argument("--max-pixels", type=int, default=112 * 112, help="--vision: the image processor's largest image")
     args = p.parse_args(argv)
