@@ -13,6 +13,10 @@ are reported as ``trainer_timing_last``.) On the step given by
 GPU-busy fraction is the union of the CUDA kernels' intervals over the stage's wall time (the profiler adds host
 overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``).
 
+``--split-update`` also splits the update into ``update_fwd`` (the actor's forwards with gradients, timed by hooks on
+its module), ``optim`` (the optimiser's step) and ``update_bwd`` (the rest of the update: backward, loss, clipping),
+each between device synchronisations (a few more per step).
+
 MFU: ``6 N tokens / update seconds`` (forward + backward of every token of the step) and ``2 N tokens / ref seconds``
 over the GPU's dense bf16 peak (``common.DENSE_BF16_TFLOPS``, by device name); N counts every parameter once (tied
 embeddings once). ``--partial FILE`` rewrites the JSON after every step, so a run cut short still leaves its figures.
@@ -37,6 +41,7 @@ def main(argv=None):
     p.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last; 0: none)")
     p.add_argument("--partial", default=None, help="rewrite the JSON here after every step")
     p.add_argument("--output-dir", default=None, help="override trainer.output_dir")
+    p.add_argument("--split-update", action="store_true", help="time the update's forward, backward and optimiser")
     p.add_argument(
         "--build", default=None, help="build this grpo_workload.py preset (model + prompts) first, e.g. grpo_q15"
     )
@@ -53,7 +58,6 @@ def main(argv=None):
     from rlspmd.config import load_config_file
     from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, shutdown
-    from rlspmd.engines.base import compute_dtype
     from rlspmd.models.attn_kernels import check_attn_kernel
     from rlspmd.trainer.timing import StageProbe, device_synchronize
 
@@ -74,7 +78,7 @@ def main(argv=None):
         attn_implementation=model_cfg.attn_implementation,
         packing=model_cfg.packing,
         device=rt.device,
-        dtype=compute_dtype(cfg.actor.engine.param_dtype, rt.device),
+        dtype=cfg.actor.engine.compute_dtype(rt.device),
         field_name="actor.model.attn_kernel",
     )
     from rlspmd.trainer.build import build_trainer
@@ -116,6 +120,9 @@ def main(argv=None):
     roles.ref.log_prob = staged("ref", roles.ref.log_prob)
     roles.actor.update = staged("update", roles.actor.update)
 
+    if a.split_update:
+        split_update(roles.actor.engine, probe, rt.device)
+
     per_step: list[dict] = []
     peak_tflops = dense_bf16_peak_tflops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
     result: dict = {}
@@ -140,6 +147,7 @@ def main(argv=None):
             "steps_done": step,
             "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
             "attn_kernel": attn_kernel,
+            "compute_dtype": str(cfg.actor.engine.compute_dtype(rt.device)).removeprefix("torch."),
             "build_s": build_s,
             **summarize(
                 per_step, n_params=n_params, peak_tflops=peak_tflops, profiled=profiled, cuda=rt.device.type == "cuda"
@@ -153,8 +161,42 @@ def main(argv=None):
     shutdown()
 
 
+def split_update(engine, probe, device) -> None:
+    """Time the actor's forwards with gradients (``update_fwd``) and its optimiser steps (``optim``) inside ``update``,
+    which then also reports ``update_bwd``: the update's remaining seconds."""
+    import torch
+
+    from rlspmd.trainer.timing import device_synchronize
+
+    started: list[float] = []
+
+    def before(module, args, kwargs):
+        if torch.is_grad_enabled():
+            device_synchronize(device)
+            started.append(time.perf_counter())
+
+    def after(module, args, kwargs, out):
+        if started:
+            device_synchronize(device)
+            probe.seconds["update_fwd"] = probe.seconds.get("update_fwd", 0.0) + time.perf_counter() - started.pop()
+
+    engine.module.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    engine.module.register_forward_hook(after, with_kwargs=True, always_call=True)
+    step = engine.optim.step
+
+    def timed_step(*args, **kwargs):
+        with probe("optim"):
+            return step(*args, **kwargs)
+
+    engine.optim.step = timed_step
+
+
 def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None, profiled: dict, cuda: bool) -> dict:
     steady = per_step[1:] or per_step  # the first step pays one-off costs (allocator, cuBLAS, compilation)
+    for s in per_step:
+        sec = s["seconds"]
+        if "update_fwd" in sec:
+            sec["update_bwd"] = sec["update"] - sec["update_fwd"] - sec.get("optim", 0.0)
     stages = sorted({k for s in steady for k in s["seconds"]})
     median = {k: statistics.median(s["seconds"].get(k, 0.0) for s in steady) for k in stages}
     tokens = steady[-1]["tokens"]

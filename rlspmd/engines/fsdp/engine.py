@@ -207,7 +207,9 @@ def apply_fsdp(
     """``fully_shard`` each decoder layer (and each block of a vision tower), then the root (embeddings, final norm,
     heads; a vision tower's patch embedding and merger). ``expert_mesh``: the MoE layers' expert-parallel experts are
     sharded over its ``edp`` dim first (see the module docstring)."""
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype(cfg.param_dtype, device), reduce_dtype=DTYPES[cfg.reduce_dtype])
+    mp = MixedPrecisionPolicy(
+        param_dtype=compute_dtype(cfg.param_dtype, device, cpu_bf16=True), reduce_dtype=DTYPES[cfg.reduce_dtype]
+    )
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
