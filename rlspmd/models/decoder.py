@@ -44,10 +44,9 @@ def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused kernel; same arithmetic in float32
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    # transformers' RMSNorm for 16-bit activations: normalise in float32, round, then scale (the fused kernel does the
+    # float32 part: 4 kernels instead of 8 per call, which decoding on CPU pays 61 times a token on SmolLM2)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -212,6 +212,13 @@ def top_kernels(prof, n: int = 12) -> list[dict]:
     return [{"kernel": k, "ms": round(ms, 3), "calls": c} for k, (ms, c) in ranked]
 
 
+def top_cpu_ops(prof, n: int = 15) -> list[dict]:
+    """The ``n`` operators with the most self CPU time in a ``torch.profiler.profile`` (on a CPU, where a stage's time
+    goes): name (cut to 80 characters), total milliseconds and calls."""
+    ranked = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return [{"op": e.key[:80], "ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count} for e in ranked]
+
+
 def kernel_busy_seconds(prof) -> float:
     """Seconds during which at least one CUDA kernel (or copy) ran, from a ``torch.profiler.profile``: the union of
     the device events' intervals, so overlapping streams are not counted twice."""

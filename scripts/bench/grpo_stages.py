@@ -11,7 +11,7 @@ methods of the built trainer, so that it can profile them; the trainer's own ``t
 are reported as ``trainer_timing_last``.) On the step given by
 ``--profile-step`` (default: the last) the update and the reference forward also run under the torch profiler; the
 GPU-busy fraction is the union of the CUDA kernels' intervals over the stage's wall time (the profiler adds host
-overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``).
+overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``). On CPU the profiled stages (generation too) report their ``top_cpu_ops`` instead.
 
 ``--split-update`` also splits the update into ``update_fwd`` (the actor's forwards with gradients, timed by hooks on
 its module), ``optim`` (the optimiser's step) and ``update_bwd`` (the rest of the update: backward, loss, clipping),
@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, dense_bf16_peak_tflops, emit, kernel_busy_seconds, top_kernels
+from common import ROOT, dense_bf16_peak_tflops, emit, kernel_busy_seconds, top_cpu_ops, top_kernels
 
 
 def main(argv=None):
@@ -96,11 +96,11 @@ def main(argv=None):
     def staged(name, fn):
         def run(*args, **kwargs):
             with probe(name):
-                if current_step[0] != profile_step or name == "gen":
+                cuda = rt.device.type == "cuda"
+                if current_step[0] != profile_step or (name == "gen" and cuda):  # CUDA graphs hide from the profiler
                     return fn(*args, **kwargs)
                 from torch.profiler import ProfilerActivity, profile
 
-                cuda = rt.device.type == "cuda"
                 with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
                     t0 = time.perf_counter()
                     out = fn(*args, **kwargs)
@@ -109,7 +109,8 @@ def main(argv=None):
                 profiled[name] = {
                     "wall_s": wall,
                     "kernel_s": kernel_busy_seconds(prof),
-                    "top_kernels": top_kernels(prof),
+                    "top_kernels": top_kernels(prof) if cuda else None,
+                    "top_cpu_ops": None if cuda else top_cpu_ops(prof),
                 }
                 return out
 
@@ -222,7 +223,8 @@ def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None,
             "profiled_wall_s": v["wall_s"],
             "busy": v["kernel_s"] / v["wall_s"] if cuda else None,
             "busy_vs_unprofiled": min(1.0, v["kernel_s"] / median[k]) if cuda and median.get(k) else None,
-            "top_kernels": v["top_kernels"] if cuda else None,
+            "top_kernels": v["top_kernels"],
+            "top_cpu_ops": v["top_cpu_ops"],
         }
         for k, v in profiled.items()
     } or None

@@ -52,6 +52,12 @@ class FSDPConfig(TrainingEngineConfig):
     """Dtype of gradient reduce-scatter."""
     reshard_after_forward: bool = True
     """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like)."""
+    gather_once_per_update: Literal["auto", "on", "off"] = "auto"
+    """Within one optimiser step, gather each unit's parameters once and keep them, with their gradients unsharded
+    (accumulated in ``reduce_dtype``), until the last micro-batch's backward, which reduce-scatters once: no re-gather
+    and re-cast at every micro-batch's forward and backward, and one reduce-scatter per step instead of one per
+    micro-batch. Costs the whole model's unsharded parameters (compute dtype) and gradients (``reduce_dtype``) per
+    rank for the update. ``auto``: on where the FSDP group is one rank (resharding saves no memory there, only time)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
 
