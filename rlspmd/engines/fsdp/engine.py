@@ -276,9 +276,10 @@ class FSDPEngine:
         sequence_mode: str = "auto",
     ):
         """``fused_optimizer``: fused AdamW (None: yes, where torch has it for the parameters' device and dtype).
-        ``weights``: where the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor parallel + FSDP2.
-        ``expert_mesh``: ``(edp, ep)``, expert parallel for the MoE layers + FSDP2. ``sequence_mesh``: this rank's
-        sequence-parallel group (1-D), ``sequence_mode`` its attention (``mesh.actor_sp_mode``)."""
+        ``weights``: where the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor
+        parallel + FSDP2. ``expert_mesh``: ``(edp, ep)``, expert parallel for the MoE layers + FSDP2.
+        ``sequence_mesh``: this rank's sequence-parallel group (1-D), ``sequence_mode`` its attention
+        (``mesh.actor_sp_mode``)."""
         self.mesh = mesh
         self.train_mesh = train_mesh
         self.expert_mesh = expert_mesh
