@@ -11,8 +11,8 @@ methods of the built trainer, so that it can profile them; the trainer's own ``t
 are reported as ``trainer_timing_last``.) On the step given by
 ``--profile-step`` (default: the last) the update and the reference forward also run under the torch profiler; the
 GPU-busy fraction is the union of the CUDA kernels' intervals over the stage's wall time (the profiler adds host
-overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``). On CPU the profiled stages (generation too) report their
-``top_cpu_ops`` instead.
+overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``). On CPU the profiled
+stages (generation too) report their ``top_cpu_ops`` instead.
 
 ``--split-update`` also splits the update into ``update_fwd`` (the actor's forwards with gradients, timed by hooks on
 its module), ``optim`` (the optimiser's step) and ``update_bwd`` (the rest of the update: backward, loss, clipping),
