@@ -28,6 +28,7 @@ Which engine a role trains on is a config component (``TrainingEngineConfig``: `
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypedDict, runtime_checkable
@@ -55,10 +56,20 @@ def cpu_bf16_features() -> tuple[str, ...]:
     return tuple(name for name, present in found if present)
 
 
+CPU_BF16_ENV = "RLSPMD_CPU_BF16"
+"""Environment override of ``native_bf16``: ``0`` (``auto`` computes in float32 on every CPU: runs, and tests, that
+must give the same numbers on CPUs with and without hardware bfloat16) or ``1`` (bfloat16 even where it is emulated);
+unset: detected."""
+
+
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware: there oneDNN's bfloat16 GEMMs run several times
-    faster than float32 ones; elsewhere bfloat16 is emulated and slower than float32."""
-    return bool(cpu_bf16_features())
+    """Whether ``param_dtype=auto`` computes in bfloat16 on this CPU: where it multiplies bfloat16 matrices in hardware
+    (oneDNN's bfloat16 GEMMs run several times faster than float32 ones there; elsewhere bfloat16 is emulated and
+    slower than float32), unless ``RLSPMD_CPU_BF16`` says otherwise."""
+    override = os.environ.get(CPU_BF16_ENV, "").strip()
+    if override not in ("", "0", "1"):
+        raise ValueError(f"{CPU_BF16_ENV}={override!r}: use 0 (float32), 1 (bfloat16) or leave it unset (detect)")
+    return override == "1" if override else bool(cpu_bf16_features())
 
 
 def precision_summary(engine: TrainingEngineConfig, device: torch.device, *, master: str, rollout: torch.dtype) -> str:
@@ -72,6 +83,8 @@ def precision_summary(engine: TrainingEngineConfig, device: torch.device, *, mas
         why = "auto on CUDA"
     elif not engine.cpu_bf16:
         why = f"auto: the {engine.name} engine computes in float32 on CPU"
+    elif os.environ.get(CPU_BF16_ENV, "").strip():
+        why = f"auto with {CPU_BF16_ENV}={os.environ[CPU_BF16_ENV].strip()}"
     elif native_bf16():
         why = f"auto: this CPU has hardware bfloat16 ({', '.join(cpu_bf16_features())})"
     else:
