@@ -52,12 +52,13 @@ class FSDPConfig(TrainingEngineConfig):
     """Dtype of gradient reduce-scatter."""
     reshard_after_forward: bool = True
     """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like)."""
-    gather_once_per_update: Literal["auto", "on", "off"] = "auto"
+    gather_once_per_update: bool = False
     """Within one optimiser step, gather each unit's parameters once and keep them, with their gradients unsharded
     (accumulated in ``reduce_dtype``), until the last micro-batch's backward, which reduce-scatters once: no re-gather
-    and re-cast at every micro-batch's forward and backward, and one reduce-scatter per step instead of one per
-    micro-batch. Costs the whole model's unsharded parameters (compute dtype) and gradients (``reduce_dtype``) per
-    rank for the update. ``auto``: on where the FSDP group is one rank (resharding saves no memory there, only time)."""
+    and re-cast at every micro-batch's forward and backward, one reduce-scatter per step instead of one per
+    micro-batch. Costs the whole model's unsharded parameters (compute dtype) and gradients (``reduce_dtype``) per rank
+    for the update. Measured on CPU (one rank, SmolLM2-135M, 2 micro-batches): no faster; on GPUs, where the q05
+    profile's update time went to re-gathering and re-casting, not measured yet."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
 

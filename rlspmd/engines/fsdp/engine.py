@@ -285,9 +285,7 @@ class FSDPEngine:
         self.expert_mesh = expert_mesh
         self.device = device
         self.reshard_after_forward = fsdp.reshard_after_forward
-        self.gather_once = fsdp.gather_once_per_update == "on" or (
-            fsdp.gather_once_per_update == "auto" and mesh.size() == 1
-        )
+        self.gather_once = fsdp.gather_once_per_update
         assert is_meta(module) == (weights is not None), "a meta-built module needs its WeightPlan, and only it"
         if train_mesh is not None:
             assert tuple(train_mesh.mesh.flatten().tolist()) == tuple(mesh.mesh.flatten().tolist()), "one set of ranks"
