@@ -42,6 +42,8 @@ setup(
         "trackers": ["wandb>=0.31", "mlflow>=3.17", "trackio>=0.43"],
         # python -m rlspmd.plot: curves from metrics.jsonl as a PNG.
         "plot": ["matplotlib>=3.7"],
+        # scripts/bench/grpo_vs_trl.py and trl_grpo.py: the comparison against TRL's GRPOTrainer only.
+        "bench": ["trl==1.16.0"],
         # mkdocs: tests/test_docs.py; ruff: .ci/run's lint step (pinned: its formatting changes between releases)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "peft>=0.13", "mkdocs>=1.6", "ruff==0.17.6"],
     },

@@ -34,7 +34,6 @@ from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
 from rlspmd.distributed.runtime import StopRequest, exit_process, shutdown, spmd_main
-from rlspmd.engines.base import compute_dtype
 from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         attn_implementation=m.attn_implementation,
         packing=m.packing,
         device=rt.device,
-        dtype=compute_dtype(cfg.fsdp.param_dtype, rt.device),
+        dtype=cfg.fsdp.compute_dtype(rt.device),
         field_name="model.attn_kernel",
     )
     if rt.is_main:

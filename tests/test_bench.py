@@ -121,7 +121,11 @@ def test_gpu_suite_smoke_runs_every_phase_and_reports_json(tmp_path):
     assert q05["gen_tokens_per_s"] == pytest.approx(4 * 2 * 16 / s["gen"])
     if q05["device"] == "cpu":  # no dense-bf16 peak, memory counter or kernels to report on CPU
         assert q05["mfu"] is None and q05["peak_mem_gib"] is None
-        assert set(q05["gpu_busy"]) == {"update", "ref"} and q05["gpu_busy"]["update"]["busy"] is None
+        # on CPU generation is profiled too (no CUDA graphs to hide from the profiler), each stage with its top ops
+        assert set(q05["gpu_busy"]) == {"gen", "update", "ref"} and q05["gpu_busy"]["update"]["busy"] is None
+        top = q05["gpu_busy"]["update"]["top_cpu_ops"]
+        assert top and all(op["ms"] >= 0 and op["calls"] > 0 for op in top)
+        assert any(op["op"] in ("aten::mm", "aten::addmm", "aten::bmm") for op in top), top
     assert q15["config"] == "configs/bench/grpo_q15.py:smoke" and q15["gpu_busy"] is None  # --profile-step 0
     (trl,) = by["trl_grpo"]
     assert "skipped" in trl or trl["sec_per_step"] > 0

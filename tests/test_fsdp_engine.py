@@ -88,3 +88,32 @@ def test_fused_adamw_steps_like_the_default_and_skips_non_finite_updates_on_devi
         assert torch.equal(s["exp_avg"].full_tensor(), m)
     assert plain.optimizer_step([mb], loss_fn(float("nan")))["skipped"] == 1.0  # the host-checked path agrees
     assert plain.optimizer_step([mb], loss_fn(1.0))["skipped"] == 0.0
+
+
+def test_gather_once_per_update_accumulates_the_same_gradients(tiny_model, mesh):
+    def build(once: bool) -> FSDPEngine:
+        attn = training_attn_implementation("sdpa", packing=True, field_name="attn")
+        module = CausalLMPolicy(
+            load_causal_lm(tiny_model, dtype="float32", attn_implementation=attn, field_name="m"), packing=True
+        )
+        return FSDPEngine(
+            module,
+            module.hf,
+            mesh=mesh,
+            device=torch.device("cpu"),
+            fsdp=FSDPConfig(param_dtype="float32", gather_once_per_update=once),
+            optim=OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0),
+            total_optim_steps=10,
+        )
+
+    plain, once = build(False), build(True)
+    mb = batch(plain.module.config.vocab_size)
+    for _ in range(2):  # three micro-batches per update: two kept gathered, the last reduces and reshards
+        a = plain.optimizer_step([mb, mb, mb], loss_fn(1 / 3))
+        b = once.optimizer_step([mb, mb, mb], loss_fn(1 / 3))
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-6, atol=0)
+    pa, pb = full_params(plain), full_params(once)
+    for name in pa:
+        torch.testing.assert_close(pb[name], pa[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    # afterwards the parameters are sharded again, as after any update (a rollout gathers them itself)
+    assert all(isinstance(p.data, torch.distributed.tensor.DTensor) for p in once.module.parameters())

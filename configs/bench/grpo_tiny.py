@@ -1,7 +1,7 @@
 """Benchmark workload (issue: throughput): one fixed GRPO step, timed. Not a training recipe.
 
-    python scripts/bench/grpo_workload.py --which grpo_tiny      # model + prompts (deterministic, seconds)
-    python -m rlspmd.train --config configs/bench/grpo_tiny.py   # last line: JSON with sec_per_step, gen_tokens_per_sec
+    python scripts/bench/grpo_workload.py --which grpo_tiny          # model + prompts (deterministic, seconds)
+    python -m rlspmd.train --config configs/bench/grpo_tiny.py       # last line: JSON with sec_per_step
 
 A random-init Qwen2 (hidden 256, 4 layers, 4 heads / 2 KV heads, intermediate 688, vocab 8192, tied, fp32);
 4 prompts x 4 samples = 16 sequences per step; 27-token prompts; exactly 64 sampled tokens per completion (EOS
@@ -24,7 +24,9 @@ from rlspmd.config import (
 )
 
 
-def workload(model: str, name: str, steps: int = 6) -> Config:
+def workload(
+    model: str, name: str, steps: int = 6, data: str = "data/bench/prompts.jsonl", prompt_tokens: int = 27
+) -> Config:
     return Config(
         actor=ActorConfig(
             model=ModelConfig(path=model),
@@ -40,10 +42,10 @@ def workload(model: str, name: str, steps: int = 6) -> Config:
             n=4, max_response_length=64, temperature=1.0, ignore_eos=True, engine=NativeConfig(max_batch_size=16)
         ),
         data=DataConfig(
-            train_files=["data/bench/prompts.jsonl"],
-            val_files=["data/bench/prompts.jsonl"],
+            train_files=[data],
+            val_files=[data],
             train_batch_size=4,
-            max_prompt_length=27,
+            max_prompt_length=prompt_tokens,
             overlong_prompts="error",
             shuffle=False,
         ),

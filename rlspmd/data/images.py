@@ -111,6 +111,7 @@ class MultimodalPrompts:
 
         from rlspmd.models.vision import is_vision_language
 
+        model_dir = Path(model_dir).expanduser()  # model paths may start with ~ (configs/gsm8k_smollm2.py)
         if not is_vision_language(AutoConfig.from_pretrained(str(model_dir))):
             return None
         return cls(model_dir, tokenizer, field_name=field_name)

@@ -27,6 +27,8 @@ Which engine a role trains on is a config component (``TrainingEngineConfig``: `
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypedDict, runtime_checkable
@@ -44,11 +46,62 @@ if TYPE_CHECKING:
     from rlspmd.models.lora import LoraConfig
 
 
-def compute_dtype(param_dtype: str, device: torch.device) -> torch.dtype:
+@functools.cache
+def cpu_bf16_features() -> tuple[str, ...]:
+    """This CPU's hardware bfloat16 matrix instructions that torch's oneDNN uses (``AVX512-BF16``, ``AMX``: Intel
+    Cooper Lake and Sapphire Rapids on, AMD Zen 4 on); empty where bfloat16 is converted in software."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    found = [("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()), ("AMX", torch.cpu._is_amx_tile_supported())]
+    return tuple(name for name, present in found if present)
+
+
+CPU_BF16_ENV = "RLSPMD_CPU_BF16"
+"""Environment override of ``native_bf16``: ``0`` (``auto`` computes in float32 on every CPU: runs, and tests, that
+must give the same numbers on CPUs with and without hardware bfloat16) or ``1`` (bfloat16 even where it is emulated);
+unset: detected."""
+
+
+def native_bf16() -> bool:
+    """Whether ``param_dtype=auto`` computes in bfloat16 on this CPU: where it multiplies bfloat16 matrices in hardware
+    (oneDNN's bfloat16 GEMMs run several times faster than float32 ones there; elsewhere bfloat16 is emulated and
+    slower than float32), unless ``RLSPMD_CPU_BF16`` says otherwise."""
+    override = os.environ.get(CPU_BF16_ENV, "").strip()
+    if override not in ("", "0", "1"):
+        raise ValueError(f"{CPU_BF16_ENV}={override!r}: use 0 (float32), 1 (bfloat16) or leave it unset (detect)")
+    return override == "1" if override else bool(cpu_bf16_features())
+
+
+def precision_summary(engine: TrainingEngineConfig, device: torch.device, *, master: str, rollout: torch.dtype) -> str:
+    """One line for the run's log: the compute dtype ``engine.param_dtype`` resolved to and why, the master weights'
+    dtype and the rollout's."""
+    compute = engine.compute_dtype(device)
+    name = str(compute).removeprefix("torch.")
+    if engine.param_dtype != "auto":
+        why = f"actor.engine.param_dtype={engine.param_dtype}"
+    elif device.type == "cuda":
+        why = "auto on CUDA"
+    elif not engine.cpu_bf16:
+        why = f"auto: the {engine.name} engine computes in float32 on CPU"
+    elif os.environ.get(CPU_BF16_ENV, "").strip():
+        why = f"auto with {CPU_BF16_ENV}={os.environ[CPU_BF16_ENV].strip()}"
+    elif native_bf16():
+        why = f"auto: this CPU has hardware bfloat16 ({', '.join(cpu_bf16_features())})"
+    else:
+        why = "auto: this CPU has no hardware bfloat16 (AVX512-BF16 / AMX), where float32 is faster"
+    return (
+        f"compute dtype: {name} ({why}); master weights and optimiser state {master}; "
+        f"rollout {str(rollout).removeprefix('torch.')}"
+    )
+
+
+def compute_dtype(param_dtype: str, device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
     """The dtype an engine's forwards compute in, from its config's ``param_dtype`` (``FSDPConfig``,
-    ``MegatronConfig``): ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    ``MegatronConfig``): ``auto`` is bfloat16 on CUDA and, where ``cpu_bf16`` (an engine that computes in bfloat16 on
+    CPU), on a CPU with hardware bfloat16 (``native_bf16``); float32 elsewhere."""
     if param_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast = device.type == "cuda" or (device.type == "cpu" and cpu_bf16 and native_bf16())
+        return torch.bfloat16 if fast else torch.float32
     return DTYPES[param_dtype]
 
 
@@ -145,11 +198,12 @@ class TrainingEngineConfig(Component):
     supports_mesh_sp: ClassVar[bool] = False
     lends_weights: ClassVar[bool] = False
     vocab_outputs: ClassVar[bool] = False
+    cpu_bf16: ClassVar[bool] = False
     param_dtype: str = "auto"
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of the role's forwards on ``device``."""
-        return compute_dtype(self.param_dtype, device)
+        return compute_dtype(self.param_dtype, device, cpu_bf16=self.cpu_bf16)
 
     def params_on_host(self) -> bool:
         """Whether the sharded parameters live in host memory (a frozen role's offload then has nothing to do)."""

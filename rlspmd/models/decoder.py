@@ -23,6 +23,8 @@ mask. ``rlspmd.rollout.cuda_graphs`` captures it in CUDA graphs (and ``compiled_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -83,6 +85,9 @@ class LlamaFamilyDecoder:
         self.n_layers = len(base.layers)
         self.routing: torch.Tensor | None = None
         """MoE models: the experts each token of the last forward used, ``(B, S, N, K)``; None for dense models."""
+        self.fused: list[FusedProjections] | None = None
+        """The layers' concatenated projections for the current generation (``fused_projections``; set by
+        ``start``), or None."""
         self.after_layer = None
         """``(i, h) -> h`` run after decoder layer ``i`` of the next forward, or None: a vision-language decoder's
         prefill adds its DeepStack features with it (``decoder_layers``)."""
@@ -104,6 +109,8 @@ class LlamaFamilyDecoder:
         # attends over the slots filled so far only).
         self.decode_mask = torch.zeros(B, L, dtype=self._params_dtype(), device=dev)
         self.decode_mask[:, :P].masked_fill_(~self.valid[:, :P], float("-inf"))
+        with torch.no_grad():
+            self.fused = fused_projections(self.base)  # this generation's weights, read once here
         return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
 
     def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table) -> torch.Tensor:
@@ -227,11 +234,48 @@ class LlamaFamilyDecoder:
             attend=attend,
             routes=routes,
             after_layer=self.after_layer,
+            fused=self.fused,
         )
         self.routing = torch.stack(routes, 2) if routes else None
         self.length = end
         h = rms_norm(h[:, -1], base.norm.weight, self.eps)
         return linear(h, self.model.get_output_embeddings()).float()
+
+
+class FusedProjections(NamedTuple):
+    """One dense layer's input projections concatenated: q, k, v as one matrix (and bias), gate and up as another."""
+
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    gate_up_w: torch.Tensor
+
+
+def fused_projections(base: nn.Module) -> "list[FusedProjections] | None":
+    """Each decoder layer's ``FusedProjections``, copied from its current weights, where that pays: on CPU, for dense
+    layers (no MoE block, no MLP bias). A decode step there streams every weight from memory for a few rows, and 2
+    matmuls instead of 5 run the same products 28 % faster (SmolLM2-135M, 16 rows, bfloat16, a 2-core Xeon: 14.2 ms
+    against 19.8 ms a step for those projections). The copies cost one pass over those weights per generation and
+    their memory for its duration; on CUDA the decode step's graph hides the extra launches instead. None: use the
+    modules' own weights."""
+    layers = base.layers
+    if not len(layers) or base.embed_tokens.weight.device.type != "cpu":
+        return None
+    out = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if is_sparse_block(mlp) or not hasattr(mlp, "gate_proj") or mlp.gate_proj.bias is not None:
+            return None
+        biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return None
+        out.append(
+            FusedProjections(
+                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                None if biases[0] is None else torch.cat(biases),
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            )
+        )
+    return out
 
 
 def decoder_layers(
@@ -248,20 +292,26 @@ def decoder_layers(
     attend,
     routes: list | None = None,
     after_layer=None,
+    fused: "list[FusedProjections] | None" = None,
 ) -> torch.Tensor:
     """The decoder layers of a Llama-family ``base`` model over hidden states ``h`` (B, S, hidden), with the caller's
     KV cache: ``write(i, k, v)`` stores layer ``i``'s new keys and values (B, KV, S, D) and ``attend(i, q, k, v)``
     returns its attention output (B, H, S, D). The static-batch decoder (``LlamaFamilyDecoder``) and the continuous
     batching one (``rollout/continuous.py``) differ only in those two. ``routes``: each sparse layer appends the
     experts its tokens used, ``(B, S, K)``. ``after_layer(i, h) -> h``: run on each layer's output (Qwen3-VL's
-    DeepStack features at a prefill's image tokens)."""
+    DeepStack features at a prefill's image tokens). ``fused``: each layer's concatenated projections
+    (``fused_projections``), used instead of its modules' separate ones: the same products, fewer matmuls."""
     B, S, H, KV, D = h.shape[0], h.shape[1], n_heads, n_kv, head_dim
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
         x = rms_norm(h, layer.input_layernorm.weight, eps)
-        q = linear(x, attn.q_proj).view(B, S, H, D)
-        k = linear(x, attn.k_proj).view(B, S, KV, D)
-        v = linear(x, attn.v_proj).view(B, S, KV, D)
+        if fused is not None:
+            q, k, v = F.linear(x, fused[i].qkv_w, fused[i].qkv_b).split((H * D, KV * D, KV * D), -1)
+            q, k, v = q.view(B, S, H, D), k.view(B, S, KV, D), v.view(B, S, KV, D)
+        else:
+            q = linear(x, attn.q_proj).view(B, S, H, D)
+            k = linear(x, attn.k_proj).view(B, S, KV, D)
+            v = linear(x, attn.v_proj).view(B, S, KV, D)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
             q, k = rms_norm(q, attn.q_norm.weight, eps), rms_norm(k, attn.k_norm.weight, eps)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -270,7 +320,11 @@ def decoder_layers(
         a = attend(i, q, k, v)
         h = h + linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
         x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
-        h = h + feed_forward(layer.mlp, x, routes)
+        if fused is not None:
+            gate, up = F.linear(x, fused[i].gate_up_w).chunk(2, -1)
+            h = h + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        else:
+            h = h + feed_forward(layer.mlp, x, routes)
         if after_layer is not None:
             h = after_layer(i, h)
     return h

@@ -27,6 +27,7 @@ from rlspmd.data.images import MultimodalPrompts
 from rlspmd.distributed.dispatch import balance_batch, broadcast_object
 from rlspmd.distributed.mesh import DP, RoleMeshes
 from rlspmd.distributed.runtime import Runtime, StopRequest
+from rlspmd.engines.base import precision_summary
 from rlspmd.metrics import MetricBuffer
 from rlspmd.models.loader import eos_token_ids, load_tokenizer
 from rlspmd.models.attn_kernels import check_attn_kernel
@@ -54,7 +55,7 @@ from rlspmd.trainer.build_models import (
     old_logprob_source,
     records_routing,
 )
-from rlspmd.trainer.build_rollout import build_episodes, build_rollout, build_rollout_correction
+from rlspmd.trainer.build_rollout import build_episodes, build_rollout, build_rollout_correction, rollout_dtype
 from rlspmd.trainer.checkpoint import Checkpointer, read_meta
 from rlspmd.trainer.prompts import NoPrompts, Prompts
 from rlspmd.trainer.report import AgentMetrics, NoAgentMetrics, NoReport, StepReport
@@ -448,6 +449,12 @@ def build_trainer(cfg: Config, rt: Runtime, meshes: RoleMeshes, *, warnings: Seq
         stop_request=stop_request,
         val_batch_size=cfg.data.val_batch_size,
         messages=[
+            precision_summary(
+                cfg.actor.engine,
+                rt.device,
+                master=cfg.actor.model.dtype,
+                rollout=rollout_dtype(cfg.rollout, compute=cfg.actor.engine.compute_dtype(rt.device)),
+            ),
             f"packed attention kernel: {roles.attn_kernel}",
             f"rollout correction: {roles.rollout_correction.summary()}",
             *(f"warning: {message}; ignored" for message in warnings),

@@ -11,7 +11,12 @@ methods of the built trainer, so that it can profile them; the trainer's own ``t
 are reported as ``trainer_timing_last``.) On the step given by
 ``--profile-step`` (default: the last) the update and the reference forward also run under the torch profiler; the
 GPU-busy fraction is the union of the CUDA kernels' intervals over the stage's wall time (the profiler adds host
-overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``).
+overhead, so ``busy`` is also given against the unprofiled median: ``busy_vs_unprofiled``). On CPU the profiled
+stages (generation too) report their ``top_cpu_ops`` instead.
+
+``--split-update`` also splits the update into ``update_fwd`` (the actor's forwards with gradients, timed by hooks on
+its module), ``optim`` (the optimiser's step) and ``update_bwd`` (the rest of the update: backward, loss, clipping),
+each between device synchronisations (a few more per step).
 
 MFU: ``6 N tokens / update seconds`` (forward + backward of every token of the step) and ``2 N tokens / ref seconds``
 over the GPU's dense bf16 peak (``common.DENSE_BF16_TFLOPS``, by device name); N counts every parameter once (tied
@@ -27,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import ROOT, dense_bf16_peak_tflops, emit, kernel_busy_seconds, top_kernels
+from common import ROOT, dense_bf16_peak_tflops, emit, kernel_busy_seconds, top_cpu_ops, top_kernels
 
 
 def main(argv=None):
@@ -37,6 +42,7 @@ def main(argv=None):
     p.add_argument("--profile-step", type=int, default=None, help="step to profile (default: the last; 0: none)")
     p.add_argument("--partial", default=None, help="rewrite the JSON here after every step")
     p.add_argument("--output-dir", default=None, help="override trainer.output_dir")
+    p.add_argument("--split-update", action="store_true", help="time the update's forward, backward and optimiser")
     p.add_argument(
         "--build", default=None, help="build this grpo_workload.py preset (model + prompts) first, e.g. grpo_q15"
     )
@@ -53,7 +59,6 @@ def main(argv=None):
     from rlspmd.config import load_config_file
     from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, shutdown
-    from rlspmd.engines.base import compute_dtype
     from rlspmd.models.attn_kernels import check_attn_kernel
     from rlspmd.trainer.timing import StageProbe, device_synchronize
 
@@ -74,7 +79,7 @@ def main(argv=None):
         attn_implementation=model_cfg.attn_implementation,
         packing=model_cfg.packing,
         device=rt.device,
-        dtype=compute_dtype(cfg.actor.engine.param_dtype, rt.device),
+        dtype=cfg.actor.engine.compute_dtype(rt.device),
         field_name="actor.model.attn_kernel",
     )
     from rlspmd.trainer.build import build_trainer
@@ -92,11 +97,11 @@ def main(argv=None):
     def staged(name, fn):
         def run(*args, **kwargs):
             with probe(name):
-                if current_step[0] != profile_step or name == "gen":
+                cuda = rt.device.type == "cuda"
+                if current_step[0] != profile_step or (name == "gen" and cuda):  # CUDA graphs hide from the profiler
                     return fn(*args, **kwargs)
                 from torch.profiler import ProfilerActivity, profile
 
-                cuda = rt.device.type == "cuda"
                 with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
                     t0 = time.perf_counter()
                     out = fn(*args, **kwargs)
@@ -105,7 +110,8 @@ def main(argv=None):
                 profiled[name] = {
                     "wall_s": wall,
                     "kernel_s": kernel_busy_seconds(prof),
-                    "top_kernels": top_kernels(prof),
+                    "top_kernels": top_kernels(prof) if cuda else None,
+                    "top_cpu_ops": None if cuda else top_cpu_ops(prof),
                 }
                 return out
 
@@ -115,6 +121,9 @@ def main(argv=None):
     roles.rollout.generate = staged("gen", roles.rollout.generate)
     roles.ref.log_prob = staged("ref", roles.ref.log_prob)
     roles.actor.update = staged("update", roles.actor.update)
+
+    if a.split_update:
+        split_update(roles.actor.engine, probe, rt.device)
 
     per_step: list[dict] = []
     peak_tflops = dense_bf16_peak_tflops(torch.cuda.get_device_name(rt.device)) if rt.device.type == "cuda" else None
@@ -140,6 +149,7 @@ def main(argv=None):
             "steps_done": step,
             "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
             "attn_kernel": attn_kernel,
+            "compute_dtype": str(cfg.actor.engine.compute_dtype(rt.device)).removeprefix("torch."),
             "build_s": build_s,
             **summarize(
                 per_step, n_params=n_params, peak_tflops=peak_tflops, profiled=profiled, cuda=rt.device.type == "cuda"
@@ -153,8 +163,42 @@ def main(argv=None):
     shutdown()
 
 
+def split_update(engine, probe, device) -> None:
+    """Time the actor's forwards with gradients (``update_fwd``) and its optimiser steps (``optim``) inside ``update``,
+    which then also reports ``update_bwd``: the update's remaining seconds."""
+    import torch
+
+    from rlspmd.trainer.timing import device_synchronize
+
+    started: list[float] = []
+
+    def before(module, args, kwargs):
+        if torch.is_grad_enabled():
+            device_synchronize(device)
+            started.append(time.perf_counter())
+
+    def after(module, args, kwargs, out):
+        if started:
+            device_synchronize(device)
+            probe.seconds["update_fwd"] = probe.seconds.get("update_fwd", 0.0) + time.perf_counter() - started.pop()
+
+    engine.module.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    engine.module.register_forward_hook(after, with_kwargs=True, always_call=True)
+    step = engine.optim.step
+
+    def timed_step(*args, **kwargs):
+        with probe("optim"):
+            return step(*args, **kwargs)
+
+    engine.optim.step = timed_step
+
+
 def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None, profiled: dict, cuda: bool) -> dict:
     steady = per_step[1:] or per_step  # the first step pays one-off costs (allocator, cuBLAS, compilation)
+    for s in per_step:
+        sec = s["seconds"]
+        if "update_fwd" in sec:
+            sec["update_bwd"] = sec["update"] - sec["update_fwd"] - sec.get("optim", 0.0)
     stages = sorted({k for s in steady for k in s["seconds"]})
     median = {k: statistics.median(s["seconds"].get(k, 0.0) for s in steady) for k in stages}
     tokens = steady[-1]["tokens"]
@@ -180,7 +224,8 @@ def summarize(per_step: list[dict], *, n_params: int, peak_tflops: float | None,
             "profiled_wall_s": v["wall_s"],
             "busy": v["kernel_s"] / v["wall_s"] if cuda else None,
             "busy_vs_unprofiled": min(1.0, v["kernel_s"] / median[k]) if cuda and median.get(k) else None,
-            "top_kernels": v["top_kernels"] if cuda else None,
+            "top_kernels": v["top_kernels"],
+            "top_cpu_ops": v["top_cpu_ops"],
         }
         for k, v in profiled.items()
     } or None

@@ -1,6 +1,6 @@
 """The fixed GRPO benchmark workload: a random-init Qwen2 model and prompts of exactly 27 tokens.
 
-    python scripts/bench/grpo_workload.py  # models/bench-256, models/bench-512, data/bench/prompts.jsonl
+    python scripts/bench/grpo_workload.py                   # models/bench-{256,512}, data/bench/prompts.jsonl
     python scripts/bench/grpo_workload.py --which grpo_q05  # the GPU workload's model (models/bench-q05)
 
 Models (random init, seed 0, fp32, tied embeddings, vocab 8192, the tiny model's trained tokenizer and chat template):
@@ -10,10 +10,13 @@ Models (random init, seed 0, fp32, tied embeddings, vocab 8192, the tiny model's
              1024: 365 M parameters (configs/bench/grpo_q05.py, GPU)
   bench-q15  Qwen2.5-1.5B's body: hidden 1536, 28 layers, 12 heads / 2 KV heads, intermediate 8960, max positions
              1024: 1.32 B parameters (configs/bench/grpo_q15.py, GPU)
+  smollm2    the real SmolLM2-135M-Instruct (Llama, hidden 576, 30 layers, 9 / 3 heads, intermediate 1536, vocab
+             49152, tied), converted from the PyPI GGUF by ``scripts/models/smollm2.py`` (configs/bench/grpo_smollm2.py)
 
 Prompts: ``--num-prompts`` arithmetic questions in verl's schema (``prompt`` = one user message), each exactly
-``--prompt-tokens`` tokens once the chat template is applied with the generation prompt. Both models share the
-tokenizer, so one prompt file serves both. Everything is deterministic: the same files on every run and machine.
+``--prompt-tokens`` tokens once the chat template is applied with the generation prompt. The bench models share one
+tokenizer, so one prompt file serves them all (``data/bench/prompts.jsonl``); SmolLM2 has its own
+(``data/bench/prompts_smollm2.jsonl``). Everything is deterministic: the same files on every run and machine.
 The same jsonl feeds rlspmd (``data.train_files``) and TRL (``scripts/bench/trl_grpo.py``).
 """
 
@@ -36,12 +39,36 @@ PRESETS = {
     "grpo_q05": "bench-q05",
     "grpo_q15": "bench-q15",
     "smoke": "bench-tiny",
+    "grpo_smollm2": "smollm2",
 }
+PROMPTS_FILE = {"smollm2": "data/bench/prompts_smollm2.jsonl"}
+"""Presets whose tokenizer is not the bench models' one, and their prompt file (else ``data/bench/prompts.jsonl``)."""
+PROMPT_TOKENS = {"smollm2": 48}
+"""Prompt length where 27 tokens do not fit: SmolLM2's chat template adds a 30-token default system message."""
+
+
+def prompt_length(which: str, default: int = 27) -> int:
+    return PROMPT_TOKENS.get(PRESETS[which], default)
+
+
+def prompts_file(which: str) -> Path:
+    """The prompt file of a preset: one per tokenizer."""
+    return ROOT / PROMPTS_FILE.get(PRESETS[which], "data/bench/prompts.jsonl")
+
+
+def model_dir(preset: str) -> str:
+    """A model preset's directory, built (deterministically) or converted once and reused."""
+    if preset == "smollm2":
+        sys.path.insert(0, str(ROOT / "scripts" / "models"))
+        from smollm2 import convert
+
+        return str(convert())
+    return ensure_model(None, preset=preset)
 
 
 def prompt_of_length(tokenizer, rng: random.Random, n_tokens: int) -> tuple[str, int]:
-    """A question ``Calculate a + b - c ...`` whose chat-templated form is exactly ``n_tokens`` tokens,
-    and its answer."""
+    """A question ``Calculate a + b - c ...`` whose chat-templated form is exactly ``n_tokens`` tokens, and its
+    answer."""
     for _ in range(10_000):
         terms = [rng.randint(0, 99)]
         ops: list[str] = []
@@ -82,25 +109,33 @@ def write_prompts(model_dir: str, out: Path, *, num_prompts: int, prompt_tokens:
     return out
 
 
-def build(which: list[str], *, data: Path, num_prompts: int, prompt_tokens: int) -> dict[str, str]:
-    """The models (built once, reused) and the prompt file
-    (every model shares the tokenizer, so one file serves all)."""
-    models = {name: ensure_model(None, preset=PRESETS[name]) for name in which}
-    write_prompts(next(iter(models.values())), data, num_prompts=num_prompts, prompt_tokens=prompt_tokens)
+def build(which: list[str], *, data: Path | None = None, num_prompts: int, prompt_tokens: int) -> dict[str, str]:
+    """The models (built once, reused) and their prompt files, one per tokenizer (``prompts_file``), of
+    ``prompt_tokens`` tokens each (``PROMPT_TOKENS`` where the template needs more); ``data`` replaces the path when
+    every preset in ``which`` shares one tokenizer."""
+    models = {name: model_dir(PRESETS[name]) for name in which}
+    files = {prompts_file(name): models[name] for name in which}
+    if data is not None and len(files) > 1:
+        raise SystemExit(f"--data: {sorted(which)} use {len(files)} tokenizers (one prompt file each); give one family")
+    lengths = {prompts_file(name): prompt_length(name, prompt_tokens) for name in which}
+    for path, model in files.items():
+        write_prompts(model, data or path, num_prompts=num_prompts, prompt_tokens=lengths[path])
     return models
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--which", nargs="+", choices=sorted(PRESETS), default=["grpo_small", "grpo_tiny"])
-    p.add_argument("--data", type=Path, default=ROOT / "data" / "bench" / "prompts.jsonl")
+    p.add_argument("--data", type=Path, default=None, help="prompt file (default: the preset's, prompts_file)")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--prompt-tokens", type=int, default=27)
     a = p.parse_args(argv)
     models = build(a.which, data=a.data, num_prompts=a.num_prompts, prompt_tokens=a.prompt_tokens)
     for name, path in models.items():
         print(f"{name}: model {path}")
-    print(f"prompts: {a.data} ({a.num_prompts} x {a.prompt_tokens} tokens)")
+    for name in a.which:
+        n_tokens = prompt_length(name, a.prompt_tokens)
+        print(f"prompts: {a.data or prompts_file(name)} ({a.num_prompts} x {n_tokens} tokens)")
 
 
 if __name__ == "__main__":

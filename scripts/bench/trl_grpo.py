@@ -22,8 +22,15 @@ optimiser step over 8 micro-batches of 32, with bf16 autocast and fused AdamW (`
 
 ``sec_per_step`` is the median wall time between TRL's ``on_step_begin`` and ``on_step_end`` callbacks over the steps
 after the first; a step there covers generation, the reference forward, the policy forward/backward and the
-optimiser step, like rlspmd's ``timing/step``. Without TRL installed the JSON says so (``skipped``) and the exit
-status is 0.
+optimiser step, like rlspmd's ``timing/step``. ``stages_s`` splits each step (medians over the same steps): ``gen``
+(``GRPOTrainer._generate``), ``ref`` (the reference model's log-prob forward), ``update_fwd`` (the policy's forward
+with gradients), ``update_bwd`` (``accelerator.backward``), ``optim`` (between the ``on_pre_optimizer_step`` and
+``on_optimizer_step`` callbacks) and ``other`` (the rest: rewards, advantages, gradient clipping, bookkeeping): the
+stage methods of the built trainer are wrapped with timers, nothing else changes. Without TRL installed the JSON says
+so (``skipped``) and the exit status is 0.
+
+``--bf16`` on a CPU: TRL's ``bf16=True`` (accelerate's bf16 autocast around the forwards, float32 weights and
+optimiser); with ``--threads`` the process uses that many torch threads (default: torch's own choice).
 """
 
 from __future__ import annotations
@@ -51,7 +58,13 @@ def main(argv=None):
     p.add_argument(
         "--grad-accum", type=int, default=1, help="micro-batches per optimiser step (= steps_per_generation)"
     )
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (TRL's bf16=True)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--optim",
+        default="adamw_torch_fused",
+        help="transformers' optim name (adamw_torch_fused: torch's one-pass AdamW, on CUDA and, since torch 2.4, CPU)",
+    )
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if a.per_device_batch * a.grad_accum != a.prompts * a.generations:
@@ -66,6 +79,7 @@ def main(argv=None):
         "per_device_batch": a.per_device_batch,
         "grad_accum": a.grad_accum,
         "bf16": a.bf16,
+        "optim": a.optim,
         "beta": 0.04,
         "steps": a.steps,
     }
@@ -80,6 +94,9 @@ def main(argv=None):
 
     import torch
     import trl
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -93,14 +110,43 @@ def main(argv=None):
         return [0.0] * len(completions)
 
     class StepTimer(TrainerCallback):
+        """Step wall times, and each step's stage seconds (``stage``-wrapped methods and the optimiser callbacks)."""
+
         def __init__(self):
             self.times: list[float] = []
+            self.stages: list[dict[str, float]] = []
+            self.current: dict[str, float] = {}
+
+        def add(self, name: str, seconds: float) -> None:
+            self.current[name] = self.current.get(name, 0.0) + seconds
+
+        def wrap(self, name, fn):
+            """``fn`` timed as stage ``name`` (a string, or a function of the call's arguments that names it)."""
+
+            def timed(*args, **kwargs):
+                stage = name(*args, **kwargs) if callable(name) else name
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.add(stage, time.perf_counter() - t0)
+
+            return timed
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self.current = {}
             self.t0 = time.perf_counter()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.add("optim", time.perf_counter() - self.t_opt)
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.t0)
+            self.current["other"] = self.times[-1] - sum(self.current.values())
+            self.stages.append(self.current)
 
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -127,7 +173,7 @@ def main(argv=None):
             report_to=[],
             use_cpu=not cuda,
             bf16=a.bf16,
-            optim="adamw_torch_fused" if cuda else "adamw_torch",
+            optim=a.optim,
             seed=0,
             dataloader_num_workers=0,
             disable_tqdm=True,
@@ -140,6 +186,15 @@ def main(argv=None):
             processing_class=tokenizer,
             callbacks=[timer],
         )
+
+        def logps_stage(model, *args, **kwargs):
+            if model is trainer.ref_model:
+                return "ref"
+            return "update_fwd" if torch.is_grad_enabled() else "old_logprob"
+
+        trainer._generate = timer.wrap("gen", trainer._generate)
+        trainer._get_per_token_logps_and_entropies = timer.wrap(logps_stage, trainer._get_per_token_logps_and_entropies)
+        trainer.accelerator.backward = timer.wrap("update_bwd", trainer.accelerator.backward)
         trainer.train()
         lengths = [
             m.get("completions/mean_length") for m in trainer.state.log_history if "completions/mean_length" in m
@@ -147,6 +202,8 @@ def main(argv=None):
 
     steady = timer.times[1:] or timer.times
     sec = statistics.median(steady)
+    stages = timer.stages[1:] or timer.stages
+    names = sorted({k for st in stages for k in st})
     emit(
         {
             "bench": "trl_grpo",
@@ -154,6 +211,8 @@ def main(argv=None):
             "workload": workload,
             "sec_per_step": sec,
             "step_s": [round(x, 3) for x in timer.times],
+            "stages_s": {k: statistics.median(st.get(k, 0.0) for st in stages) for k in names},
+            "stages_s_all": [{k: round(v, 4) for k, v in st.items()} for st in timer.stages],
             "completion_mean_length": lengths,
             "gen_tokens_per_step": a.prompts * a.generations * a.new_tokens,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

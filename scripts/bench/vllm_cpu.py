@@ -2,7 +2,8 @@
 
     python scripts/bench/vllm_cpu.py [--models tiny smollm2] [--batches 64 256] [--tokens 64] [--repeats 2]
 
-Per model and batch size: generation tokens/s of each engine on the same prompts (every response exactly
+Per model and batch size: generation tokens/s of each engine, in ``--dtype`` (default: the dtype the trainer computes
+in on this CPU, ``param_dtype=auto``), on the same prompts (every response exactly
 ``--tokens`` long: EOS ignored), runs alternating between the engines ``--repeats`` times (best kept, so a busy
 moment on a shared machine hurts no engine more than another). Then the trainer's stages with each engine loaded
 in the process: the reference forward and a policy update (forward + backward + AdamW step) of the fp32 HF model on
@@ -72,14 +73,14 @@ def init_world() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def build_vllm(path: Path, hf, *, max_num_seqs: int):
+def build_vllm(path: Path, hf, *, max_num_seqs: int, dtype: torch.dtype = torch.float32):
     from third_party.vllm_adapter import VllmBackend
 
     backend = VllmBackend(
         str(path),
         tensor_parallel_size=1,
         seed=0,
-        dtype=torch.float32,
+        dtype=dtype,
         max_model_len=512,
         gpu_memory_utilization=0.5,
         kv_cache_memory_bytes=None,
@@ -92,15 +93,16 @@ def build_vllm(path: Path, hf, *, max_num_seqs: int):
     return backend
 
 
-def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int) -> dict:
-    """Tokens/s of vLLM, the native engine and HF generate, alternating, best of ``repeats``."""
+def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int, dtype: str = "float32") -> dict:
+    """Tokens/s of vLLM, the native engine and HF generate, alternating, best of ``repeats``, all three in
+    ``dtype``."""
     from rlspmd.models.loader import load_causal_lm, load_tokenizer
     from rlspmd.protocol import Batch
     from rlspmd.rollout.native import NativeEngine, OwnWeights
     from rlspmd.rollout.sampling import SamplingParams
 
     tok = load_tokenizer(str(path), field_name="model")
-    hf = load_causal_lm(str(path), dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    hf = load_causal_lm(str(path), dtype=dtype, attn_implementation="sdpa", field_name="model").eval()
     native = NativeEngine(
         OwnWeights(hf),
         eos_ids=[tok.eos_token_id],
@@ -109,8 +111,8 @@ def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int) -> dic
         device=torch.device("cpu"),
     )
     t0 = time.perf_counter()
-    vllm = build_vllm(path, hf, max_num_seqs=max(batches))
-    out = {"vllm_start_s": round(time.perf_counter() - t0, 2)}
+    vllm = build_vllm(path, hf, max_num_seqs=max(batches), dtype=getattr(torch, dtype))
+    out = {"vllm_start_s": round(time.perf_counter() - t0, 2), "dtype": dtype}
     greedy = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
     for B in batches:
         ids = prompts(tok, B)
@@ -239,6 +241,13 @@ def main() -> None:
     ap.add_argument("--stage-batch", type=int, default=16)
     ap.add_argument("--grpo-steps", type=int, default=6, help="steps per GRPO run (0: skip the GRPO phase)")
     ap.add_argument("--grpo-ranks", type=int, default=2)
+    ap.add_argument("--no-stages", action="store_true", help="skip the trainer-stages phase (generation only)")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="generation dtype of all three engines; auto: what the trainer computes in on this CPU (param_dtype=auto)",
+    )
     ap.add_argument("--worker", choices=["gen", "stages"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--with-vllm", type=int, default=0, help=argparse.SUPPRESS)
@@ -250,13 +259,17 @@ def main() -> None:
         init_world()
         path = Path(args.model_dir)
         out = (
-            worker_gen(path, args.batches, args.tokens, args.repeats)
+            worker_gen(path, args.batches, args.tokens, args.repeats, args.dtype)
             if args.worker == "gen"
             else worker_stages(path, args.stage_batch, bool(args.with_vllm), args.repeats)
         )
         print("RESULT " + json.dumps(out), flush=True)
         os._exit(0)  # vLLM's in-process engine has no shutdown worth waiting for
 
+    if args.dtype == "auto":
+        from rlspmd.engines.fsdp import FSDPConfig
+
+        args.dtype = str(FSDPConfig().compute_dtype(torch.device("cpu"))).removeprefix("torch.")
     report = {"device": "cpu", "tokens_per_response": args.tokens, "repeats": args.repeats, "models": {}}
     tmp = Path(tempfile.mkdtemp())
     for name in args.models:
@@ -266,9 +279,14 @@ def main() -> None:
             continue
         common = ["--model-dir", str(path), "--repeats", str(args.repeats)]
         gen = run_worker(
-            ["--worker", "gen", *common, "--tokens", str(args.tokens), "--batches", *map(str, args.batches)]
+            ["--worker", "gen", *common, "--dtype", args.dtype, "--tokens", str(args.tokens)]
+            + ["--batches", *map(str, args.batches)]
         )
         stages = {"native_only": [], "vllm_loaded": []}
+        if args.no_stages:
+            report["models"][name] = gen
+            print(json.dumps({name: gen}), file=sys.stderr, flush=True)
+            continue
         for _ in range(args.repeats):  # alternating processes: without, with, without, with
             for key, flag in (("native_only", "0"), ("vllm_loaded", "1")):
                 stages[key].append(

@@ -4,6 +4,7 @@ makes a role's module (meta-device and sharded-loaded, or loaded whole) and hand
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -15,7 +16,7 @@ from rlspmd.engines.base import ModuleKind, TrainingEngine, TrainingEngineConfig
 from rlspmd.engines.fsdp.engine import FSDPEngine
 from rlspmd.engines.fsdp.lora import LoraEngine
 from rlspmd.engines.optim import OptimConfig
-from rlspmd.models.loader import ModelConfig
+from rlspmd.models.loader import ModelConfig, dtype_name
 from rlspmd.models.lora import LoraConfig, apply_lora, initial_adapters
 from rlspmd.models.sharded_load import (
     WeightPlan,
@@ -41,12 +42,23 @@ class FSDPConfig(TrainingEngineConfig):
     supports_mesh_sp: ClassVar[bool] = True
     lends_weights: ClassVar[bool] = True
     vocab_outputs: ClassVar[bool] = True
+    cpu_bf16: ClassVar[bool] = True
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype of unsharded parameters. ``auto``: bfloat16 on CUDA, float32 on CPU."""
+    """Compute dtype of unsharded parameters (FSDP2 mixed precision: the sharded master weights, gradients and
+    optimiser state stay in ``model.dtype``). ``auto``: bfloat16 on CUDA and on CPUs with hardware bfloat16
+    (AVX512-BF16 or AMX: ``engines.base.native_bf16``), float32 on other CPUs, where bfloat16 is emulated and slower.
+    The run's log says which it chose."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter."""
     reshard_after_forward: bool = True
     """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like)."""
+    gather_once_per_update: bool = False
+    """Within one optimiser step, gather each unit's parameters once and keep them, with their gradients unsharded
+    (accumulated in ``reduce_dtype``), until the last micro-batch's backward, which reduce-scatters once: no re-gather
+    and re-cast at every micro-batch's forward and backward, one reduce-scatter per step instead of one per
+    micro-batch. Costs the whole model's unsharded parameters (compute dtype) and gradients (``reduce_dtype``) per rank
+    for the update. Measured on CPU (one rank, SmolLM2-135M, 2 micro-batches): no faster; on GPUs, where the q05
+    profile's update time went to re-gathering and re-casting, not measured yet."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
 
@@ -75,6 +87,11 @@ class FSDPConfig(TrainingEngineConfig):
         freeze_vision: bool = False,
     ) -> TrainingEngine:
         lora = lora if lora is not None and lora.enabled else None
+        compute = self.compute_dtype(device)
+        if optim is None and compute != torch.float32 and model.dtype == "float32":
+            # A frozen role never updates its weights: it keeps them in the compute dtype, which is what mixed precision
+            # would cast them to at every forward anyway (the same values, half the memory, no casts).
+            model = dataclasses.replace(model, dtype=dtype_name(compute))
         module, weights = fsdp_role_module(kind, model_path, model=model, seed=seed, field_name=field_name, lora=lora)
         if freeze_vision:
             freeze_vision_tower(module.hf)
