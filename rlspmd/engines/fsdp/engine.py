@@ -35,11 +35,11 @@ Gradients are *summed* over DP ranks (gradient divide factor 1): losses are alre
 global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not depend on the number of
 ranks or micro-batches.
 
-The optimiser (``engines/optim.py``, shared with the megatron engine) is AdamW, fused (one kernel for all parameters,
-on CUDA and on CPU). On the fused path an update with a non-finite gradient
-norm is skipped on the device (the kernel's ``found_inf`` input, GradScaler's protocol), so ``update`` reads nothing
-back to the host; ``optimizer_step`` is the same with its statistics returned as Python floats (one device-to-host
-copy per optimiser step).
+The optimiser (``engines/optim.py``, shared with the megatron engine) is AdamW, fused (one kernel for all parameters)
+on CUDA, and on CPU with ``fsdp.fused_adamw``; torch's default elsewhere. On the fused path an update with a
+non-finite gradient norm is skipped on the device (the kernel's ``found_inf`` input, GradScaler's protocol), so
+``update`` reads nothing back to the host; ``optimizer_step`` is the same with its statistics returned as Python
+floats (one device-to-host copy per optimiser step).
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ class FSDPEngine:
         sequence_mesh: DeviceMesh | None = None,
         sequence_mode: str = "auto",
     ):
-        """``fused_optimizer``: fused AdamW (None: yes, where torch has it for the parameters' device and dtype).
+        """``fused_optimizer``: fused AdamW (None: ``fsdp.fused_adamw``).
         ``weights``: where the parameters of a meta-built ``module`` come from. ``train_mesh``: ``(dp, tp)``, tensor
         parallel + FSDP2. ``expert_mesh``: ``(edp, ep)``, expert parallel for the MoE layers + FSDP2.
         ``sequence_mesh``: this rank's sequence-parallel group (1-D), ``sequence_mode`` its attention
@@ -328,8 +328,9 @@ class FSDPEngine:
             self.optim = None
         else:
             module.train()
-            if fused_optimizer is None:  # one kernel for all parameters, on CUDA and on CPU (3.6x the foreach
-                fused_optimizer = True  # AdamW on SmolLM2-135M's parameters on a 2-core Xeon, 0.09 s vs 0.33 s)
+            if fused_optimizer is None:
+                auto = device.type == "cuda" and not fsdp.cpu_offload
+                fused_optimizer = fsdp.fused_adamw if fsdp.fused_adamw is not None else auto
             self.optim = Optimizer(
                 [p for p in module.parameters() if p.requires_grad],
                 optim,
