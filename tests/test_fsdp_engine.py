@@ -24,7 +24,7 @@ def mesh():
     dist.destroy_process_group()
 
 
-def engine(path, mesh, *, fused: bool) -> FSDPEngine:
+def engine(path, mesh, *, fused: bool, fsdp: FSDPConfig | None = None) -> FSDPEngine:
     attn = training_attn_implementation("sdpa", packing=True, field_name="attn")
     module = CausalLMPolicy(
         load_causal_lm(path, dtype="float32", attn_implementation=attn, field_name="m"), packing=True
@@ -34,7 +34,7 @@ def engine(path, mesh, *, fused: bool) -> FSDPEngine:
         module.hf,
         mesh=mesh,
         device=torch.device("cpu"),
-        fsdp=FSDPConfig(),
+        fsdp=fsdp or FSDPConfig(),
         optim=OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0),
         total_optim_steps=10,
         fused_optimizer=fused,
@@ -92,18 +92,8 @@ def test_fused_adamw_steps_like_the_default_and_skips_non_finite_updates_on_devi
 
 def test_gather_once_per_update_accumulates_the_same_gradients(tiny_model, mesh):
     def build(once: bool) -> FSDPEngine:
-        attn = training_attn_implementation("sdpa", packing=True, field_name="attn")
-        module = CausalLMPolicy(
-            load_causal_lm(tiny_model, dtype="float32", attn_implementation=attn, field_name="m"), packing=True
-        )
-        return FSDPEngine(
-            module,
-            module.hf,
-            mesh=mesh,
-            device=torch.device("cpu"),
-            fsdp=FSDPConfig(param_dtype="float32", gather_once_per_update=once),
-            optim=OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0),
-            total_optim_steps=10,
+        return engine(
+            tiny_model, mesh, fused=False, fsdp=FSDPConfig(param_dtype="float32", gather_once_per_update=once)
         )
 
     plain, once = build(False), build(True)
