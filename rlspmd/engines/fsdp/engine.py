@@ -63,7 +63,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from rlspmd.distributed.sequence_parallel import SequenceParallel, resolve_sp_mode
 from rlspmd.distributed.tp_batch import gather_group_rows, keep_own_rows
-from rlspmd.engines.base import UpdateStats, compute_dtype
+from rlspmd.engines.base import UpdateStats
 from rlspmd.engines.optim import OptimConfig, Optimizer
 from rlspmd.engines.weight_stream import WeightStream
 from rlspmd.models.loader import DTYPES, decoder_layers
@@ -81,6 +81,10 @@ class FSDPOptions(Protocol):
     reduce_dtype: str
     reshard_after_forward: bool
     cpu_offload: bool
+    fused_adamw: bool | None
+    gather_once_per_update: bool
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype: ...
 
 
 TP_PLAN = {
@@ -217,9 +221,7 @@ def apply_fsdp(
     """``fully_shard`` each decoder layer (and each block of a vision tower), then the root (embeddings, final norm,
     heads; a vision tower's patch embedding and merger). ``expert_mesh``: the MoE layers' expert-parallel experts are
     sharded over its ``edp`` dim first (see the module docstring)."""
-    mp = MixedPrecisionPolicy(
-        param_dtype=compute_dtype(cfg.param_dtype, device, cpu_bf16=True), reduce_dtype=DTYPES[cfg.reduce_dtype]
-    )
+    mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype(device), reduce_dtype=DTYPES[cfg.reduce_dtype])
     kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
