@@ -4,6 +4,7 @@ and a torchrun launcher for the multi-process tests (Gloo on CPU)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -360,3 +361,21 @@ def tiny_reward_model_plain_template(tiny_model, tmp_path_factory) -> Path:
     return build_reward_model(
         tmp_path_factory.mktemp("rm_plain") / "model", tiny_model, chat_template=PLAIN_TEMPLATE, seed=1
     )
+
+
+def val_answer_format(out: Path) -> dict[int, float]:
+    """By validation step: the fraction of the run's logged greedy validation answers (``<out>/samples/val.jsonl``;
+    the run logs all of them with ``--trainer.samples.num-val`` at least the split's size) in the style the
+    arithmetic reward accepts (``rlspmd.rewards.rules.answer_format``: ending ``#### <number>``, right or wrong).
+
+    The quickstart's warm start answers greedily in the other style, so this starts at 0; RL on the task's reward
+    moves it to 1 within about 8 steps on every algorithm (measured 0.97-1.0 at step 8), while the tiny model's
+    arithmetic caps accuracy near 0.1 of the split. The style is the learned behaviour a short run can measure far
+    from its noise; accuracy alone (0 to 0.06-0.14 at step 12, which rounding differences move) cannot."""
+    from rlspmd.rewards.rules import answer_format
+
+    by_step: dict[int, list[float]] = {}
+    for line in (out / "samples" / "val.jsonl").read_text().splitlines():
+        sample = json.loads(line)
+        by_step.setdefault(sample["step"], []).append(answer_format(sample["response"].removesuffix("<|im_end|>"), ""))
+    return {step: sum(v) / len(v) for step, v in by_step.items()}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, torchrun
+from conftest import ROOT, torchrun, val_answer_format
 from rlspmd.config import load_config_file
 from rlspmd.validate import ignored_settings
 
@@ -28,9 +28,10 @@ def test_recipe_has_a_gpu_config_and_a_cpu_variant(name):
 
 
 def run_recipe(name: str, out: Path, warm_start: Path, data: Path, steps: int, *, validate: bool = False) -> list[dict]:
-    """``validate``: greedy validation before training and after the last step (100 held-out prompts)."""
+    """``validate``: greedy validation before training and after the last step (the 200 held-out prompts, every
+    answer in the sample log)."""
     val = (
-        ["--trainer.val-every", str(steps), "--data.max-val-samples", "100"]
+        ["--trainer.val-every", str(steps), "--trainer.samples.num-val", "200"]
         if validate
         else ["--trainer.val-every", "0", "--trainer.no-val-before-train"]
     )
@@ -74,18 +75,24 @@ def test_covariance_recipes_train(name, metric, warm_start, quickstart_data, tmp
 @pytest.mark.slow
 @pytest.mark.dist
 def test_gdpo_raises_both_rewards_and_validation_accuracy(warm_start, quickstart_data, tmp_path):
-    """``configs/gdpo.py:cpu`` as written, shortened to 10 steps: each reward is normalised in its group, weighted
+    """``configs/gdpo.py:cpu`` as written, shortened to 12 steps: each reward is normalised in its group, weighted
     (1, 0.5) and whitened; the warm start answers in the wrong style 70% of the time, so the format reward has
-    signal of its own. Greedy validation accuracy (which needs the format) and both training rewards rise."""
-    steps, k = 10, 3
+    signal of its own. Greedy validation answers move to the accepted style, their accuracy rises off 0 and both
+    training rewards rise (the measures of ``tests/test_algorithm_configs.py``)."""
+    steps, k = 12, 4
     rows = run_recipe("gdpo", tmp_path, warm_start, quickstart_data, steps, validate=True)
     val = {r["step"]: r["val/acc"] for r in rows if "val/acc" in r}
+    style = val_answer_format(tmp_path)
     train = [r for r in rows if r["step"] > 0]
-    assert len(train) == steps and sorted(val) == [0, steps]
+    assert len(train) == steps and sorted(val) == sorted(style) == [0, steps]
     rise = {}
     for key in ("reward/task_score", "reward/component/answer_format"):
         series = [r[key] for r in train]
         rise[key] = sum(series[-k:]) / k - sum(series[:k]) / k
-    print(f"gdpo: val/acc {val[0]:.3f} -> {val[steps]:.3f}; training reward rise (last {k} - first {k} steps) {rise}")
-    assert val[steps] >= val[0] + 0.1, f"validation accuracy {val[0]:.3f} -> {val[steps]:.3f}"
-    assert all(v >= 0.03 for v in rise.values()), rise
+    print(
+        f"gdpo: val/acc {val[0]:.3f} -> {val[steps]:.3f}; accepted answer style {style[0]:.3f} -> {style[steps]:.3f}; "
+        f"training reward rise (last {k} - first {k} steps) {rise}"
+    )
+    assert style[0] <= 0.1 and style[steps] >= 0.9, f"accepted answer style {style[0]:.3f} -> {style[steps]:.3f}"
+    assert val[steps] >= val[0] + 0.04, f"validation accuracy {val[0]:.3f} -> {val[steps]:.3f}"
+    assert rise["reward/component/answer_format"] >= 0.2 and rise["reward/task_score"] > 0, rise
