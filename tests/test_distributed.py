@@ -85,6 +85,7 @@ def test_every_policy_loss_two_rank_gradient_equals_one_rank(tiny_model, tmp_pat
     assert len(set(pg.values())) == len(pg), pg  # each loss computes something different
 
 
+@pytest.mark.slow
 def test_critic_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
     """The clipped value loss's gradient for every aggregation mode."""
     runs = grads_by_layout(

@@ -20,6 +20,7 @@ pytestmark = [
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_vllm_serves_the_moe_model_like_the_trainer(tiny_moe):
     proc = torchrun([dist_script("vllm_cpu_check.py"), str(tiny_moe)], 2, timeout=600)
     assert "VLLM CHECK OK" in proc.stdout, proc.stdout[-3000:]

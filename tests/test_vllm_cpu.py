@@ -26,17 +26,20 @@ pytestmark = [
 ]
 
 
+@pytest.mark.slow
 def test_vllm_colocated_parity_logprobs_and_updates(tiny_model):
     proc = torchrun([dist_script("vllm_cpu_check.py"), str(tiny_model)], 2, timeout=600)
     assert "VLLM CHECK OK" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_vllm_tp2_over_two_cpu_ranks(tiny_model):
     """One vLLM engine over both ranks (``mesh.rollout_tp=2``): the same checks, and both ranks hold the same tokens."""
     proc = torchrun([dist_script("vllm_cpu_check.py"), str(tiny_model), "--tp", "2"], 2, timeout=600)
     assert "VLLM CHECK OK" in proc.stdout, proc.stdout[-3000:]
 
 
+@pytest.mark.slow
 def test_vllm_serves_the_agent_loop_like_the_native_engine(tool_caller):
     """Multi-turn: a tiny model taught to call the calculator (``tool_caller``), so the conversations hold tool calls
     and tool results (masked out), and vLLM's match the native engine's token for token."""

@@ -36,7 +36,7 @@ global batch (see ``rlspmd.algorithms.aggregation``), so the gradient does not d
 ranks or micro-batches.
 
 The optimiser (``engines/optim.py``, shared with the megatron engine) is AdamW, fused (one kernel for all parameters)
-on CUDA and CPU alike (``fsdp.fused_adamw``); torch's default with ``cpu_offload``. On the fused path an update with a
+on CUDA and CPU alike, offloaded parameters included (``fsdp.fused_adamw``). On the fused path an update with a
 non-finite gradient norm is skipped on the device (the kernel's ``found_inf`` input, GradScaler's protocol), so
 ``update`` reads nothing back to the host; ``optimizer_step`` is the same with its statistics returned as Python
 floats (one device-to-host copy per optimiser step).
@@ -331,8 +331,7 @@ class FSDPEngine:
         else:
             module.train()
             if fused_optimizer is None:
-                auto = not fsdp.cpu_offload
-                fused_optimizer = fsdp.fused_adamw if fsdp.fused_adamw is not None else auto
+                fused_optimizer = fsdp.fused_adamw if fsdp.fused_adamw is not None else True
             self.optim = Optimizer(
                 [p for p in module.parameters() if p.requires_grad],
                 optim,
