@@ -291,6 +291,37 @@ def test_static_decode_step_gives_the_eager_tokens_on_cpu(fixture, request):
     assert isinstance(static_decoder(model, device=torch.device("cpu"), cuda_graphs=False, compile=True), StaticDecoder)
 
 
+def test_static_decode_step_with_concatenated_projections_equals_the_separate_ones(tiny_model, tiny_llama):
+    """On CPU the static step (``rollout.engine.compile_decode``) multiplies q/k/v and gate/up as two concatenated
+    matrices (``LlamaFamilyDecoder.params``); one step from the same cache gives the separate projections' logits and
+    K/V, with (Qwen2) and without (Llama) q/k/v biases."""
+    from rlspmd.models.decoder import LlamaFamilyDecoder, decode_step
+
+    for path in (tiny_model, tiny_llama):
+        model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+        dec = LlamaFamilyDecoder(model)
+        fused, plain = dec.params(), dec.params(fuse=False)
+        assert all(layer[3] is None and layer[13] is None for layer in fused[1])  # k and up folded into q and gate
+        assert all(layer[3] is not None and layer[13] is not None for layer in plain[1])
+        B, L, KV, D = 3, 9, dec.n_kv, dec.head_dim
+        g = torch.Generator().manual_seed(0)
+        caches = [torch.randn(dec.n_layers, B, KV, L, D, generator=g) for _ in range(2)]
+        mask = torch.zeros(B, L)
+        mask[:, 6:] = float("-inf")  # slots 0-4 filled, this token goes to slot 5
+        mask[0, :2] = float("-inf")  # row 0's prompt is left-padded
+        tok, pos, slot = torch.tensor([5, 17, 42]), torch.tensor([3, 5, 5]), torch.tensor([5])
+        cos, sin = dec.rope_table_for(L, torch.device("cpu"))
+        outs = []
+        with torch.no_grad():
+            for weights in (fused, plain):
+                k, v = (c.clone() for c in caches)
+                logits = decode_step(weights, k, v, tok, pos, slot, mask, cos, sin, dec.n_heads, KV, D, dec.eps)
+                outs.append((logits, k, v))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(outs[0][1], caches[0])  # the step wrote its K into slot 5
+
+
 def test_static_decoder_samples_the_eager_draws_on_cpu(tiny_model):
     """Sampling (temperature + top-k, and plain; EOS suppressed): the static decoder takes every step's uniform draws
     from the generator up front; on CPU those are the numbers the eager decoder draws step by step, so with the same

@@ -93,9 +93,12 @@ def build_vllm(path: Path, hf, *, max_num_seqs: int, dtype: torch.dtype = torch.
     return backend
 
 
-def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int, dtype: str = "float32") -> dict:
+def worker_gen(
+    path: Path, batches: list[int], tokens: int, repeats: int, dtype: str = "float32", compiled: bool = False
+) -> dict:
     """Tokens/s of vLLM, the native engine and HF generate, alternating, best of ``repeats``, all three in
-    ``dtype``."""
+    ``dtype``; ``compiled``: also the native engine with ``compile_decode`` (``native_compiled``; its first run, which
+    compiles, is a warm-up outside the timing)."""
     from rlspmd.models.loader import load_causal_lm, load_tokenizer
     from rlspmd.protocol import Batch
     from rlspmd.rollout.native import NativeEngine, OwnWeights
@@ -103,12 +106,16 @@ def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int, dtype:
 
     tok = load_tokenizer(str(path), field_name="model")
     hf = load_causal_lm(str(path), dtype=dtype, attn_implementation="sdpa", field_name="model").eval()
-    native = NativeEngine(
-        OwnWeights(hf),
-        eos_ids=[tok.eos_token_id],
-        pad_id=tok.pad_token_id,
-        max_batch_size=max(batches),
-        device=torch.device("cpu"),
+    native, native_compiled = (
+        NativeEngine(
+            OwnWeights(hf),
+            eos_ids=[tok.eos_token_id],
+            pad_id=tok.pad_token_id,
+            max_batch_size=max(batches),
+            device=torch.device("cpu"),
+            compile_decode=c,
+        )
+        for c in (False, True)
     )
     t0 = time.perf_counter()
     vllm = build_vllm(path, hf, max_num_seqs=max(batches), dtype=getattr(torch, dtype))
@@ -132,6 +139,12 @@ def worker_gen(path: Path, batches: list[int], tokens: int, repeats: int, dtype:
                 pad_token_id=tok.pad_token_id,
             ),
         }
+        if compiled:
+            runs["native_compiled"] = lambda batch=batch: native_compiled.generate(batch, greedy, generator=None)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                runs["native_compiled"]()
+                out[f"batch_{B}_compile_s"] = round(time.perf_counter() - t0, 1)
         best = dict.fromkeys(runs, float("inf"))
         for _ in range(repeats):
             for engine, fn in runs.items():
@@ -248,6 +261,9 @@ def main() -> None:
         default="auto",
         help="generation dtype of all three engines; auto: what the trainer computes in on this CPU (param_dtype=auto)",
     )
+    ap.add_argument(
+        "--native-compiled", action="store_true", help="also the native engine with rollout.engine.compile_decode"
+    )
     ap.add_argument("--worker", choices=["gen", "stages"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--with-vllm", type=int, default=0, help=argparse.SUPPRESS)
@@ -259,7 +275,7 @@ def main() -> None:
         init_world()
         path = Path(args.model_dir)
         out = (
-            worker_gen(path, args.batches, args.tokens, args.repeats, args.dtype)
+            worker_gen(path, args.batches, args.tokens, args.repeats, args.dtype, args.native_compiled)
             if args.worker == "gen"
             else worker_stages(path, args.stage_batch, bool(args.with_vllm), args.repeats)
         )
@@ -281,6 +297,7 @@ def main() -> None:
         gen = run_worker(
             ["--worker", "gen", *common, "--dtype", args.dtype, "--tokens", str(args.tokens)]
             + ["--batches", *map(str, args.batches)]
+            + (["--native-compiled"] if args.native_compiled else [])
         )
         stages = {"native_only": [], "vllm_loaded": []}
         if args.no_stages:
