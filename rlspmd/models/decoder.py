@@ -107,8 +107,6 @@ class LlamaFamilyDecoder:
         self.k = alloc(self.n_layers, *shape, dtype=self._params_dtype(), device=dev)
         self.v = alloc(self.n_layers, *shape, dtype=self._params_dtype(), device=dev)
         self.rope_table = self.rope_table_for(L, dev)
-        self.valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
-        self.valid[:, :P] = prompt_mask_BP.bool()
         # Decode-step attention mask, additive and shared by every layer: -inf at prompt padding, 0 elsewhere. A step
         # attends over the slots filled so far only: on GPUs by slicing the cache; on CPU over the whole cache with
         # the slots not written yet at -inf, opened one per step. A slice of the cache is a strided batch of matrices,
@@ -116,8 +114,9 @@ class LlamaFamilyDecoder:
         # (SmolLM2-135M, batch 64, prompt 43 + 64 tokens: 0.16 ms against 0.56 ms per layer and step), the masked
         # slots' extra products included.
         self.decode_mask = torch.zeros(B, L, dtype=self._params_dtype(), device=dev)
-        self.decode_mask.masked_fill_(~self.valid, float("-inf") if self.whole_cache else 0.0)
-        self.decode_mask[:, :P].masked_fill_(~self.valid[:, :P], float("-inf"))
+        self.decode_mask[:, :P].masked_fill_(~prompt_mask_BP.bool(), float("-inf"))
+        if self.whole_cache:
+            self.decode_mask[:, P:] = float("-inf")
         with torch.no_grad():
             self.fused = fused_projections(self.base)  # this generation's weights, read once here
         return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
@@ -195,7 +194,6 @@ class LlamaFamilyDecoder:
 
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
         pos = self.next_pos[:, None]
-        self.valid[:, self.length] = True
         if self.whole_cache:
             self.decode_mask[:, self.length] = 0.0  # this step's slot opens
             mask = self.decode_mask[:, None, None, :]  # (B, 1, 1, L)
@@ -207,7 +205,6 @@ class LlamaFamilyDecoder:
     def keep(self, rows: torch.Tensor) -> None:
         self.k = self.k[:, rows]
         self.v = self.v[:, rows]
-        self.valid = self.valid[rows]
         self.decode_mask = self.decode_mask[rows]
         self.next_pos = self.next_pos[rows]
 
@@ -224,8 +221,8 @@ class LlamaFamilyDecoder:
         else:
             cos, sin = base.rotary_emb(h, pos_BS)
             cos, sin = cos[:, None], signed_sin(sin[:, None])
-        if S == 1:  # the (B*KV, G, L) additive mask all layers share, expanded once per step
-            M = mask.shape[-1]  # the slots attended: ``end``, or the whole cache on CPU
+        M = mask.shape[-1]  # the cache slots attended: ``end``, or the whole cache in a CPU decode step
+        if S == 1:  # the (B*KV, G, M) additive mask all layers share, expanded once per step
             mask = mask.reshape(B, 1, 1, M).expand(B, KV, H // KV, M).reshape(B * KV, H // KV, M)
 
         def write(i, k, v):
@@ -234,10 +231,9 @@ class LlamaFamilyDecoder:
 
         def attend(i, q, k, v):
             if S == 1:
-                M = mask.shape[-1]
                 return decode_attention(q, self.k[i][:, :, :M], self.v[i][:, :, :M], mask)
             return F.scaled_dot_product_attention(
-                q, self.k[i][:, :, :end], self.v[i][:, :, :end], attn_mask=mask, enable_gqa=KV != H
+                q, self.k[i][:, :, :M], self.v[i][:, :, :M], attn_mask=mask, enable_gqa=KV != H
             )
 
         routes: list[torch.Tensor] = []
