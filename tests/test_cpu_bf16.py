@@ -137,8 +137,36 @@ def test_fused_decode_projections_give_the_modules_logits(tiny_model, monkeypatc
 
     dec, fused = greedy()
     assert dec.fused is not None and len(dec.fused) == model.config.num_hidden_layers
-    monkeypatch.setattr(decoder_mod, "fused_projections", lambda base: None)
+    monkeypatch.setattr(decoder_mod, "fused_projections", lambda base, **kw: None)
     dec, plain = greedy()
     assert dec.fused is None
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+def test_packed_decode_weights_give_the_plain_weights_logits(tiny_model, monkeypatch):
+    """bfloat16 decoding on CPU multiplies by weights packed once per generation (``packs_weights``): the same products
+    as F.linear on the plain weights, so the same logits and greedy tokens."""
+    if not decoder_mod.packs_weights(torch.bfloat16):
+        pytest.skip("this CPU has no native bfloat16 matmul (oneDNN): weights are not packed")
+    model = load_causal_lm(tiny_model, dtype="bfloat16", attn_implementation="sdpa", field_name="m").eval()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, model.config.vocab_size, (4, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+
+    def greedy():
+        dec = LlamaFamilyDecoder(model)
+        with torch.no_grad():
+            logits = [dec.start(ids, mask, 8)]
+            for _ in range(7):
+                logits.append(dec.step(logits[-1].argmax(-1)))
+        return dec, torch.stack(logits)
+
+    dec, packed = greedy()
+    assert dec.fused is not None and all(f.packed for f in dec.fused) and dec.head[2]
+    monkeypatch.setattr(decoder_mod, "packs_weights", lambda dtype: False)
+    dec, plain = greedy()
+    assert not dec.fused[0].packed and not dec.head[2]
+    torch.testing.assert_close(packed, plain, rtol=1e-2, atol=1e-2)  # bfloat16 logits; measured equal here
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))

@@ -107,3 +107,38 @@ def test_gather_once_per_update_accumulates_the_same_gradients(tiny_model, mesh)
         torch.testing.assert_close(pb[name], pa[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
     # afterwards the parameters are sharded again, as after any update (a rollout gathers them itself)
     assert all(isinstance(p.data, torch.distributed.tensor.DTensor) for p in once.module.parameters())
+
+
+def test_one_rank_cpu_keeps_gathered_parameters_through_backward_with_the_same_steps(tiny_model, mesh):
+    """``reshard_after_forward=None`` (the default) on a one-rank CPU mesh: within an update each layer keeps its
+    compute-dtype copy from forward to backward instead of casting it again, with the same gradients and steps as
+    resharding (bit for bit, one machine); forwards outside an update still reshard, and after the update the
+    parameters are the sharded ones again. Explicit settings are kept."""
+    from torch.distributed.tensor import DTensor
+
+    def build(raf):
+        return engine(tiny_model, mesh, fused=True, fsdp=FSDPConfig(param_dtype="bfloat16", reshard_after_forward=raf))
+
+    kept, resharded = build(None), build(True)
+    assert kept.keep_for_backward and not resharded.keep_for_backward and not build(False).keep_for_backward
+    mb = batch(kept.module.config.vocab_size)
+    gathered = {}
+
+    def watched(e):
+        def fn(module, mb_):
+            loss = loss_fn(0.5)(module, mb_)
+            weight = e.hf_model.model.layers[0].self_attn.q_proj.weight  # after the whole forward
+            gathered.setdefault(id(e), []).append(not isinstance(weight, DTensor))
+            return loss
+
+        return fn
+
+    for _ in range(2):
+        a, b = kept.optimizer_step([mb, mb], watched(kept)), resharded.optimizer_step([mb, mb], watched(resharded))
+        assert torch.equal(a["grad_norm"], b["grad_norm"])
+    assert gathered[id(kept)] == [True] * 4 and gathered[id(resharded)] == [False] * 4
+    pa, pb = full_params(kept), full_params(resharded)
+    assert all(torch.equal(pa[name], pb[name]) for name in pa)
+    with torch.no_grad():  # outside an update a forward reshards: the parameters stay DTensors
+        loss_fn(1.0)(kept.module, mb)
+    assert all(isinstance(p, DTensor) for p in kept.hf_model.model.layers[0].parameters())

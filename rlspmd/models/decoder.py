@@ -86,8 +86,10 @@ class LlamaFamilyDecoder:
         self.routing: torch.Tensor | None = None
         """MoE models: the experts each token of the last forward used, ``(B, S, N, K)``; None for dense models."""
         self.fused: list[FusedProjections] | None = None
-        """The layers' concatenated projections for the current generation (``fused_projections``; set by
-        ``start``), or None."""
+        """The layers' concatenated (on CPU in bfloat16 also packed) projections for the current generation
+        (``fused_projections``; set by ``start``), or None."""
+        self.head: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None
+        """The output head's ``(weight, bias, packed)`` for the current generation (``project``; set by ``start``)."""
         self.after_layer = None
         """``(i, h) -> h`` run after decoder layer ``i`` of the next forward, or None: a vision-language decoder's
         prefill adds its DeepStack features with it (``decoder_layers``)."""
@@ -117,8 +119,11 @@ class LlamaFamilyDecoder:
         self.decode_mask[:, :P].masked_fill_(~prompt_mask_BP.bool(), float("-inf"))
         if self.whole_cache:
             self.decode_mask[:, P:] = float("-inf")
-        with torch.no_grad():
-            self.fused = fused_projections(self.base)  # this generation's weights, read once here
+        with torch.no_grad():  # this generation's weights, read once here
+            self.fused = fused_projections(self.base, pack_rows=B)
+            head = self.model.get_output_embeddings()
+            packed = dev.type == "cpu" and packs_weights(head.weight.dtype)
+            self.head = (pack(head.weight, B) if packed else head.weight, head.bias, packed)
         return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
 
     def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table) -> torch.Tensor:
@@ -190,6 +195,7 @@ class LlamaFamilyDecoder:
                 )
             )
         head = self.model.get_output_embeddings()
+        self.head = (head.weight, head.bias, False)  # the prefill's (``_forward``)
         return self.base.embed_tokens.weight, tuple(layers), self.base.norm.weight, head.weight, head.bias
 
     def step(self, tokens_B: torch.Tensor) -> torch.Tensor:
@@ -255,27 +261,64 @@ class LlamaFamilyDecoder:
         self.routing = torch.stack(routes, 2) if routes else None
         self.length = end
         h = rms_norm(h[:, -1], base.norm.weight, self.eps)
-        return linear(h, self.model.get_output_embeddings()).float()
+        return project(h, *self.head).float()
 
 
 class FusedProjections(NamedTuple):
-    """One dense layer's input projections concatenated: q, k, v as one matrix (and bias), gate and up as another."""
+    """One dense layer's matmul weights for a generation: q, k, v as one matrix (and bias), gate and up as another, then
+    the output and down projections; with ``packed``, each in oneDNN's blocked layout (``project``)."""
 
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
     gate_up_w: torch.Tensor
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    down_w: torch.Tensor
+    packed: bool = False
 
 
-def fused_projections(base: nn.Module) -> "list[FusedProjections] | None":
+def packs_weights(dtype: torch.dtype) -> bool:
+    """Whether CPU matmuls in ``dtype`` run on pre-packed weights (``project``): bfloat16 where oneDNN computes it
+    natively (AVX512-BF16 / AMX). A decode step multiplies a few rows by every weight, and F.linear then re-lays the
+    weight out for oneDNN at every call: packed once per generation, the same products are 1.3-2x faster (SmolLM2-135M
+    shapes, bfloat16, a 2-core Xeon with AMX: 0.16 against 0.21 ms for the 3072x576 gate/up at 16 rows, 3.0 against
+    6.5 ms for the 49152x576 head at 64) and bit-identical."""
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def pack(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """``w`` (out, in) in oneDNN's blocked layout for ``rows``-row inputs (any row count works); only ``project`` with
+    ``packed=True`` reads it."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
+
+
+def project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+    """``F.linear(x, w, b)``, with ``w`` from ``pack`` when ``packed``."""
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def fused_projections(base: nn.Module, *, pack_rows: int | None = None) -> "list[FusedProjections] | None":
     """Each decoder layer's ``FusedProjections``, copied from its current weights, where that pays: on CPU, for dense
     layers (no MoE block, no MLP bias). A decode step there streams every weight from memory for a few rows, and 2
     matmuls instead of 5 run the same products 28 % faster (SmolLM2-135M, 16 rows, bfloat16, a 2-core Xeon: 14.2 ms
     against 19.8 ms a step for those projections). The copies cost one pass over those weights per generation and
     their memory for its duration; on CUDA the decode step's graph hides the extra launches instead. None: use the
-    modules' own weights."""
+    modules' own weights. ``pack_rows``: also pack every matrix for inputs of about that many rows, where
+    ``packs_weights`` says it pays (the eager decoder; ``decode_step``, compiled or not, reads plain weights)."""
     layers = base.layers
     if not len(layers) or base.embed_tokens.weight.device.type != "cpu":
         return None
+    packed = pack_rows is not None and packs_weights(base.embed_tokens.weight.dtype)
+
+    def prep(w):
+        return pack(w, pack_rows) if packed else w
+
     out = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -286,9 +329,13 @@ def fused_projections(base: nn.Module) -> "list[FusedProjections] | None":
             return None
         out.append(
             FusedProjections(
-                torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                prep(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])),
                 None if biases[0] is None else torch.cat(biases),
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                prep(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                prep(attn.o_proj.weight),
+                attn.o_proj.bias,
+                prep(mlp.down_proj.weight),
+                packed,
             )
         )
     return out
@@ -321,8 +368,9 @@ def decoder_layers(
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
         x = rms_norm(h, layer.input_layernorm.weight, eps)
-        if fused is not None:
-            q, k, v = F.linear(x, fused[i].qkv_w, fused[i].qkv_b).split((H * D, KV * D, KV * D), -1)
+        f = None if fused is None else fused[i]
+        if f is not None:
+            q, k, v = project(x, f.qkv_w, f.qkv_b, f.packed).split((H * D, KV * D, KV * D), -1)
             q, k, v = q.view(B, S, H, D), k.view(B, S, KV, D), v.view(B, S, KV, D)
         else:
             q = linear(x, attn.q_proj).view(B, S, H, D)
@@ -334,11 +382,12 @@ def decoder_layers(
         q, k = apply_rope(q, cos, sin_signed), apply_rope(k, cos, sin_signed)
         write(i, k, v)
         a = attend(i, q, k, v)
-        h = h + linear(a.transpose(1, 2).reshape(B, S, H * D), attn.o_proj)
+        a = a.transpose(1, 2).reshape(B, S, H * D)
+        h = h + (linear(a, attn.o_proj) if f is None else project(a, f.o_w, f.o_b, f.packed))
         x = rms_norm(h, layer.post_attention_layernorm.weight, eps)
-        if fused is not None:
-            gate, up = F.linear(x, fused[i].gate_up_w).chunk(2, -1)
-            h = h + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        if f is not None:
+            gate, up = project(x, f.gate_up_w, None, f.packed).chunk(2, -1)
+            h = h + project(F.silu(gate) * up, f.down_w, None, f.packed)
         else:
             h = h + feed_forward(layer.mlp, x, routes)
         if after_layer is not None:

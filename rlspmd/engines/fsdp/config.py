@@ -50,8 +50,11 @@ class FSDPConfig(TrainingEngineConfig):
     The run's log says which it chose."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduce-scatter."""
-    reshard_after_forward: bool = True
-    """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like)."""
+    reshard_after_forward: bool | None = None
+    """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like).
+    None: True, except within an update on CPU with one rank, where nothing is sharded and keeping each layer's
+    compute-dtype copy until its backward saves casting it again (``engines/fsdp/engine.py:
+    keeps_gathered_for_backward``)."""
     fused_adamw: bool | None = None
     """torch's fused AdamW (one kernel for all parameters; a non-finite gradient norm skips the update inside it).
     None: on, on CUDA and on CPU (with ``cpu_offload`` too, where the update runs on the host copy). On CPU it is 5x

@@ -79,7 +79,7 @@ class FSDPOptions(Protocol):
 
     param_dtype: str
     reduce_dtype: str
-    reshard_after_forward: bool
+    reshard_after_forward: bool | None
     cpu_offload: bool
     fused_adamw: bool | None
     gather_once_per_update: bool
@@ -209,6 +209,16 @@ def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def keeps_gathered_for_backward(cfg: FSDPOptions, mesh: DeviceMesh, device: torch.device) -> bool:
+    """``fsdp.reshard_after_forward=None`` on CPU over a one-rank mesh: within an update, each unit keeps its
+    compute-dtype copy from its forward to its backward. Nothing is sharded there; resharding after forward only frees
+    that copy, which backward then casts again for every layer. Keeping it made a SmolLM2-135M update 8 % faster on a
+    2-core Xeon (3.52 against 3.83 s), for 2 bytes per parameter more at the update's peak (bfloat16 compute). Forwards
+    outside an update (reference, old log-probs, validation) still reshard: the parameters between steps are the
+    sharded ones, as everything that reads them (checkpoints, weight sync) expects."""
+    return cfg.reshard_after_forward is None and device.type == "cpu" and mesh.size() == 1
+
+
 def apply_fsdp(
     module: nn.Module,
     hf_model: nn.Module,
@@ -222,7 +232,7 @@ def apply_fsdp(
     heads; a vision tower's patch embedding and merger). ``expert_mesh``: the MoE layers' expert-parallel experts are
     sharded over its ``edp`` dim first (see the module docstring)."""
     mp = MixedPrecisionPolicy(param_dtype=cfg.compute_dtype(device), reduce_dtype=DTYPES[cfg.reduce_dtype])
-    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    kwargs = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward is not False)
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     units: list[tuple[nn.Module, DeviceMesh]] = []
@@ -286,7 +296,10 @@ class FSDPEngine:
         self.train_mesh = train_mesh
         self.expert_mesh = expert_mesh
         self.device = device
-        self.reshard_after_forward = fsdp.reshard_after_forward
+        self.reshard_after_forward = fsdp.reshard_after_forward is not False
+        self.keep_for_backward = not fsdp.gather_once_per_update and keeps_gathered_for_backward(
+            fsdp, mesh if train_mesh is None else train_mesh["dp"], device
+        )
         self.gather_once = fsdp.gather_once_per_update
         assert is_meta(module) == (weights is not None), "a meta-built module needs its WeightPlan, and only it"
         if train_mesh is not None:
@@ -364,17 +377,8 @@ class FSDPEngine:
         """
         assert self.optim is not None, "optimizer_step on a frozen engine"
         self.optim.zero_grad()
-        for mb, last in _with_last(micro_batches):
-            if self.gather_once:
-                self._keep_gathered(not last)
-            if self.seq is None:
-                loss_fn(self.module, mb).backward()
-                continue
-            for owner in range(self.seq.size):  # the SP group's turns: one member's rows at a time, split over all
-                if owner == self.seq.rank:
-                    loss_fn(self.module, mb).backward()
-                else:
-                    self.seq.follow(self.module, device=self.device).backward()
+        with self._kept_for_backward():
+            self._accumulate(micro_batches, loss_fn)
         params = [p for p in self.module.parameters() if p.grad is not None]
         if self.train_mesh is None and self.expert_mesh is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.optim.max_norm)
@@ -389,6 +393,37 @@ class FSDPEngine:
         self.optim.step(skipped)  # fused: skipped on the device, inside the kernel
         # float64, so that the metrics' arithmetic on them is what it was on Python floats
         return UpdateStats(grad_norm=grad_norm.detach().double(), skipped=skipped.double())
+
+    def _accumulate(self, micro_batches: Iterable, loss_fn) -> None:
+        """Every micro-batch's forward and backward: gradients accumulate in the parameters."""
+        for mb, last in _with_last(micro_batches):
+            if self.gather_once:
+                self._keep_gathered(not last)
+            if self.seq is None:
+                loss_fn(self.module, mb).backward()
+                continue
+            for owner in range(self.seq.size):  # the SP group's turns: one member's rows at a time, split over all
+                if owner == self.seq.rank:
+                    loss_fn(self.module, mb).backward()
+                else:
+                    self.seq.follow(self.module, device=self.device).backward()
+
+    @contextmanager
+    def _kept_for_backward(self):
+        """``keeps_gathered_for_backward``: within the block forwards do not reshard (backward does), and every unit is
+        sharded again after it, whether or not its backward ran (a frozen vision tower's does not)."""
+        if not self.keep_for_backward:
+            yield
+            return
+        mods = list(self.fsdp_modules())
+        for m in mods:
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in mods:
+                m.reshard()
+                m.set_reshard_after_forward(self.reshard_after_forward and m is not self.module, recurse=False)
 
     def _keep_gathered(self, keep: bool) -> None:
         """``fsdp.gather_once_per_update``: before a micro-batch that is not the update's last (``keep``), its
