@@ -120,25 +120,26 @@ def test_cpu_attention_trains_half_precision_in_float32():
         assert sdpa_loop_attention(*half, lengths, scale=0.25).dtype == torch.bfloat16
 
 
+def greedy_decode(model, rows: int, prompt: int, new_tokens: int, seed: int):
+    """``(decoder, logits (new_tokens, rows, vocab))`` of a greedy generation from random prompts, one left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (rows, prompt), generator=g)
+    mask = torch.ones_like(ids)
+    mask[rows // 3, : prompt // 2] = 0
+    dec = LlamaFamilyDecoder(model)
+    with torch.no_grad():
+        logits = [dec.start(ids, mask, new_tokens)]
+        for _ in range(new_tokens - 1):
+            logits.append(dec.step(logits[-1].argmax(-1)))
+    return dec, torch.stack(logits)
+
+
 def test_fused_decode_projections_give_the_modules_logits(tiny_model, monkeypatch):
     model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="m").eval()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-
-    def greedy():
-        dec = LlamaFamilyDecoder(model)
-        with torch.no_grad():
-            logits = [dec.start(ids, mask, 6)]
-            for _ in range(5):
-                logits.append(dec.step(logits[-1].argmax(-1)))
-        return dec, torch.stack(logits)
-
-    dec, fused = greedy()
+    dec, fused = greedy_decode(model, 3, 9, 6, seed=1)
     assert dec.fused is not None and len(dec.fused) == model.config.num_hidden_layers
     monkeypatch.setattr(decoder_mod, "fused_projections", lambda base, **kw: None)
-    dec, plain = greedy()
+    dec, plain = greedy_decode(model, 3, 9, 6, seed=1)
     assert dec.fused is None
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
@@ -150,23 +151,10 @@ def test_packed_decode_weights_give_the_plain_weights_logits(tiny_model, monkeyp
     if not decoder_mod.packs_weights(torch.bfloat16):
         pytest.skip("this CPU has no native bfloat16 matmul (oneDNN): weights are not packed")
     model = load_causal_lm(tiny_model, dtype="bfloat16", attn_implementation="sdpa", field_name="m").eval()
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(3, model.config.vocab_size, (4, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-
-    def greedy():
-        dec = LlamaFamilyDecoder(model)
-        with torch.no_grad():
-            logits = [dec.start(ids, mask, 8)]
-            for _ in range(7):
-                logits.append(dec.step(logits[-1].argmax(-1)))
-        return dec, torch.stack(logits)
-
-    dec, packed = greedy()
+    dec, packed = greedy_decode(model, 4, 7, 8, seed=2)
     assert dec.fused is not None and all(f.packed for f in dec.fused) and dec.head[2]
     monkeypatch.setattr(decoder_mod, "packs_weights", lambda dtype: False)
-    dec, plain = greedy()
+    dec, plain = greedy_decode(model, 4, 7, 8, seed=2)
     assert not dec.fused[0].packed and not dec.head[2]
-    torch.testing.assert_close(packed, plain, rtol=1e-2, atol=1e-2)  # bfloat16 logits; measured equal here
+    torch.testing.assert_close(packed, plain, rtol=1e-2, atol=1e-2)  # bfloat16 logits
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
