@@ -171,40 +171,41 @@ def test_colocated_native_engine_reads_fsdp_weights_in_place(tiny_model):
 
 
 KEEP_FREED = """
-import resource, torch
+import ctypes, torch
 from rlspmd.distributed.runtime import keep_freed_memory
+
+
+class MallInfo2(ctypes.Structure):
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
+
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
 applied = keep_freed_memory()
 x = torch.ones(2 << 20)  # 8 MiB
-
-
-def step():  # like a layer-by-layer pass: 12 such tensors alive at once (96 MiB), then all freed
+for _ in range(3):  # like a layer-by-layer pass: 12 such tensors alive at once (96 MiB), then all freed
     ys = [x * i for i in range(12)]
     del ys
-
-
-for _ in range(3):
-    step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
-    step()
-print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, libc.mallinfo2().fordblks >> 20)  # MiB freed but kept in the process's heap
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_cpu_runtime_reuses_freed_tensor_memory_without_page_faults():
-    """On CPU ``init_distributed`` keeps freed memory for the next tensors (``keep_freed_memory``): a pass that
-    allocates 96 MiB of tensors and frees them touches (about) no fresh pages the next time. In glibc's defaults (the
-    opt-out) the freed heap top is returned to the OS and every pass faults its 96 MiB in again: 24,576 4-KiB
-    pages a pass."""
+def test_cpu_runtime_keeps_freed_tensor_memory_in_the_process():
+    """On CPU ``init_distributed`` keeps freed memory for the next tensors (``keep_freed_memory``): after passes that
+    allocate 96 MiB of tensors and free them, the process's heap holds them for the next pass (no fresh pages to
+    fault in). In glibc's defaults (the opt-out) it often returns them to the OS (0 MiB kept in 3 of 4 runs here), but
+    not always, so only the kept side is asserted."""
+    # glibc's allocator itself: a process that imported vLLM's CPU build has LD_PRELOAD set (its libgomp/tcmalloc)
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
-    def run(env):
+    def run(extra):
         out = subprocess.run(
-            [sys.executable, "-c", KEEP_FREED], env={**os.environ, **env}, capture_output=True, text=True, check=True
+            [sys.executable, "-c", KEEP_FREED], env={**env, **extra}, capture_output=True, text=True, check=True
         ).stdout.split()
         return out[0] == "True", int(out[1])
 
-    applied, faults = run({})
-    assert applied and faults <= 4096, faults
-    applied, faults = run({"RLSPMD_KEEP_FREED_MEMORY": "0"})
-    assert not applied and faults >= 5 * 24_576 // 2, faults
+    applied, kept_mib = run({})
+    assert applied and kept_mib >= 90, kept_mib
+    assert not run({"RLSPMD_KEEP_FREED_MEMORY": "0"})[0]

@@ -125,7 +125,7 @@ def keep_freed_memory() -> bool:
 
     In glibc's defaults a tensor of a few MiB is often ``mmap``-ed and unmapped again when freed, so every step
     touches fresh pages: a SmolLM2-135M actor update on a 2-core Xeon page-faulted 340k times per step (0.6 s of
-    system time); with these settings, about none after the first step, and the update took 8-10 % less (the
+    system time); with these settings, about none after the first step, and the update took 6-10 % less (the
     CPU counterpart of CUDA's caching allocator). Costs: the process keeps up to its peak heap. Returns whether the
     settings were applied (glibc only; ``RLSPMD_KEEP_FREED_MEMORY=0`` opts out)."""
     if os.environ.get(MALLOC_ENV, "1") == "0" or not sys.platform.startswith("linux"):

@@ -282,7 +282,8 @@ def packs_weights(dtype: torch.dtype) -> bool:
     natively (AVX512-BF16 / AMX). A decode step multiplies a few rows by every weight, and F.linear then re-lays the
     weight out for oneDNN at every call: packed once per generation, the same products are 1.3-2x faster (SmolLM2-135M
     shapes, bfloat16, a 2-core Xeon with AMX: 0.16 against 0.21 ms for the 3072x576 gate/up at 16 rows, 3.0 against
-    6.5 ms for the 49152x576 head at 64) and bit-identical."""
+    6.5 ms for the 49152x576 head at 64), equal in those measurements; oneDNN's packed path may round some products
+    differently from F.linear's (a whole quickstart run's trajectory was not bit-identical)."""
     return (
         dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
