@@ -120,9 +120,9 @@ class LlamaFamilyDecoder:
         if self.whole_cache:
             self.decode_mask[:, P:] = float("-inf")
         with torch.no_grad():  # this generation's weights, read once here
-            self.fused = fused_projections(self.base, pack_rows=B)
             head = self.model.get_output_embeddings()
             packed = dev.type == "cpu" and packs_weights(head.weight.dtype)
+            self.fused = fused_projections(self.base, pack_rows=B if packed else None)
             self.head = (pack(head.weight, B) if packed else head.weight, head.bias, packed)
         return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
 
@@ -310,12 +310,12 @@ def fused_projections(base: nn.Module, *, pack_rows: int | None = None) -> "list
     matmuls instead of 5 run the same products 28 % faster (SmolLM2-135M, 16 rows, bfloat16, a 2-core Xeon: 14.2 ms
     against 19.8 ms a step for those projections). The copies cost one pass over those weights per generation and
     their memory for its duration; on CUDA the decode step's graph hides the extra launches instead. None: use the
-    modules' own weights. ``pack_rows``: also pack every matrix for inputs of about that many rows, where
-    ``packs_weights`` says it pays (the eager decoder; ``decode_step``, compiled or not, reads plain weights)."""
+    modules' own weights. ``pack_rows``: also pack every matrix for inputs of about that many rows (the eager decoder,
+    where ``packs_weights`` says it pays; ``decode_step``, compiled or not, reads plain weights)."""
     layers = base.layers
     if not len(layers) or base.embed_tokens.weight.device.type != "cpu":
         return None
-    packed = pack_rows is not None and packs_weights(base.embed_tokens.weight.dtype)
+    packed = pack_rows is not None
 
     def prep(w):
         return pack(w, pack_rows) if packed else w

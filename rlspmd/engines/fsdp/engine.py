@@ -415,9 +415,19 @@ class FSDPEngine:
         if not self.keep_for_backward:
             yield
             return
+        with self._no_reshard_after_forward(gather=False):
+            yield
+
+    @contextmanager
+    def _no_reshard_after_forward(self, *, gather: bool):
+        """Within the block no unit reshards after its forward (``gather``: every unit is gathered first); after it
+        every unit is sharded and the configured resharding restored (FSDP2 keeps the root unsharded after forward, as
+        it is gathered again for backward at once)."""
         mods = list(self.fsdp_modules())
         for m in mods:
             m.set_reshard_after_forward(False, recurse=False)
+            if gather:
+                m.unshard()
         try:
             yield
         finally:
@@ -442,17 +452,8 @@ class FSDPEngine:
 
         Module forwards inside the block do not re-gather or free parameters.
         """
-        mods = list(self.fsdp_modules())
-        for m in mods:
-            m.set_reshard_after_forward(False)
-            m.unshard()
-        try:
+        with self._no_reshard_after_forward(gather=True):
             yield self.module
-        finally:
-            for m in mods:
-                m.reshard()
-                # FSDP2 keeps the root unsharded after forward (it is gathered again for backward at once).
-                m.set_reshard_after_forward(self.reshard_after_forward and m is not self.module)
 
     @contextmanager
     def gathered_hf_model(self) -> Iterator[nn.Module]:
