@@ -158,3 +158,19 @@ def test_packed_decode_weights_give_the_plain_weights_logits(tiny_model, monkeyp
     assert not dec.fused[0].packed and not dec.head[2]
     torch.testing.assert_close(packed, plain, rtol=1e-2, atol=1e-2)  # bfloat16 logits
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+def test_bfloat16_decode_attends_with_sdpa_over_the_filled_slots(tiny_model, monkeypatch):
+    """bfloat16 decoding on CPU attends with SDPA over the cache slots filled so far (``sdpa_decodes``), float32 with
+    ``decode_attention`` over the whole cache: the same attention, so the same logits to bfloat16's precision and the
+    same greedy tokens (one row left-padded, so the prompt mask is exercised)."""
+    model = load_causal_lm(tiny_model, dtype="bfloat16", attn_implementation="sdpa", field_name="m").eval()
+    dec, sdpa = greedy_decode(model, 4, 7, 8, seed=3)
+    assert dec.sdpa_decode and not dec.whole_cache
+    monkeypatch.setattr(decoder_mod, "sdpa_decodes", lambda device, dtype: False)
+    dec, matmuls = greedy_decode(model, 4, 7, 8, seed=3)
+    assert not dec.sdpa_decode and dec.whole_cache
+    torch.testing.assert_close(sdpa, matmuls, rtol=2e-2, atol=2e-2)
+    assert torch.equal(sdpa.argmax(-1), matmuls.argmax(-1))
+    fp32 = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="m").eval()
+    assert not greedy_decode(fp32, 2, 5, 2, seed=3)[0].sdpa_decode
