@@ -447,6 +447,30 @@ def test_continuous_batching_gives_the_tokens_of_one_at_a_time_generation(model,
             assert toks[0, : int(n[0])].tolist() == batched.results[k][0]
 
 
+def test_bfloat16_slot_decoder_reads_packed_weights_and_gives_the_static_decoders_logits(model):
+    """In bfloat16 on CPU the slot decoder reads its weights as the static-batch decoder does (q/k/v and gate/up
+    concatenated, packed where oneDNN computes bfloat16) and attends with SDPA over the filled slots: the same logits
+    as ``LlamaFamilyDecoder`` for the same rows, to bfloat16's precision, and the same greedy tokens. (Not bitwise
+    batch-invariant: SDPA's blocking follows the step's longest row, and in bfloat16 that can flip a near-tie; float32
+    continuous batching gives one-at-a-time's tokens, tested above.)"""
+    bf16 = AutoModelForCausalLM.from_pretrained(str(model.name_or_path), dtype=torch.bfloat16).eval()
+    slot = SlotDecoder(bf16, slots=4, max_len=32, device=torch.device("cpu"))
+    assert slot.sdpa_decode and slot.fused is not None
+    assert all(f.packed == slot.head[2] for f in slot.fused)
+    prompts = torch.tensor([c[:4] for c in CONTEXTS[:3]])
+    static = make_decoder(bf16)
+    with torch.inference_mode():
+        want = [static.start(prompts, torch.ones_like(prompts), 5)]
+        got = [slot.prefill([0, 1, 2], [Request(k, p.tolist(), 5, seed=0) for k, p in enumerate(prompts)])]
+        for _ in range(4):
+            tok = want[-1].argmax(-1)
+            want.append(static.step(tok))
+            got.append(slot.step(torch.tensor([0, 1, 2]), tok))
+    want, got = torch.stack(want), torch.stack(got)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_a_conversation_waiting_does_not_hold_up_the_others(model):
     """Conversation 0's second turn waits until conversation 3's second turn is done: the engine keeps decoding the
     others (in lock-step turns it would sit idle, which the source refuses), and 0 joins the batch when ready."""

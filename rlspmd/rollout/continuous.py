@@ -18,7 +18,9 @@ Choices and simplifications:
   it is left for later.
 * Sampling randomness is a pure function of (request seed, token index) (``sampling.counter_uniform``), so a
   conversation's tokens do not depend on the requests it shared the batch with, or on when its tools returned: with
-  the same weights, one-at-a-time and continuous generation give the same tokens (tested greedy, and sampled).
+  the same weights, one-at-a-time and continuous generation give the same tokens (tested greedy, and sampled, in
+  float32). In bfloat16 on CPU the steps attend with SDPA, whose blocking follows the step's longest row, so a
+  near-tie between two tokens can resolve differently in another batch (as in any engine that batches).
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlspmd.models.decoder import LlamaFamilyDecoder, decode_attention, decoder_layers, linear, rms_norm, signed_sin
+from rlspmd.models.decoder import (
+    LlamaFamilyDecoder,
+    decode_attention,
+    decoder_layers,
+    fused_projections,
+    pack,
+    packs_weights,
+    project,
+    rms_norm,
+    sdpa_decodes,
+    signed_sin,
+)
 from rlspmd.models.vision import ImageInputs, VisionSpec, is_vision_language
 from rlspmd.models.vision_decoder import prompt_embeddings
 from rlspmd.rollout.sampling import SamplingParams, counter_uniform, sample_with_uniform
@@ -87,6 +100,14 @@ class SlotDecoder:
         self.rope_table = base.rope_table_for(max_len, device)
         self.max_len, self.device = max_len, device
         self.vision = VisionSpec.of(hf_model.config) if is_vision_language(hf_model.config) else None
+        # The weights of this decoder's lifetime (one ``serve``, during which they do not change), read once as the
+        # static-batch decoder reads them per generation: concatenated projections, on CPU in bfloat16 also packed.
+        self.sdpa_decode = sdpa_decodes(device, dtype)
+        head = hf_model.get_output_embeddings()
+        packed = device.type == "cpu" and packs_weights(head.weight.dtype)
+        with torch.no_grad():
+            self.fused = fused_projections(self.base, pack_rows=slots if packed else None)
+            self.head = (pack(head.weight, slots) if packed else head.weight, head.bias, packed)
 
     def _rope(self, h: torch.Tensor, pos_BS: torch.Tensor):
         if self.rope_table is not None:
@@ -146,14 +167,25 @@ class SlotDecoder:
         B, KV, H = len(slots), self.m.n_kv, self.m.n_heads
         keep = torch.arange(end, device=self.device)[None] <= pos[:, None]
         mask = torch.zeros(B, end, dtype=self.k.dtype, device=self.device).masked_fill_(~keep, float("-inf"))
-        mask = mask[:, None, None].expand(B, KV, H // KV, end).reshape(B * KV, H // KV, end)
+        if self.sdpa_decode:
+            mask = mask[:, None, None]  # (B, 1, 1, end)
+        else:
+            mask = mask[:, None, None].expand(B, KV, H // KV, end).reshape(B * KV, H // KV, end)
+        # Consecutive slots (the usual case: free slots are handed out lowest first) are a view of the cache; others
+        # are gathered (a copy) for the attention.
+        first = int(slots[0])
+        consecutive = bool((slots == torch.arange(first, first + B, device=slots.device)).all())
+        rows = slice(first, first + B) if consecutive else slots
 
         def write(i, k, v):
             self.k[i][slots, :, pos] = k[:, :, 0]
             self.v[i][slots, :, pos] = v[:, :, 0]
 
         def attend(i, q, k, v):
-            return decode_attention(q, self.k[i][slots, :, :end], self.v[i][slots, :, :end], mask)
+            k, v = self.k[i][rows, :, :end], self.v[i][rows, :, :end]
+            if self.sdpa_decode:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KV != H)
+            return decode_attention(q, k, v, mask)
 
         h = self._layers(tokens[:, None], (pos + self.deltas[slots])[:, None], write, attend)
         self.lengths[slots] = pos + 1
@@ -177,11 +209,12 @@ class SlotDecoder:
             write=write,
             attend=attend,
             after_layer=after_layer,
+            fused=self.fused,
         )
 
     def _logits(self, h_BH: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h_BH, self.base.norm.weight, self.m.eps)
-        return linear(h, self.m.model.get_output_embeddings()).float()
+        return project(h, *self.head).float()
 
 
 @torch.inference_mode()

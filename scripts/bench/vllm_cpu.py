@@ -67,7 +67,11 @@ def prompts(tok, n: int) -> list[list[int]]:
 
 
 def init_world() -> None:
-    """A torch world of one, as torchrun would make it (vLLM's ``external_launcher`` reads these variables)."""
+    """A torch world of one, as torchrun would make it (vLLM's ``external_launcher`` reads these variables), with the
+    CPU memory setting the trainer runs every engine under (``runtime.keep_freed_memory``: both engines here)."""
+    from rlspmd.distributed.runtime import keep_freed_memory
+
+    keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("MASTER_PORT", "29655")
     dist.init_process_group("gloo", rank=0, world_size=1)
