@@ -9,7 +9,8 @@ from rlspmd.models.loader import eos_token_ids, load_causal_lm, load_tokenizer
 from rlspmd.protocol import Batch
 from rlspmd.rollout.cuda_graphs import StaticDecoder, static_decoder
 from rlspmd.rollout.native import NativeEngine, OwnWeights, generate_tokens
-from rlspmd.rollout.sampling import SamplingParams, _filter, sample_next
+from rlspmd.rollout import sampling
+from rlspmd.rollout.sampling import SamplingParams, _filter, sample_next, sample_with_uniform
 
 PROMPTS = ["Calculate 1 + 2.", "Calculate 37 + 45 - 12.", "Calculate 90 - 9 + 5.", "Hi"]
 
@@ -184,6 +185,29 @@ def test_blocked_inverse_cdf_sampling_matches_the_distribution_across_blocks():
     # the returned log-prob is the sampled token's log-softmax
     tok, lp = sample_next(logits.expand(8, V), SamplingParams(temperature=0.7), g)
     torch.testing.assert_close(lp, torch.log_softmax(logits / 0.7, -1)[0, tok], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+    ],
+    ids=["greedy", "sampled", "filtered"],
+)
+def test_sampling_in_blocks_of_rows_equals_one_pass_over_the_upcast_logits(monkeypatch, params):
+    """On CPU sampling takes the rows in blocks (``PASS_BYTES`` of float32 each) and upcasts each block: bfloat16
+    logits sampled 3 rows at a time give exactly the tokens and log-probs of one pass over their float32 values."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(10, 1000, generator=g) * 3).bfloat16()
+    u = None if params.greedy else torch.rand(10, 1, generator=g)
+    monkeypatch.setattr(sampling, "PASS_BYTES", 4 * 1000 * 3)
+    tok, lp = sample_with_uniform(logits, params, u)
+    monkeypatch.setattr(sampling, "PASS_BYTES", 1 << 40)
+    one_tok, one_lp = sample_with_uniform(logits.float(), params, u)
+    assert lp.dtype == torch.float32 and torch.equal(tok, one_tok) and torch.equal(lp, one_lp)
+    assert len(set(tok.tolist())) > 1  # rows differ: a block sampled for the wrong rows would show
 
 
 def test_ignore_eos_never_samples_eos_and_fills_every_response(tiny_model):

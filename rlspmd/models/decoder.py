@@ -264,7 +264,7 @@ class LlamaFamilyDecoder:
         self.routing = torch.stack(routes, 2) if routes else None
         self.length = end
         h = rms_norm(h[:, -1], base.norm.weight, self.eps)
-        return project(h, *self.head).float()
+        return project(h, *self.head)  # in the head's dtype: sampling upcasts a block of rows at a time
 
 
 class FusedProjections(NamedTuple):

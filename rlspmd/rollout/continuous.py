@@ -214,7 +214,7 @@ class SlotDecoder:
 
     def _logits(self, h_BH: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h_BH, self.base.norm.weight, self.m.eps)
-        return project(h, *self.head).float()
+        return project(h, *self.head)  # in the head's dtype (``sample_with_uniform`` upcasts)
 
 
 @torch.inference_mode()

@@ -42,13 +42,35 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
     """
     u_B1 = None
     if not params.greedy:
-        u_B1 = torch.rand(logits_BV.shape[0], 1, generator=generator, device=logits_BV.device, dtype=logits_BV.dtype)
+        u_B1 = torch.rand(logits_BV.shape[0], 1, generator=generator, device=logits_BV.device, dtype=torch.float32)
     return sample_with_uniform(logits_BV, params, u_B1)
+
+
+PASS_BYTES = 2 << 20
+"""On CPU, the float32 logits one sampling pass works on (a block of rows): about one core's L2 cache."""
 
 
 def sample_with_uniform(logits_BV: torch.Tensor, params: SamplingParams, u_B1: torch.Tensor | None):
     """``sample_next`` with the row's uniform draw ``u_B1`` in [0, 1) given (None for greedy): device ops only on CUDA
-    (no host sync), so a CUDA graph can capture it with the draws precomputed for every step."""
+    (no host sync), so a CUDA graph can capture it with the draws precomputed for every step.
+
+    The logits may come in any float dtype (the decoders return their head's, e.g. bfloat16); sampling computes in
+    float32. On CPU it takes the rows in blocks of about ``PASS_BYTES`` of float32, so that the upcast and the passes
+    over a block (max, softmax, sums) hit the cache instead of memory: 1.5-2.5x faster for 256 rows of SmolLM2's
+    49152-token vocabulary (a 2-core Xeon, about 13 against 20-36 ms a step). Rows are independent: the same tokens and
+    log-probs as one pass over all rows."""
+    B, V = logits_BV.shape
+    rows = B if logits_BV.device.type != "cpu" else max(1, PASS_BYTES // (4 * V))
+    if rows >= B:
+        return _sample(logits_BV.float(), params, u_B1)
+    parts = [
+        _sample(logits_BV[i : i + rows].float(), params, None if u_B1 is None else u_B1[i : i + rows])
+        for i in range(0, B, rows)
+    ]
+    return torch.cat([tok for tok, _ in parts]), torch.cat([lp for _, lp in parts])
+
+
+def _sample(logits_BV: torch.Tensor, params: SamplingParams, u_B1: torch.Tensor | None):
     if params.greedy:
         tok = logits_BV.max(-1).indices  # argmax's first maximum, 2.6x faster than argmax on CPU (49k vocabulary)
         logp = torch.log_softmax(logits_BV, -1)
