@@ -160,6 +160,7 @@ def test_help_shows_field_docstrings():
     assert "Samples per prompt (the GRPO group size)." in out
 
 
+@pytest.mark.slow  # 13 s under torchrun
 def test_dry_run_prints_layout_4_ranks():
     proc = torchrun(["-m", "rlspmd.train", "--config", "configs/quickstart.py", "--dry-run"], 4)
     out = proc.stdout

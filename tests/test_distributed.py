@@ -18,6 +18,7 @@ def test_dispatch_round_trips_2_ranks():
     assert "DISPATCH OK" in torchrun([dist_script("dispatch_check.py")], 2).stdout
 
 
+@pytest.mark.slow  # 13 s; the 2-rank run above stays in the quick subset
 def test_dispatch_and_disjoint_role_meshes_4_ranks():
     assert "DISPATCH OK" in torchrun([dist_script("dispatch_check.py")], 4).stdout
 

@@ -15,6 +15,7 @@ def test_weight_stream_2_ranks_tied_embeddings(tiny_model):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # 15 s; the 2-rank stream above stays in the quick subset
 def test_weight_stream_4_ranks_untied_and_split_bridge(tmp_path):
     model = load_script("scripts/models/build_tiny.py").build(tmp_path / "llama", arch="llama", tie_embeddings=False)
     assert "WEIGHT STREAM OK" in torchrun([dist_script("weight_stream_check.py"), str(model)], 4).stdout
