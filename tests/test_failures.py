@@ -288,7 +288,7 @@ def test_peer_failure_sigterm_delivered_to_the_watcher_thread_ends_the_process(t
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": port}
     env.pop("TORCHELASTIC_RUN_ID", None)
-    marker = Path(tempfile.gettempdir()) / f"rlspmd-failed-{port}-{os.getpid()}"
+    markers = Path(tempfile.gettempdir()).glob  # the child's marker: its run id (the port), this pid, its start time
     proc = subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -301,7 +301,37 @@ def test_peer_failure_sigterm_delivered_to_the_watcher_thread_ends_the_process(t
         assert time.monotonic() - t0 < 10, "the watcher thread did not end the process"
     finally:
         proc.kill()
-        marker.unlink(missing_ok=True)
+        for marker in markers(f"rlspmd-failed-{port}-{os.getpid()}-*"):
+            marker.unlink(missing_ok=True)
+
+
+def test_a_stale_failure_marker_of_an_earlier_job_does_not_swallow_the_report():
+    """A failure marker left under this job's name by an earlier job (from before this process started: same run id,
+    an agent that had the same pid) is not a peer's failure: the first rank to fail still prints the whole report, and
+    the next one its one line. (Before, every rank then printed only the one line, and the message was lost.)"""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    code = (
+        "import os, time\n"
+        "from rlspmd.distributed.runtime import UserError, _failure_marker, report_failure\n"
+        "m = _failure_marker()\n"
+        "open(m, 'w').close()\n"
+        "os.utime(m, (time.time() - 3600,) * 2)  # an earlier job's\n"
+        "try:\n"
+        "    report_failure(UserError('data.train_files: no such file'))\n"
+        "    report_failure(UserError('data.train_files: no such file'))  # a second rank of this job\n"
+        "finally:\n"
+        "    os.remove(m)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": str(free_port())}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stderr
+    assert "[rlspmd] rank 0 failed:\ndata.train_files: no such file" in err, err
+    assert "[rlspmd] rank 0 also failed: UserError: data.train_files: no such file" in err, err
 
 
 # -- a launcher that dies, a rank that hangs ----------------------------------------------------------------

@@ -253,8 +253,17 @@ _STARTED = time.time()
 
 
 def _failure_marker() -> str:
+    """This node's failure marker for this job: named by the run id and this rank's parent (torchrun's agent on this
+    node), its pid and its start time, so that a marker an earlier job left behind (torchrun's default run id is
+    ``none``, and pids are reused) is never this job's."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
-    return os.path.join(tempfile.gettempdir(), f"rlspmd-failed-{run_id}-{os.getppid()}")
+    ppid = os.getppid()
+    try:  # the parent's start time, in clock ticks since boot (field 22 of /proc/<pid>/stat; Linux)
+        with open(f"/proc/{ppid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "0"
+    return os.path.join(tempfile.gettempdir(), f"rlspmd-failed-{run_id}-{ppid}-{started}")
 
 
 def _peer_failed() -> bool:
@@ -273,10 +282,17 @@ def _mark_failed() -> bool:
     """Create this node's failure marker; True for the first rank to do so (it prints the full report)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return True
+    path = _failure_marker()
     try:
-        os.close(os.open(_failure_marker(), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
-        return False
+        if _peer_failed():
+            return False
+        # Older than this process: not this job's (its report would otherwise be lost on every rank). Take it over.
+        try:
+            os.utime(path)
+        except OSError:
+            pass
     except OSError:
         pass
     return True
