@@ -121,12 +121,17 @@ class LlamaFamilyDecoder:
         self.decode_mask[:, :P].masked_fill_(~prompt_mask_BP.bool(), float("-inf"))
         if self.whole_cache:
             self.decode_mask[:, P:] = float("-inf")
-        with torch.no_grad():  # this generation's weights, read once here
+        self.read_weights(B, dev)
+        return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
+
+    def read_weights(self, rows: int, dev: torch.device) -> None:
+        """Read the weights once for a generation (or a ``serve``) of about ``rows`` rows: ``fused`` and ``head``,
+        on CPU in bfloat16 packed (``packs_weights``)."""
+        with torch.no_grad():
             head = self.model.get_output_embeddings()
             packed = dev.type == "cpu" and packs_weights(head.weight.dtype)
-            self.fused = fused_projections(self.base, pack_rows=B if packed else None)
-            self.head = (pack(head.weight, B) if packed else head.weight, head.bias, packed)
-        return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
+            self.fused = fused_projections(self.base, pack_rows=rows if packed else None)
+            self.head = (pack(head.weight, rows) if packed else head.weight, head.bias, packed)
 
     def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table) -> torch.Tensor:
         """The prompts' forward (one call, left-padded batch): writes their K/V into slots ``[0, P)`` of the given

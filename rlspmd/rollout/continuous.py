@@ -37,9 +37,6 @@ from rlspmd.models.decoder import (
     LlamaFamilyDecoder,
     decode_attention,
     decoder_layers,
-    fused_projections,
-    pack,
-    packs_weights,
     project,
     rms_norm,
     sdpa_decodes,
@@ -103,11 +100,8 @@ class SlotDecoder:
         # The weights of this decoder's lifetime (one ``serve``, during which they do not change), read once as the
         # static-batch decoder reads them per generation: concatenated projections, on CPU in bfloat16 also packed.
         self.sdpa_decode = sdpa_decodes(device, dtype)
-        head = hf_model.get_output_embeddings()
-        packed = device.type == "cpu" and packs_weights(head.weight.dtype)
-        with torch.no_grad():
-            self.fused = fused_projections(self.base, pack_rows=slots if packed else None)
-            self.head = (pack(head.weight, slots) if packed else head.weight, head.bias, packed)
+        base.read_weights(slots, device)
+        self.fused, self.head = base.fused, base.head
 
     def _rope(self, h: torch.Tensor, pos_BS: torch.Tensor):
         if self.rope_table is not None:
