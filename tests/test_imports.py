@@ -145,3 +145,22 @@ def test_every_agent_field_uses_it(user_file):
         r"\['Counter', 'State'\]\)",
     ):
         load_interaction(AgentConfig(interaction=f"{user_file}:Nope"))
+
+
+def test_importing_rlspmd_keeps_scikit_learn_out_of_transformers_generation():
+    """``rlspmd/__init__.py``: a model class imports ``transformers.generation``, which imports scikit-learn (1-2 s of
+    every rank's start) where it is installed; after ``import rlspmd`` it does not, and scikit-learn still imports."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("sklearn") is None:
+        pytest.skip("scikit-learn is not installed (mlflow brings it): nothing to keep out")
+    probe = (
+        "import sys, rlspmd, transformers.generation.candidate_generator as g, transformers.utils.import_utils as u; "
+        "print('sklearn' in sys.modules, g.is_sklearn_available(), u.is_sklearn_available(), end=' '); "
+        "import sklearn.metrics; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    # transformers' own check still finds it (without the hook the module would import it); the module was told no
+    assert out.stdout.split() == ["False", "False", "True", "ok"], out.stderr[-2000:]
