@@ -99,6 +99,7 @@ def test_critic_two_rank_gradient_equals_one_rank(tiny_model, tmp_path):
     assert 0 < runs[(1, 8)]["token-mean"]["vf_clip_frac"] < 1  # value clipping is exercised
 
 
+@pytest.mark.slow  # a 1-rank and a 2-rank run: about 15 s
 def test_advantages_and_kl_controller_do_not_depend_on_world_size(tmp_path):
     """Global whitening (GAE, REINFORCE++), GPG's global alpha, the adaptive in-reward KL coefficient; and dynamic
     sampling leaves every rank the same number of whole, distinct groups."""

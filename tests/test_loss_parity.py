@@ -83,7 +83,7 @@ def runs(tiny_model, arithmetic_data, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: 12 s each, full suite
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_loss_sequence_matches_the_recorded_one(algo, nproc, runs):
     _check_or_record(f"{algo}-{nproc}", runs(algo, nproc))

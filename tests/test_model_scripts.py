@@ -162,6 +162,7 @@ def smollm2_l2(tmp_path_factory) -> Path:
     return smollm2.convert(tmp_path_factory.mktemp("smollm2") / "L2", num_layers=2)
 
 
+@pytest.mark.slow  # the 2-layer conversion: about 25 s on 2 CPU cores
 @needs_smollm2
 def test_smollm2_truncated_conversion(smollm2_l2):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -181,6 +182,7 @@ def test_smollm2_truncated_conversion(smollm2_l2):
     assert out.shape[1] > inputs["input_ids"].shape[1]
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_smollm2_cache_is_reused(smollm2_l2, tmp_path):
     weights = smollm2_l2 / "model.safetensors"
