@@ -539,3 +539,32 @@ def test_resume_with_an_incompatible_model(two_steps, arithmetic_data, tmp_path)
         f"checkpoint {ckpts / 'step_00000002'} was written for a different model",
         "parameter 'hf.model.layers.0.mlp.gate_proj.weight' has shape [352, 128] in the checkpoint but [256, 128]",
     )
+
+
+def test_failure_markers_of_ended_jobs_are_swept_and_a_running_jobs_marker_is_kept(tmp_path, monkeypatch):
+    """``sweep_failure_markers`` (rank 0 of each node at start): a failed job leaves its marker; the next job removes
+    those whose torchrun agent (pid and start time in the name) no longer runs, and keeps a live agent's."""
+    import subprocess
+    import tempfile
+
+    from rlspmd.distributed import runtime
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])  # a pid that has ended
+    gone.wait()
+    me, parent = os.getpid(), os.getppid()
+    names = {
+        "ended": f"rlspmd-failed-none-{gone.pid}-{runtime._start_time(me)}",
+        "ended_with_dashes_in_run_id": f"rlspmd-failed-a-b-c-{gone.pid}-12345",
+        "pid_reused": f"rlspmd-failed-none-{parent}-1",  # a live pid, but not the process the marker named
+        "live": f"rlspmd-failed-none-{parent}-{runtime._start_time(parent)}",
+        "unknown_start": f"rlspmd-failed-29500-{parent}-0",
+        "not_a_marker": "rlspmd-failed-notes",
+        "other_file": "unrelated-1-2",
+    }
+    for name in names.values():
+        (tmp_path / name).touch()
+    assert runtime.sweep_failure_markers() == 3
+    left = {key for key, name in names.items() if (tmp_path / name).exists()}
+    assert left == {"live", "unknown_start", "not_a_marker", "other_file"}
+    assert runtime._failure_marker().startswith(str(tmp_path / "rlspmd-failed-"))

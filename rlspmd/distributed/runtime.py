@@ -94,6 +94,8 @@ def init_distributed(cfg: DistConfig) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent: leave when it dies
         watch_parent(who=f"rank {rank}")
+        if local_rank == 0:
+            sweep_failure_markers()
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
@@ -258,12 +260,48 @@ def _failure_marker() -> str:
     ``none``, and pids are reused) is never this job's."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
     ppid = os.getppid()
-    try:  # the parent's start time, in clock ticks since boot (field 22 of /proc/<pid>/stat; Linux)
-        with open(f"/proc/{ppid}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]
+    return os.path.join(tempfile.gettempdir(), f"{MARKER_PREFIX}{run_id}-{ppid}-{_start_time(ppid) or '0'}")
+
+
+MARKER_PREFIX = "rlspmd-failed-"
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``; Linux); None if it is
+    gone (or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
-        started = "0"
-    return os.path.join(tempfile.gettempdir(), f"rlspmd-failed-{run_id}-{ppid}-{started}")
+        return None
+
+
+def sweep_failure_markers() -> int:
+    """Remove the failure markers of jobs that have ended: a marker names its node's torchrun agent by pid and start
+    time (``_failure_marker``), and one whose agent no longer runs serves nobody (a failed job leaves its marker, so
+    they would otherwise pile up in the temporary directory). Others' files that this user may not remove are left.
+    Returns how many were removed."""
+    removed = 0
+    tmp = tempfile.gettempdir()
+    if _start_time(os.getpid()) is None:  # no /proc: a marker's agent cannot be checked
+        return 0
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(MARKER_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        parts = name[len(MARKER_PREFIX) :].rsplit("-", 2)
+        if len(parts) < 2 or not all(p.isdigit() for p in parts[-2:]):
+            continue  # not a marker this code wrote
+        pid, started = int(parts[-2]), parts[-1]
+        if started == "0" or _start_time(pid) == started:
+            continue  # its agent still runs: the job may be alive
+        try:
+            os.remove(os.path.join(tmp, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def _peer_failed() -> bool:
