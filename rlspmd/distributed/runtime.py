@@ -253,6 +253,9 @@ class StopRequest:
 
 _STARTED = time.time()
 
+MARKER_PREFIX = "rlspmd-failed-"
+"""Names of the failure markers in the temporary directory (``_failure_marker``)."""
+
 
 def _failure_marker() -> str:
     """This node's failure marker for this job: named by the run id and this rank's parent (torchrun's agent on this
@@ -261,9 +264,6 @@ def _failure_marker() -> str:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "local")
     ppid = os.getppid()
     return os.path.join(tempfile.gettempdir(), f"{MARKER_PREFIX}{run_id}-{ppid}-{_start_time(ppid) or '0'}")
-
-
-MARKER_PREFIX = "rlspmd-failed-"
 
 
 def _start_time(pid: int) -> str | None:
@@ -281,10 +281,9 @@ def sweep_failure_markers() -> int:
     time (``_failure_marker``), and one whose agent no longer runs serves nobody (a failed job leaves its marker, so
     they would otherwise pile up in the temporary directory). Others' files that this user may not remove are left.
     Returns how many were removed."""
-    removed = 0
-    tmp = tempfile.gettempdir()
     if _start_time(os.getpid()) is None:  # no /proc: a marker's agent cannot be checked
         return 0
+    removed, tmp = 0, tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(tmp) if n.startswith(MARKER_PREFIX)]
     except OSError:
