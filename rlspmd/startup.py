@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None, config_type: type = Config, prog: str = "
     if has_checkpoint and known.resume is not None:
         rest = [*rest, "--checkpoint.resume", known.resume]
     default = load_config_file(known.config, config_type) if known.config else config_type()
-    rest = import_components(rest, config_type)
+    rest = name_negated_components(import_components(rest, config_type), default)
     description = (
         f"{prog}: --config FILE[:NAME] (a Python file defining `config`, or the object NAME), --dry-run, "
         + ("--resume auto|none|PATH, " if has_checkpoint else "")
@@ -96,6 +96,27 @@ def import_components(args: list[str], config_type: type) -> list[str]:
             raise UserError(str(e)) from None
         out.append(f"{head}:{cls.name}")
     return out
+
+
+def name_negated_components(args: list[str], default) -> list[str]:
+    """The command line with the component of every negated boolean flag (``--actor.engine.no-cpu-offload``) named
+    first (``actor.engine:fsdp``, the config's own choice) where the line does not name it. tyro 1.0 reads a
+    component's options without its name, except the negated flags: alone, those were "Unrecognized options". Naming
+    the config's own choice keeps the config's values of that component, as tyro does for its other options."""
+    paths = {path.replace("_", "-"): path for path in picked_paths(type(default))}
+    named = {a.partition(":")[0].replace("_", "-") for a in args if ":" in a and not a.startswith("-")}
+    first = []
+    for arg in args:
+        head, _, leaf = arg[2:].partition("=")[0].replace("_", "-").rpartition(".")
+        if not arg.startswith("--") or not leaf.startswith("no-") or head not in paths or head in named:
+            continue
+        choice = default
+        for part in paths[head].split("."):
+            choice = getattr(choice, part, None)
+        if choice is not None:
+            first.append(f"{head}:{type(choice).name}")
+            named.add(head)
+    return first + args
 
 
 def flatten(cfg, prefix: str = "") -> dict[str, object]:

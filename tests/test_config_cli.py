@@ -58,6 +58,29 @@ def test_a_policy_loss_is_picked_by_name_with_its_own_options_anywhere_on_the_li
     assert cfg.actor.policy_loss == KLCov()
 
 
+def test_a_negated_flag_of_the_files_component_keeps_its_other_values(tmp_path):
+    """``--actor.engine.no-cpu-offload`` without naming ``actor.engine:fsdp``: tyro alone rejected it ("Unrecognized
+    options") though it read ``--actor.engine.cpu-offload``; the file's engine and its other options stay."""
+    p = write(
+        tmp_path,
+        "from rlspmd.config import *\nfrom rlspmd.engines.fsdp import FSDPConfig\n"
+        "config = Config(actor=ActorConfig(engine=FSDPConfig(reduce_dtype='bfloat16', cpu_offload=True,"
+        " compile_norms=True)))\n",
+    )
+    for line in (
+        ["--actor.engine.no-cpu-offload"],
+        ["--actor.engine.no-cpu-offload", "--actor.engine.no-compile-norms"],
+    ):
+        cfg, _ = parse_args(["--config", str(p), *line])
+        e = cfg.actor.engine
+        assert (e.name, e.reduce_dtype, e.cpu_offload) == ("fsdp", "bfloat16", False)
+        assert e.compile_norms == (len(line) == 1)
+    cfg, _ = parse_args(["--config", str(p), "--actor.engine.no-cpu-offload", "--data.no-shuffle"])
+    assert not cfg.actor.engine.cpu_offload and not cfg.data.shuffle and cfg.actor.engine.compile_norms
+    cfg, _ = parse_args(["--actor.engine.no-compile-norms", "--actor.engine.cpu-offload"])  # no file: the default's
+    assert cfg.actor.engine.cpu_offload and not cfg.actor.engine.compile_norms
+
+
 def test_an_option_of_another_policy_loss_is_an_error_naming_it(tmp_path):
     p = write(tmp_path, "from rlspmd.config import *\nconfig = Config(actor=ActorConfig(policy_loss=GSPO()))\n")
     proc = subprocess.run(
