@@ -142,3 +142,33 @@ def test_one_rank_cpu_keeps_gathered_parameters_through_backward_with_the_same_s
     with torch.no_grad():  # outside an update a forward reshards: the parameters stay DTensors
         loss_fn(1.0)(kept.module, mb)
     assert all(isinstance(p, DTensor) for p in kept.hf_model.model.layers[0].parameters())
+
+
+def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
+    """``fsdp.compile_norms``: every RMSNorm of the language model runs compiled (the decoder layers' two and the final
+    one) and the update is the eager one's up to bfloat16 rounding: the same log-probs before the first step, the same
+    gradient norms and parameters after two."""
+
+    def build(compiled: bool) -> FSDPEngine:
+        return engine(tiny_model, mesh, fused=True, fsdp=FSDPConfig(param_dtype="bfloat16", compile_norms=compiled))
+
+    eager, compiled = build(False), build(True)
+    norms = [m for m in compiled.module.hf.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * compiled.module.config.num_hidden_layers + 1
+    assert all(m._compiled_call_impl is not None for m in norms)
+    assert not any(m._compiled_call_impl is not None for m in eager.module.hf.modules())
+    mb = batch(eager.module.config.vocab_size)
+    ids, am, pos = mb
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        lp_e, _ = eager.module(ids, am, pos, response_len=6)
+        assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        lp_c, _ = compiled.module(ids, am, pos, response_len=6)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled, not fallen back to eager
+    torch.testing.assert_close(lp_c, lp_e, rtol=0, atol=0.02)
+    for _ in range(2):
+        a, b = eager.optimizer_step([mb], loss_fn(1.0)), compiled.optimizer_step([mb], loss_fn(1.0))
+        torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-3, atol=0)
+    pe, pc = full_params(eager), full_params(compiled)
+    for name in pe:
+        torch.testing.assert_close(pc[name], pe[name], rtol=0, atol=2e-4, msg=lambda m: f"{name}: {m}")

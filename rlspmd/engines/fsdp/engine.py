@@ -83,6 +83,7 @@ class FSDPOptions(Protocol):
     cpu_offload: bool
     fused_adamw: bool | None
     gather_once_per_update: bool
+    compile_norms: bool
 
     def compute_dtype(self, device: torch.device) -> torch.dtype: ...
 
@@ -204,6 +205,16 @@ def grad_norm_2d(params: list[nn.Parameter]) -> torch.Tensor:
     return total.sqrt()
 
 
+def compile_norms(hf_model: nn.Module) -> int:
+    """``torch.compile`` each RMSNorm module of ``hf_model``'s language model in place (``fsdp.compile_norms``); returns
+    how many. Before ``fully_shard``: FSDP2's hooks stay on the decoder layers, and a compiled norm sees the gathered
+    compute-dtype weight as a plain tensor."""
+    norms = [m for m in hf_model.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
+    for m in norms:
+        m.compile()
+    return len(norms)
+
+
 def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
     """Activation checkpointing per decoder layer (non-reentrant, so it composes with FSDP2)."""
     hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -310,6 +321,8 @@ class FSDPEngine:
                 mesh.mesh.flatten().tolist()
             )
             apply_ep(module, ep_mesh=expert_mesh["ep"])
+        if fsdp.compile_norms:
+            compile_norms(hf_model)
         if gradient_checkpointing:
             apply_ac(module, hf_model)
         apply_fsdp(
