@@ -145,13 +145,21 @@ def test_one_rank_cpu_keeps_gathered_parameters_through_backward_with_the_same_s
 
 
 def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
-    """``fsdp.compile_norms``: every RMSNorm of the language model runs compiled (the decoder layers' two and the final
-    one) and the update is the eager one's up to bfloat16 rounding: the same log-probs before the first step, the same
-    gradient norms and parameters after two."""
+    """``fsdp.compile_norms`` (None: on for bfloat16 compute on CPU): every RMSNorm of the language model runs compiled
+    (the decoder layers' two and the final one) and the update is the eager one's up to bfloat16 rounding: the same
+    log-probs before the first step, the same gradient norms and parameters after two."""
 
     def build(compiled: bool) -> FSDPEngine:
         return engine(tiny_model, mesh, fused=True, fsdp=FSDPConfig(param_dtype="bfloat16", compile_norms=compiled))
 
+    from rlspmd.engines.fsdp.engine import compiles_norms
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compiles_norms(FSDPConfig(param_dtype="bfloat16"), cpu)  # None: on for bfloat16 compute on CPU
+    assert not compiles_norms(FSDPConfig(param_dtype="float32"), cpu)
+    assert not compiles_norms(FSDPConfig(param_dtype="bfloat16"), cuda)
+    assert not compiles_norms(FSDPConfig(param_dtype="bfloat16", compile_norms=False), cpu)
+    assert compiles_norms(FSDPConfig(param_dtype="float32", compile_norms=True), cpu)
     eager, compiled = build(False), build(True)
     norms = [m for m in compiled.module.hf.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) == 2 * compiled.module.config.num_hidden_layers + 1
@@ -159,6 +167,7 @@ def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
     assert not any(m._compiled_call_impl is not None for m in eager.module.hf.modules())
     mb = batch(eager.module.config.vocab_size)
     ids, am, pos = mb
+    torch._dynamo.reset()  # compiled anew here (an earlier test's bfloat16 engine may have compiled the same norm)
     torch._dynamo.utils.counters.clear()
     with torch.no_grad():
         lp_e, _ = eager.module(ids, am, pos, response_len=6)

@@ -69,15 +69,16 @@ class FSDPConfig(TrainingEngineConfig):
     profile's update time went to re-gathering and re-casting, not measured yet."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 CPUOffloadPolicy)."""
-    compile_norms: bool = False
+    compile_norms: bool | None = None
     """Run the language model's RMSNorm layers (each decoder layer's, q/k norms included, and the final one) through
     ``torch.compile``, for every role this engine builds (actor and reference, or the critic): a fused kernel each way
     instead of transformers' float32 upcast, square, mean, scale and downcast kernels (about twice as many in
-    backward). On CPU in bfloat16 those small kernels are a real share of the update: a SmolLM2-135M GRPO step on a
-    2-core Xeon, medians of 5 steps in 2 alternating pairs, update 3.01 / 3.37 s against 3.35 / 3.77 s, reference
-    0.62 / 0.68 s against 0.71 / 0.78 s, step 6.56 / 7.11 s against 7.19 / 7.43 s; the same log-probs in bfloat16.
-    Costs a few seconds of compiling in a fresh process, and once more when the packed length first changes. Off by
-    default until the whole test suite has run with it on."""
+    backward). None: on where the role computes in bfloat16 on CPU (``param_dtype``), off elsewhere (on GPUs it has
+    not been measured). On CPU in bfloat16 those small kernels are a real share of the update: a SmolLM2-135M GRPO
+    step on a 2-core Xeon, medians of 5 steps in 2 alternating pairs, update 3.01 / 3.37 s against 3.35 / 3.77 s,
+    reference 0.62 / 0.68 s against 0.71 / 0.78 s, step 6.56 / 7.11 s against 7.19 / 7.43 s; the same log-probs in
+    bfloat16. Costs a few seconds of compiling in a fresh process, and once more when the packed length first
+    changes."""
 
     def params_on_host(self) -> bool:
         return self.cpu_offload

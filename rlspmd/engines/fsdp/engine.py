@@ -83,7 +83,7 @@ class FSDPOptions(Protocol):
     cpu_offload: bool
     fused_adamw: bool | None
     gather_once_per_update: bool
-    compile_norms: bool
+    compile_norms: bool | None
 
     def compute_dtype(self, device: torch.device) -> torch.dtype: ...
 
@@ -205,6 +205,13 @@ def grad_norm_2d(params: list[nn.Parameter]) -> torch.Tensor:
     return total.sqrt()
 
 
+def compiles_norms(cfg: FSDPOptions, device: torch.device) -> bool:
+    """``fsdp.compile_norms``, None resolved: on for bfloat16 compute on CPU."""
+    if cfg.compile_norms is not None:
+        return cfg.compile_norms
+    return device.type == "cpu" and cfg.compute_dtype(device) == torch.bfloat16
+
+
 def compile_norms(hf_model: nn.Module) -> int:
     """``torch.compile`` each RMSNorm module of ``hf_model``'s language model in place (``fsdp.compile_norms``); returns
     how many. Before ``fully_shard``: FSDP2's hooks stay on the decoder layers, and a compiled norm sees the gathered
@@ -321,7 +328,7 @@ class FSDPEngine:
                 mesh.mesh.flatten().tolist()
             )
             apply_ep(module, ep_mesh=expert_mesh["ep"])
-        if fsdp.compile_norms:
+        if compiles_norms(fsdp, device):
             compile_norms(hf_model)
         if gradient_checkpointing:
             apply_ac(module, hf_model)
