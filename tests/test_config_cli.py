@@ -69,7 +69,7 @@ def test_a_negated_flag_of_the_files_component_keeps_its_other_values(tmp_path):
     )
     for line in (
         ["--actor.engine.no-cpu-offload"],
-        ["--actor.engine.no-cpu-offload", "--actor.engine.no-compile-norms"],
+        ["--actor.engine.no-cpu-offload", "--actor.engine.compile-norms", "False"],
     ):
         cfg, _ = parse_args(["--config", str(p), *line])
         e = cfg.actor.engine
@@ -77,8 +77,8 @@ def test_a_negated_flag_of_the_files_component_keeps_its_other_values(tmp_path):
         assert e.compile_norms == (len(line) == 1)
     cfg, _ = parse_args(["--config", str(p), "--actor.engine.no-cpu-offload", "--data.no-shuffle"])
     assert not cfg.actor.engine.cpu_offload and not cfg.data.shuffle and cfg.actor.engine.compile_norms
-    cfg, _ = parse_args(["--actor.engine.no-compile-norms", "--actor.engine.cpu-offload"])  # no file: the default's
-    assert cfg.actor.engine.cpu_offload and not cfg.actor.engine.compile_norms
+    cfg, _ = parse_args(["--data.no-shuffle", "--actor.engine.no-cpu-offload"])  # no file: the default's engine
+    assert not cfg.actor.engine.cpu_offload and not cfg.data.shuffle and cfg.actor.engine.compile_norms is None
 
 
 def test_an_option_of_another_policy_loss_is_an_error_naming_it(tmp_path):
