@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import operator
 import os
 import sys
 import time
@@ -110,9 +111,7 @@ def name_negated_components(args: list[str], default) -> list[str]:
         head, _, leaf = arg[2:].partition("=")[0].replace("_", "-").rpartition(".")
         if not arg.startswith("--") or not leaf.startswith("no-") or head not in paths or head in named:
             continue
-        choice = default
-        for part in paths[head].split("."):
-            choice = getattr(choice, part, None)
+        choice = operator.attrgetter(paths[head])(default)
         if choice is not None:
             first.append(f"{head}:{type(choice).name}")
             named.add(head)

@@ -152,7 +152,7 @@ def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
     def build(compiled: bool) -> FSDPEngine:
         return engine(tiny_model, mesh, fused=True, fsdp=FSDPConfig(param_dtype="bfloat16", compile_norms=compiled))
 
-    from rlspmd.engines.fsdp.engine import compiles_norms
+    from rlspmd.engines.fsdp.engine import compiles_norms, rms_norms
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert compiles_norms(FSDPConfig(param_dtype="bfloat16"), cpu)  # None: on for bfloat16 compute on CPU
@@ -161,7 +161,7 @@ def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
     assert not compiles_norms(FSDPConfig(param_dtype="bfloat16", compile_norms=False), cpu)
     assert compiles_norms(FSDPConfig(param_dtype="float32", compile_norms=True), cpu)
     eager, compiled = build(False), build(True)
-    norms = [m for m in compiled.module.hf.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
+    norms = rms_norms(compiled.module.hf)
     assert len(norms) == 2 * compiled.module.config.num_hidden_layers + 1
     assert all(m._compiled_call_impl is not None for m in norms)
     assert not any(m._compiled_call_impl is not None for m in eager.module.hf.modules())

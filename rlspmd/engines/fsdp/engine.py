@@ -212,14 +212,18 @@ def compiles_norms(cfg: FSDPOptions, device: torch.device) -> bool:
     return device.type == "cpu" and cfg.compute_dtype(device) == torch.bfloat16
 
 
-def compile_norms(hf_model: nn.Module) -> int:
-    """``torch.compile`` each RMSNorm module of ``hf_model``'s language model in place (``fsdp.compile_norms``); returns
-    how many. Before ``fully_shard``: FSDP2's hooks stay on the decoder layers, and a compiled norm sees the gathered
-    compute-dtype weight as a plain tensor."""
-    norms = [m for m in hf_model.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
-    for m in norms:
+def rms_norms(hf_model: nn.Module) -> list[nn.Module]:
+    """The RMSNorm modules of ``hf_model``'s language model (each decoder layer's, q/k norms included, and the final
+    one), by transformers' class names (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ...)."""
+    return [m for m in hf_model.get_decoder().modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def compile_norms(hf_model: nn.Module) -> None:
+    """``torch.compile`` each of ``rms_norms(hf_model)`` in place (``fsdp.compile_norms``). Before ``fully_shard``:
+    FSDP2's hooks stay on the decoder layers, and a compiled norm sees the gathered compute-dtype weight as a plain
+    tensor."""
+    for m in rms_norms(hf_model):
         m.compile()
-    return len(norms)
 
 
 def apply_ac(module: nn.Module, hf_model: nn.Module) -> None:
