@@ -166,3 +166,33 @@ def test_gpu_suite_kills_a_phase_that_runs_over_its_limit(tmp_path):
 
     time.sleep(5)
     assert not marker.exists()  # the grandchild went down with the group
+
+
+def test_stage_ablation_swaps_attention_out_of_the_update_and_reports_every_variant(tiny_model, tmp_path):
+    """``stage_ablation.py``: each variant's calls of the update ran, and the ablated ones really ran the stand-in
+    instead of the packed-attention kernel (counted per variant), alternating in one process."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    from grpo_workload import write_prompts
+
+    prompts = write_prompts(str(tiny_model), tmp_path / "prompts.jsonl", num_prompts=8, prompt_tokens=27)
+    config = tmp_path / "ablate.py"
+    config.write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'configs' / 'bench')!r})\nfrom grpo_tiny import workload\n"
+        f"config = workload({str(tiny_model)!r}, 'ablate', steps=2, data={str(prompts)!r})\n"
+    )
+    variants = ["baseline", "no_attention", "no_attention_kernel", "heap_malloc"]
+    args = ["--config", str(config), "--variants", ",".join(variants), "--rounds", "2"]
+    r = json.loads(
+        run(["scripts/bench/stage_ablation.py", *args, "--output-dir", str(tmp_path / "out")]).strip().splitlines()[-1]
+    )
+    assert r["bench"] == "stage_ablation" and r["stage"] == "update"
+    assert sorted(r["median_s"]) == sorted(variants) and all(len(r["all_s"][v]) == 2 for v in variants)
+    assert all(s > 0 for v in variants for s in r["all_s"][v])
+    calls = r["attention_calls"]
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    # one micro-batch per update (the workload's 16 sequences), one kernel call per layer
+    assert calls["baseline"] == {"kernel": 2 * layers, "stand_in": 0}
+    assert calls["heap_malloc"] == calls["baseline"]
+    for v in ("no_attention", "no_attention_kernel"):
+        assert calls[v] == {"kernel": 0, "stand_in": calls["baseline"]["kernel"]}
+    assert set(r["saving_s"]) == set(variants) - {"baseline"}
