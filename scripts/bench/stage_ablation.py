@@ -16,7 +16,7 @@ variant is applied around its call only:
   gradients: the float32 casts, the per-sample split and the concatenation): the kernel calls alone;
 - ``eager_norms``: the RMSNorm layers that ``actor.engine.compile_norms`` compiled run eagerly (the actor's and the
   reference's modules);
-- ``heap_malloc``: glibc serves every block below 1 GiB from the heap (mmap threshold 1 GiB, trim threshold 2 GiB)
+- ``heap_malloc``: glibc serves every block below 1 GiB from the heap (mmap threshold 1 GiB, trim threshold 2 GiB - 1)
   instead of ``runtime.keep_freed_memory``'s 32 MiB, so that FSDP2's per-step gradient buffers of hundreds of MiB are
   not mapped afresh (page-faulted) each step.
 
@@ -116,7 +116,7 @@ def _eager_norms(trainer):
 def _heap_malloc():
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_threshold = -1, -3
-    if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 2 << 30)):
+    if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, (1 << 31) - 1)):
         raise SystemExit("heap_malloc: glibc refused the mallopt settings")
     try:
         yield
