@@ -36,13 +36,12 @@ import dataclasses
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit  # noqa: E402
 
-VARIANTS = ("baseline", "no_attention", "no_attention_kernel", "eager_norms", "heap_malloc")
 CALLS = {"kernel": 0, "stand_in": 0}
 """Packed-attention calls so far: of the run's kernels, and of the stand-ins (each variant's are reported)."""
 
@@ -70,8 +69,10 @@ def _no_attention_kernel(q, k, v, meta, scale, dropout):
     gradients, per-sample split, concatenation), the calls replaced by the stand-in."""
     import torch
 
+    from rlspmd.models.packing import cpu_backward_in_float32
+
     dtype = q.dtype
-    if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and torch.is_grad_enabled():
+    if cpu_backward_in_float32(q, k, v):
         q, k, v = q.float(), k.float(), v.float()
     outs = [
         _stand_in(qs, ks, vs) for qs, ks, vs in zip(q.split(meta.lengths), k.split(meta.lengths), v.split(meta.lengths))
@@ -113,36 +114,27 @@ def _eager_norms(trainer):
 
 
 @contextmanager
-def _heap_malloc():
+def _heap_malloc(trainer):
+    from rlspmd.distributed.runtime import keep_freed_memory
+
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_threshold = -1, -3
     if not (libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, (1 << 31) - 1)):
         raise SystemExit("heap_malloc: glibc refused the mallopt settings")
     try:
         yield
-    finally:  # back to runtime.keep_freed_memory's settings
-        libc.mallopt(m_mmap_threshold, 32 << 20)
-        libc.mallopt(m_trim_threshold, 1 << 30)
+    finally:
+        keep_freed_memory()  # the run's settings again
 
 
-@contextmanager
-def variant(name: str, trainer):
-    if name == "baseline":
-        yield
-    elif name == "no_attention":
-        with _kernel(_no_attention):
-            yield
-    elif name == "no_attention_kernel":
-        with _kernel(_no_attention_kernel):
-            yield
-    elif name == "eager_norms":
-        with _eager_norms(trainer):
-            yield
-    elif name == "heap_malloc":
-        with _heap_malloc():
-            yield
-    else:
-        raise SystemExit(f"unknown variant {name!r}; one of {list(VARIANTS)}")
+VARIANTS = {
+    "baseline": lambda trainer: nullcontext(),
+    "no_attention": lambda trainer: _kernel(_no_attention),
+    "no_attention_kernel": lambda trainer: _kernel(_no_attention_kernel),
+    "eager_norms": _eager_norms,
+    "heap_malloc": _heap_malloc,
+}
+"""Each variant's context manager, given the built trainer (see the module docstring)."""
 
 
 def main(argv=None):
@@ -161,9 +153,9 @@ def main(argv=None):
     import torch
 
     from rlspmd.config import load_config_file
-    from rlspmd.models import packing
     from rlspmd.distributed.mesh import ParallelDims, RoleMeshes
     from rlspmd.distributed.runtime import init_distributed, quiet_libraries, seed_everything, shutdown
+    from rlspmd.models import packing
     from rlspmd.trainer.build import build_trainer
     from rlspmd.trainer.timing import device_synchronize
 
@@ -191,7 +183,7 @@ def main(argv=None):
         for r in range(a.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
                 before = dict(CALLS)
-                with variant(name, trainer):
+                with VARIANTS[name](trainer):
                     device_synchronize(rt.device)
                     t0 = time.perf_counter()
                     stage(*args, **kwargs)
