@@ -15,6 +15,7 @@ from rlspmd.models.packing import (
     cu_seqlens_from_position_ids,
     document_causal_block_mask,
     pack,
+    prefix_loop_attention,
     sdpa_loop_attention,
     training_attn_implementation,
 )
@@ -105,6 +106,121 @@ def test_pack_unpack_and_response_positions():
     assert q.target_pos_N.tolist() == p.target_pos_N.tolist() and q.cu_seqlens.tolist() == [0, 3, 8]
     assert cu_seqlens_from_position_ids(p.position_ids_1T).tolist() == [0, 3, 8]
     assert cu_seqlens_from_position_ids(torch.tensor([[0, 1, 2], [0, 1, 0]])).tolist() == [0, 3, 5, 6]
+
+
+def grouped_layout(vocab: int, groups, P: int, R: int, seed: int = 0):
+    """``rollout_layout`` where each of ``groups`` (``(prompt length, [response lengths])``) repeats one prompt over
+    consecutive rows, as a GRPO batch of groups does."""
+    prompt_lens = [p for p, rs in groups for _ in rs]
+    ids, am, pos, rm = rollout_layout(vocab, prompt_lens, [r for _, rs in groups for r in rs], P, R, seed=seed)
+    first = 0
+    for _, rs in groups:
+        ids[first : first + len(rs), :P] = ids[first, :P].clone()
+        first += len(rs)
+    return ids, am, pos, rm
+
+
+def test_shared_prompt_pack_layout():
+    """Rows 0-2 share a prompt, row 3 has its own, row 4 repeats row 3's: each shared prompt is packed once, and
+    every response token is predicted from the token before it in its own row."""
+    ids = torch.tensor(
+        [
+            [0, 5, 6, 7, 8, 0],
+            [0, 5, 6, 9, 0, 0],
+            [0, 5, 6, 1, 2, 3],
+            [4, 4, 6, 2, 2, 0],
+            [4, 4, 6, 3, 0, 0],
+        ]
+    )
+    am = (ids != 0).long()
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    counts = TokenCounts.of(am, 3, ids)
+    assert counts.shares_prompt == (False, True, True, False, True)
+    assert TokenCounts.of(am, 3) == TokenCounts((4, 3, 5, 5, 4), (2, 1, 3, 2, 1))  # not asked: no flags
+    p = pack(ids, am, pos, response_len=3, share_prompts=True)
+    assert p.input_ids_1T.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4, 4, 6, 2, 2, 3]]
+    assert p.position_ids_1T.tolist() == [[0, 1, 2, 3, 2, 2, 3, 4, 0, 1, 2, 3, 4, 3]]
+    assert p.attention.groups == ((2, 2, 1, 3), (3, 2, 1)) and p.attention.lengths == (8, 6)
+    assert p.cu_seqlens.tolist() == [0, 8, 14] and p.max_seqlen == 5
+    assert p.target_pos_N.tolist() == [2, 3, 4, 5, 6, 7, 11, 12, 13]
+    assert p.predictor_pos_N.tolist() == [1, 2, 1, 1, 5, 6, 10, 11, 10]
+    assert torch.equal(p.unpack(p.input_ids_1T[0]), ids * am)  # every row gets its group's prompt back
+    assert p.scatter_responses(p.input_ids_1T[0, p.target_pos_N].float()).tolist() == [
+        [7, 8, 0], [9, 0, 0], [1, 2, 3], [2, 2, 0], [3, 0, 0]
+    ]  # fmt: skip
+    plain = pack(ids, am, pos, response_len=3)  # not asked: every row whole, predictors just before the targets
+    assert plain.attention.groups is None and plain.num_tokens == 21
+    assert plain.predictor_pos_N.tolist() == (plain.target_pos_N - 1).tolist()
+    with pytest.raises(ValueError, match="sdpa_loop"):
+        pack(ids, am, pos, response_len=3, share_prompts=True, kernel="flex")
+
+
+def test_prefix_loop_attention_equals_each_sample_whole():
+    """Each response attends to its group's one prompt copy exactly as in its own whole sample, forward and backward
+    (the prompt's keys and values summing every response's gradient), grouped-query heads included."""
+    torch.manual_seed(0)
+    H, KV, D = 4, 2, 8
+    groups = ((5, 3, 0, 4), (2, 6), (0, 3), (5, 3, 4), (0, 3), (4, 0), (2, 6, 6))
+    sizes = [n for g in groups for n in g]
+    q, k, v = (torch.randn(sum(sizes), h, D, dtype=torch.float64, requires_grad=True) for h in (H, KV, KV))
+    out = prefix_loop_attention(q, k, v, groups, scale=0.3)
+    qs, ks, vs = q.split(sizes), k.split(sizes), v.split(sizes)
+    ref, at = [], 0
+    for g in groups:
+        P = g[0]
+        for i in range(at + 1, at + len(g)):  # each sample whole: its prompt, then its response
+            whole = [torch.cat((x[at], x[i])) for x in (qs, ks, vs)]
+            o = sdpa_loop_attention(*whole, [P + sizes[i]], scale=0.3)
+            ref.append((o[:P], o[P:]))
+        at += len(g)
+    # the prompt rows' outputs: any sample of the group gives them (here its first)
+    expect, at, r = [], 0, 0
+    for g in groups:
+        expect.append(ref[r][0])
+        expect += [ref[r + j][1] for j in range(len(g) - 1)]
+        r += len(g) - 1
+        at += len(g)
+    torch.testing.assert_close(out, torch.cat(expect), rtol=1e-12, atol=1e-12)
+    w = torch.randn_like(out)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    # the same loss on whole samples: a response's weight on its own rows, the prompt's split across the group
+    loss, at, r = 0.0, 0, 0
+    ws = w.split(sizes)
+    for g in groups:
+        for j in range(len(g) - 1):
+            loss = loss + (ref[r + j][1] * ws[at + 1 + j]).sum()
+        loss = loss + (ref[r][0] * ws[at]).sum()
+        r += len(g) - 1
+        at += len(g)
+    want = torch.autograd.grad(loss, (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_prompts_equal_whole_rows(tiny_llama, dtype):
+    """A policy that packs each group's prompt once gives the log-probs, entropies, loss and gradients of one that
+    packs every row whole, with fewer tokens through the layers (bfloat16: the same to its precision)."""
+    whole, shared = load(tiny_llama, True, dtype=dtype), load(tiny_llama, True, dtype=dtype)
+    shared.share_prompts = True
+    P, R = 9, 12
+    groups = [(9, [12, 3, 7]), (4, [1, 12]), (6, [8]), (7, [5, 5, 12, 2])]
+    ids, am, pos, rm = grouped_layout(whole.config.vocab_size, groups, P, R)
+    calls = []
+    hook = shared.hf.get_decoder().layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+    a = grads_of(whole, ids, am, pos, rm, R, 1.0)
+    b = grads_of(shared, ids, am, pos, rm, R, 1.0)
+    hook.remove()
+    assert calls == [sum(p + sum(rs) for p, rs in groups)]  # each prompt once: 26 prompt tokens, not 61
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    m = rm.bool()
+    torch.testing.assert_close(b[0][m], a[0][m], **tol)
+    torch.testing.assert_close(b[1][m], a[1][m], **tol)
+    torch.testing.assert_close(b[2], a[2], **tol)
+    assert a[3].keys() == b[3].keys()
+    for name, g in a[3].items():
+        gtol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=5e-2, atol=5e-3)
+        torch.testing.assert_close(b[3][name].float(), g.float(), **gtol, msg=lambda msg: f"{name}: {msg}")
 
 
 def test_sdpa_loop_attention_equals_per_sample_attention():

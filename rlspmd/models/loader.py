@@ -44,6 +44,11 @@ class ModelConfig:
     CUDA sm80+, bf16/fp16), ``flex`` (compiled FlexAttention with a document-causal block mask; CUDA), ``sdpa_loop``
     (one SDPA call per sample; any device). ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the
     device and compute dtype, else sdpa_loop (what CPU uses). One that cannot run here stops the run at start-up."""
+    share_prompts: bool = True
+    """With ``packing`` and the ``sdpa_loop`` kernel (what CPU runs), a policy's forward packs the prompt of consecutive
+    rows that share it (a GRPO group's samples) once, and each response attends to that one copy: the token-wise layers
+    run on fewer tokens, the log-probs and gradients are the unshared ones up to float summation order. Other kernels,
+    mixture-of-experts and vision-language models, sequence parallelism and value models pack every row whole."""
     sharded_load: bool = True
     """Build the model on the meta device, apply the parallelism, then read only this rank's slices of the safetensors
     files (peak host memory per rank: its shards plus one slice, not the whole model). Keys are matched by name; False

@@ -70,15 +70,40 @@ class TokenCounts:
     """Valid tokens (prompt + response) per row."""
     response_lengths: tuple[int, ...]
     """Valid tokens among the last ``response_len`` columns per row (empty when there is no response)."""
+    shares_prompt: tuple[bool, ...] = ()
+    """Per row: its prompt (the columns before the last ``response_len``: ids and mask) is the previous row's, and is
+    not empty (a GRPO group's samples). Empty when not asked for (``of(..., input_ids_BL=...)``)."""
 
     @classmethod
-    def of(cls, attention_mask_BL: torch.Tensor, response_len: int = 0) -> "TokenCounts":
-        """Both counts in ONE device-to-host copy (the packed path's only host sync per micro-batch)."""
+    def of(
+        cls, attention_mask_BL: torch.Tensor, response_len: int = 0, input_ids_BL: torch.Tensor | None = None
+    ) -> "TokenCounts":
+        """The counts (and with ``input_ids_BL`` and a response, ``shares_prompt``) in ONE device-to-host copy (the
+        packed path's only host sync per micro-batch)."""
         per_row = [attention_mask_BL.sum(-1)]
         if response_len:
             per_row.append(attention_mask_BL[:, -response_len:].sum(-1))
+        share = input_ids_BL is not None and response_len > 0
+        if share:
+            per_row.append(same_prompt_as_previous(input_ids_BL, attention_mask_BL, response_len).long())
         rows = torch.stack(per_row).tolist()
-        return cls(tuple(rows[0]), tuple(rows[1]) if response_len else ())
+        return cls(
+            tuple(rows[0]),
+            tuple(rows[1]) if response_len else (),
+            tuple(bool(x) for x in rows[2]) if share else (),
+        )
+
+
+def same_prompt_as_previous(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor, response_len: int):
+    """(B,) bool: row ``b`` has row ``b - 1``'s prompt (ids and mask of the columns before the last ``response_len``),
+    and that prompt has a valid token (row 0: False). Device ops only."""
+    P = input_ids_BL.shape[1] - response_len
+    m = attention_mask_BL[:, :P].bool()
+    ids = input_ids_BL[:, :P].masked_fill(~m, 0)
+    same = torch.zeros(input_ids_BL.shape[0], dtype=torch.bool, device=input_ids_BL.device)
+    if P > 0:
+        same[1:] = (ids[1:] == ids[:-1]).all(-1) & (m[1:] == m[:-1]).all(-1) & m[1:].any(-1)
+    return same
 
 
 @dataclass(frozen=True)
@@ -93,6 +118,10 @@ class PackedAttention:
     """Per-sample lengths on the host (``sdpa_loop`` slices by them, without reading ``cu_seqlens`` back)."""
     block_mask: object | None = None
     """FlexAttention's document-causal ``BlockMask`` (``flex`` only)."""
+    groups: tuple[tuple[int, ...], ...] | None = None
+    """A pack with shared prompts (``pack(..., share_prompts=True)``): per group of rows that share a prompt, in pack
+    order, ``(prompt tokens, response tokens of each row...)``; the group's tokens are its prompt once, then each row's
+    response, and ``cu_seqlens``/``lengths`` bound the groups. None: every sample is whole and contiguous."""
     seq: object | None = None
     """Sequence parallelism (``distributed/sequence_parallel.py: SequenceShard``): this rank holds a slice of the pack,
     the rest of this object describes the whole pack, and attention goes through ``seq.attention``. None: the rank
@@ -124,11 +153,18 @@ class PackedBatch:
     """(B, L) of the padded layout."""
     response_len: int = 0
     target_pos_N: torch.Tensor | None = None
-    """(N,) packed position of each valid response token (row-major); the hidden state that predicts it is at
-    ``target_pos_N - 1``. None without ``response_len``."""
+    """(N,) packed position of each valid response token (row-major). None without ``response_len``."""
+    predictor_pos_N: torch.Tensor | None = None
+    """(N,) packed position of the hidden state that predicts each valid response token: the token before it in its
+    row (``target_pos_N - 1``, except at a shared prompt's rows, whose first response token follows the group's
+    prompt). None without ``response_len``."""
     response_rows_N: torch.Tensor | None = None
     response_cols_N: torch.Tensor | None = None
     """(N,) row and column in the ``(B, response_len)`` layout of each valid response token."""
+
+    source_BL: torch.Tensor | None = None
+    """With shared prompts: (B, L) packed position of each valid token of the padded layout (a row's prompt tokens
+    at its group's one copy), -1 at padding. None otherwise (``token_index_T`` is then a one-to-one map)."""
 
     @property
     def num_tokens(self) -> int:
@@ -150,6 +186,11 @@ class PackedBatch:
     def unpack(self, x_T: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """``(T, ...)`` per packed token -> ``(B, L, ...)`` with ``fill`` at padding (differentiable)."""
         B, L = self.shape
+        if self.source_BL is not None:  # a shared prompt's tokens appear in each of its rows
+            src = self.source_BL.reshape(-1)
+            out = x_T.index_select(0, src.clamp(min=0))
+            pad = (src < 0).view(-1, *([1] * (x_T.dim() - 1)))
+            return out.masked_fill(pad, fill).view(B, L, *x_T.shape[1:])
         out = x_T.new_full((B * L, *x_T.shape[1:]), fill)
         return out.index_copy(0, self.token_index_T, x_T).view(B, L, *x_T.shape[1:])
 
@@ -168,6 +209,7 @@ def pack(
     kernel: str = "sdpa_loop",
     response_len: int = 0,
     counts: TokenCounts | None = None,
+    share_prompts: bool = False,
 ) -> PackedBatch:
     """Pack the tokens with ``attention_mask_BL == 1`` of each row, in order, into one sequence, and build the
     attention metadata of ``kernel`` (a concrete name, see ``resolve_attn_kernel``) once for all layers.
@@ -177,46 +219,90 @@ def pack(
     positions (``rlspmd.models.vision``) pack to ``(3, 1, T)``. ``response_len`` also locates the valid response
     tokens (the last ``response_len`` columns), each of which needs a valid token before it in its row. ``counts``:
     the host-side counts if the caller has them (else one device-to-host copy here).
+
+    ``share_prompts`` (``sdpa_loop`` only, with a response): consecutive rows with the same prompt (a GRPO group's
+    samples, ``TokenCounts.shares_prompt``) pack that prompt once, followed by each row's response, and attention lets
+    each response see the group's prompt (``prefix_loop_attention``). Every token-wise layer then runs on fewer tokens;
+    log-probs, values and gradients are those of the unshared pack (up to float summation order).
     """
     B, L = input_ids_BL.shape
     dev = input_ids_BL.device
-    counts = counts or TokenCounts.of(attention_mask_BL, response_len)
-    T = sum(counts.lengths)
+    share_prompts = share_prompts and response_len > 0
+    if share_prompts and kernel != "sdpa_loop":
+        raise ValueError(f"packing with shared prompts needs the sdpa_loop attention kernel, not {kernel!r}")
+    if counts is None or (share_prompts and not counts.shares_prompt):
+        counts = TokenCounts.of(attention_mask_BL, response_len, input_ids_BL if share_prompts else None)
+    shared = share_prompts and any(counts.shares_prompt)
     valid_BL = attention_mask_BL.bool()
+    keep_BL = valid_BL
+    if shared:
+        member_B = torch.tensor(counts.shares_prompt, device=dev)
+        keep_BL = valid_BL.clone()
+        keep_BL[:, : L - response_len] &= ~member_B[:, None]
+        groups: list[list[int]] = []
+        for n, r, member in zip(counts.lengths, counts.response_lengths, counts.shares_prompt):
+            if member:
+                groups[-1].append(r)
+            else:
+                groups.append([n - r, r])
+        lengths = tuple(sum(g) for g in groups)
+        max_len = max(max(n for n in counts.lengths), 1)
+    else:
+        lengths = counts.lengths
+        max_len = max(max(lengths, default=1), 1)
+    T = sum(lengths)
     # nonzero_static: the output size is known on the host, so no device-to-host read of the count (plain nonzero syncs)
-    token_index_T = torch.nonzero_static(valid_BL.reshape(-1), size=T).squeeze(-1)
-    lengths_B = valid_BL.sum(-1)
-    cu = torch.zeros(B + 1, dtype=torch.int32, device=dev)
+    token_index_T = torch.nonzero_static(keep_BL.reshape(-1), size=T).squeeze(-1)
+    lengths_B = torch.tensor(lengths, device=dev) if shared else valid_BL.sum(-1)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=dev)
     cu[1:] = lengths_B.cumsum(0)
-    max_len = max(max(counts.lengths, default=1), 1)
     block_mask = document_causal_block_mask(lengths_B, T) if kernel == "flex" else None
     packed = PackedBatch(
         input_ids_1T=input_ids_BL.reshape(-1)[token_index_T][None],
         position_ids_1T=position_ids_BL.reshape(*position_ids_BL.shape[:-2], -1)[..., token_index_T].unsqueeze(-2),
-        attention=PackedAttention(kernel, cu, max_len, counts.lengths, block_mask),
+        attention=PackedAttention(
+            kernel, cu, max_len, lengths, block_mask, groups=tuple(map(tuple, groups)) if shared else None
+        ),
         token_index_T=token_index_T,
         shape=(B, L),
     )
     if response_len:
-        _locate_responses(packed, valid_BL, response_len, n_valid=sum(counts.response_lengths))
+        lead = [0] * B
+        for b, member in enumerate(counts.shares_prompt if shared else ()):
+            lead[b] = lead[b - 1] if member else b
+        _locate_responses(
+            packed,
+            valid_BL,
+            response_len,
+            n_valid=sum(counts.response_lengths),
+            lead_B=torch.tensor(lead, device=dev) if shared else None,
+        )
     return packed
 
 
-def _locate_responses(packed: PackedBatch, valid_BL: torch.Tensor, R: int, *, n_valid: int) -> None:
-    """Fill ``target_pos_N`` and the ``(B, R)`` coordinates of the valid response tokens (gathers only, no sync)."""
+def _locate_responses(
+    packed: PackedBatch, valid_BL: torch.Tensor, R: int, *, n_valid: int, lead_B: torch.Tensor | None
+) -> None:
+    """Fill ``target_pos_N``, ``predictor_pos_N`` and the ``(B, R)`` coordinates of the valid response tokens (gathers
+    only, no sync). ``lead_B``: with shared prompts, the row whose prompt each row's response follows in the pack."""
     B, L = packed.shape
     dev = valid_BL.device
     flat_N = torch.nonzero_static(valid_BL[:, -R:].reshape(-1), size=n_valid).squeeze(-1)  # into (B, R)
     rows_N, cols_N = flat_N // R, flat_N % R
     where_BL = torch.full((B * L,), -1, dtype=torch.long, device=dev)
     where_BL[packed.token_index_T] = torch.arange(packed.num_tokens, device=dev)
-    target_N = where_BL[rows_N * L + (L - R) + cols_N]
+    where_BL = where_BL.view(B, L)
+    if lead_B is not None:  # a member's prompt tokens are its group's
+        where_BL[:, : L - R] = where_BL[lead_B, : L - R]
+        packed.source_BL = where_BL
+    target_N = where_BL[rows_N, L - R + cols_N]
+    # the token before a response token is in its row's previous column (valid tokens are contiguous in a row)
+    col_N = L - R + cols_N - 1
+    before_N = where_BL[rows_N, col_N.clamp(min=0)].masked_fill(col_N < 0, -1)
     if dev.type == "cpu":  # invariants; reading them on CUDA would be a host sync per micro-batch
         assert bool((target_N >= 0).all()), "a response position is a padding token"
-        assert not bool(torch.isin(target_N, packed.cu_seqlens[:-1].long()).any()), (
-            "a response token has no token before it"
-        )
-    packed.response_len, packed.target_pos_N = R, target_N
+        assert bool((before_N >= 0).all()), "a response token has no token before it"
+    packed.response_len, packed.target_pos_N, packed.predictor_pos_N = R, target_N, before_N
     packed.response_rows_N, packed.response_cols_N = rows_N, cols_N
 
 
@@ -296,6 +382,48 @@ def sdpa_loop_attention(q_THD, k_TKD, v_TKD, lengths: Sequence[int], *, scale: f
     return torch.cat(outs)
 
 
+def prefix_loop_attention(q_THD, k_TKD, v_TKD, groups: Sequence[Sequence[int]], *, scale: float, dropout: float = 0.0):
+    """``sdpa_loop_attention`` over a pack with shared prompts (``PackedAttention.groups``): per group, one causal SDPA
+    call on its prompt, then one per response over the prompt's and its own keys and values, causal with the queries
+    aligned to the end of the keys (``causal_lower_right``). Each response sees exactly what it sees in its own whole
+    sample; the prompt's keys and values get the gradients of every response of its group. (Batching the segments of
+    one shape into one call measured slower on CPU.)"""
+    from torch.nn.attention.bias import causal_lower_right
+
+    if cpu_backward_in_float32(q_THD, k_TKD, v_TKD):
+        out = prefix_loop_attention(q_THD.float(), k_TKD.float(), v_TKD.float(), groups, scale=scale, dropout=dropout)
+        return out.to(q_THD.dtype)
+    gqa = k_TKD.shape[1] != q_THD.shape[1]
+
+    def sdpa(q, k, v, **mask):
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            scale=scale,
+            dropout_p=dropout,
+            enable_gqa=gqa,
+            **mask,
+        )
+        return o[0].transpose(0, 1)
+
+    sizes = [n for g in groups for n in g]
+    qs, ks, vs = q_THD.split(sizes), k_TKD.split(sizes), v_TKD.split(sizes)
+    outs = list(qs)  # empty segments stay as they are
+    at = 0
+    for g in groups:
+        P, kp, vp = g[0], ks[at], vs[at]
+        if P:
+            outs[at] = sdpa(qs[at], kp, vp, is_causal=True)
+        for i in range(at + 1, at + len(g)):
+            n = sizes[i]
+            if n:
+                mask = dict(is_causal=True) if P == 0 else dict(attn_mask=causal_lower_right(n, P + n))
+                outs[i] = sdpa(qs[i], torch.cat((kp, ks[i])), torch.cat((vp, vs[i])), **mask)
+        at += len(g)
+    return torch.cat(outs)
+
+
 def _flash_attn_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
     from flash_attn import flash_attn_varlen_func
 
@@ -350,6 +478,8 @@ def _flex_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
 
 
 def _sdpa_loop_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
+    if a.groups is not None:
+        return prefix_loop_attention(q, k, v, a.groups, scale=scale, dropout=dropout)
     return sdpa_loop_attention(q, k, v, a.lengths, scale=scale, dropout=dropout)
 
 

@@ -61,6 +61,9 @@ class CausalLMPolicy(nn.Module):
         self.packing = packing
         self.attn_kernel = attn_kernel
         self.moe = adapt_moe(hf_model)
+        self.share_prompts = False
+        """Pack the prompt of consecutive rows that share it once (``model.share_prompts``; ``packing.pack``): with
+        the ``sdpa_loop`` kernel, for a dense model, outside sequence parallelism."""
         self.seq = None
         """The engine's sequence-parallel group (``distributed/sequence_parallel.py: SequenceParallel``) or None."""
 
@@ -134,14 +137,14 @@ class CausalLMPolicy(nn.Module):
                 kernel=kernel,
                 response_len=response_len,
                 counts=counts,
+                share_prompts=self.share_prompts and kernel == "sdpa_loop" and self.moe is None,
             )
             if self.moe is not None:
                 self.moe.begin(packed.shape, token_index_T=packed.token_index_T, replay_BL=replay_BL)
             hidden_TH = packed_hidden_states(self.hf.get_decoder(), packed)
-            targets_N = packed.target_pos_N
-            hidden = hidden_TH.index_select(0, targets_N - 1)
+            hidden = hidden_TH.index_select(0, packed.predictor_pos_N)
             outs = chunked_logprobs(
-                hidden, head.weight, packed.input_ids_1T[0].index_select(0, targets_N), extras=extras, **kw
+                hidden, head.weight, packed.input_ids_1T[0].index_select(0, packed.target_pos_N), extras=extras, **kw
             )
             per_token = packed.scatter_responses
         lp, ent = per_token(outs[0]), per_token(outs[1])

@@ -72,7 +72,7 @@ class ValueModel(nn.Module):
                 counts=counts,
             )
             hidden_TH = packed_hidden_states(self.hf, packed)
-            values_N = _scalar_head(self.value_head, hidden_TH.index_select(0, packed.target_pos_N - 1))
+            values_N = _scalar_head(self.value_head, hidden_TH.index_select(0, packed.predictor_pos_N))
             return packed.scatter_responses(values_N)
         hidden = self.hf(
             input_ids=input_ids_BL, attention_mask=attention_mask_BL, position_ids=position_ids_BL, use_cache=False

@@ -299,7 +299,7 @@ class VisionLanguagePolicy(nn.Module):
         hidden_TH = packed_hidden_states(lm, packed, inputs_embeds=embeds[None], **deep)
         targets_N = packed.target_pos_N
         lp_N, ent_N = chunked_logprobs(
-            hidden_TH.index_select(0, targets_N - 1),
+            hidden_TH.index_select(0, packed.predictor_pos_N),
             head.weight,
             packed.input_ids_1T[0].index_select(0, targets_N),
             **kw,

@@ -21,6 +21,9 @@ Stages (medians over every round's steps after the first): ``gen``, ``ref``, ``u
 update's three. ``ratio`` = TRL's fastest setting's sec/step over rlspmd's; > 1 means rlspmd is faster.
 ``floor_share`` is, per stage, the floor's seconds over the measured ones (1.0: at the floor), for rlspmd against the
 floor of its own compute dtype and for TRL against its setting's; ``rlspmd_over_floor`` the step over its floor.
+rlspmd packs each group's prompt once (``model.share_prompts``), so its step is also given over the floor of that
+smaller workload (``shared_prefix``, each prompt's tokens once in the reference and the update):
+``rlspmd_over_shared_prefix_floor``, the stricter figure, and ``floor_share.rlspmd_shared_prefix``.
 The machine's load average is recorded before and after every run: compare figures from a quiet machine only.
 """
 
@@ -161,6 +164,11 @@ def main(argv=None):
         if own is not None:
             share["rlspmd"] = shares(own["full"]["floor_s"], rl["stages_s"])
             result["rlspmd_over_floor"] = round(rl["sec_per_step"] / own["full"]["floor_s"]["total"], 3)
+            # rlspmd packs each group's prompt once (model.share_prompts): the floor of that work is the stricter one
+            share["rlspmd_shared_prefix"] = shares(own["shared_prefix"]["floor_s"], rl["stages_s"])
+            result["rlspmd_over_shared_prefix_floor"] = round(
+                rl["sec_per_step"] / own["shared_prefix"]["floor_s"]["total"], 3
+            )
         for s, v in trl["settings"].items():
             d = by.get("bfloat16" if s == "bf16" else "float32")
             if d is not None:

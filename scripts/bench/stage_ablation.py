@@ -16,6 +16,8 @@ variant is applied around its call only:
   gradients: the float32 casts, the per-sample split and the concatenation): the kernel calls alone;
 - ``eager_norms``: the RMSNorm layers that ``actor.engine.compile_norms`` compiled run eagerly (the actor's and the
   reference's modules);
+- ``whole_prompts``: every row packed whole, its prompt included, instead of each group's prompt once
+  (``model.share_prompts``, the actor's and the reference's modules);
 - ``heap_malloc``: glibc serves every block below 1 GiB from the heap (mmap threshold 1 GiB, trim threshold 2 GiB - 1)
   instead of ``runtime.keep_freed_memory``'s 32 MiB, so that FSDP2's per-step gradient buffers of hundreds of MiB are
   not mapped afresh (page-faulted) each step.
@@ -114,6 +116,24 @@ def _eager_norms(trainer):
 
 
 @contextmanager
+def _whole_prompts(trainer):
+    modules = []
+    for role in (trainer.roles.actor, trainer.roles.ref):
+        engine = getattr(role, "engine", None)
+        module = getattr(engine, "module", None)
+        if getattr(module, "share_prompts", False):
+            modules.append(module)
+            module.share_prompts = False
+    if not modules:
+        raise SystemExit("whole_prompts: no module shares prompts in this run (model.share_prompts off)")
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.share_prompts = True
+
+
+@contextmanager
 def _heap_malloc(trainer):
     from rlspmd.distributed.runtime import keep_freed_memory
 
@@ -133,6 +153,7 @@ VARIANTS = {
     "no_attention_kernel": lambda trainer: _kernel(_no_attention_kernel),
     "eager_norms": _eager_norms,
     "heap_malloc": _heap_malloc,
+    "whole_prompts": _whole_prompts,
 }
 """Each variant's context manager, given the built trainer (see the module docstring)."""
 

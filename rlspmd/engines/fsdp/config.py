@@ -154,12 +154,15 @@ def fsdp_role_module(
     )
     if model.sharded_load:
         if kind == "policy":
-            return meta_policy_module(model_path, lora=lora, seed=seed, **kw)
+            module, plan = meta_policy_module(model_path, lora=lora, seed=seed, **kw)
+            module.share_prompts = model.share_prompts
+            return module, plan
         return (
             meta_value_model(model_path, seed=seed, **kw) if kind == "value" else meta_sequence_scorer(model_path, **kw)
         )
     if kind == "policy":
         module = build_policy_module(model_path, **kw)
+        module.share_prompts = model.share_prompts
         if lora is not None and lora.enabled:
             apply_lora(module.hf, lora)
             with torch.no_grad():
