@@ -55,6 +55,35 @@ def test_greedy_equals_hf_generate(fixture, request):
     assert isinstance(make_decoder(model), LlamaFamilyDecoder)
 
 
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
+def test_a_group_prefills_its_prompt_once(fixture, request, monkeypatch):
+    """Rows that repeat the previous row's prompt (a GRPO group) prefill it once and share its cache: the same sampled
+    tokens and log-probs as prefilling every row, for a cache of the distinct prompts only."""
+    path = request.getfixturevalue(fixture)
+    tok = load_tokenizer(path, field_name="model")
+    model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
+    ids, mask = encode(tok)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2, 3, 0])  # groups of 3, 1, 2, 1, 1 (the last repeats row 0, not adjacent)
+    ids, mask = ids[rows], mask[rows]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12)
+    kw = dict(eos_ids=torch.tensor([-1]), pad_id=tok.pad_token_id)
+    prefilled = []
+    prefill = LlamaFamilyDecoder.prefill
+
+    def counted(self, ids_BP, *a):
+        prefilled.append(ids_BP.shape[0])
+        return prefill(self, ids_BP, *a)
+
+    monkeypatch.setattr(LlamaFamilyDecoder, "prefill", counted)
+    shared = generate_tokens(make_decoder(model), ids, mask, params, generator=torch.Generator().manual_seed(3), **kw)
+    monkeypatch.setattr(LlamaFamilyDecoder, "distinct_prompts", lambda self, ids_BP, mask_BP: None)
+    whole = generate_tokens(make_decoder(model), ids, mask, params, generator=torch.Generator().manual_seed(3), **kw)
+    assert prefilled == [5, 8]
+    assert torch.equal(shared[0], whole[0]) and torch.equal(shared[1], whole[1])
+    torch.testing.assert_close(shared[2], whole[2], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(shared[0][0], shared[0][1])  # a group's rows still sample apart
+
+
 def test_greedy_with_eos_matches_hf_and_layout(tiny_model):
     tok = load_tokenizer(tiny_model, field_name="model")
     model = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="model").eval()

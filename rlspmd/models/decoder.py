@@ -101,7 +101,8 @@ class LlamaFamilyDecoder:
         B, P = prompt_ids_BP.shape
         dev = prompt_ids_BP.device
         L = P + max_new_tokens
-        shape = (B, self.n_kv, L, self.head_dim)
+        distinct = self.distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+        shape = (B if distinct is None else distinct[0].numel(), self.n_kv, L, self.head_dim)
         # How a decode step attends (``sdpa_decodes``): with SDPA over the filled slots, or (float32 on CPU) with
         # ``decode_attention`` over the whole cache, whose slots must then be finite before they are written (0 under
         # a -inf mask adds nothing).
@@ -122,7 +123,29 @@ class LlamaFamilyDecoder:
         if self.whole_cache:
             self.decode_mask[:, P:] = float("-inf")
         self.read_weights(B, dev)
-        return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
+        if distinct is None:
+            return self.prefill(prompt_ids_BP, prompt_mask_BP, self.k, self.v, self.rope_table)
+        firsts, row_of = distinct  # prefill each distinct prompt once, then give every row its prompt's cache
+        logits = self.prefill(prompt_ids_BP[firsts], prompt_mask_BP[firsts], self.k, self.v, self.rope_table)
+        self.k, self.v = self.k.index_select(1, row_of), self.v.index_select(1, row_of)
+        self.next_pos = self.next_pos.index_select(0, row_of)
+        return logits.index_select(0, row_of)
+
+    def distinct_prompts(self, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor):
+        """Consecutive rows with the same prompt (a GRPO group's samples) are prefilled once: ``(first row of each
+        run (U,), each row's run (B,))``, or None when no two neighbours share a prompt, or when the prefill is not
+        the plain text one (a vision-language decoder's image inputs, a MoE model's per-row routing log). One host
+        read of B flags per generation."""
+        if type(self).prompt_inputs is not LlamaFamilyDecoder.prompt_inputs:
+            return None
+        if any(is_sparse_block(layer.mlp) for layer in self.base.layers):
+            return None
+        from rlspmd.models.packing import same_prompt_as_previous
+
+        same_B = same_prompt_as_previous(prompt_ids_BP, prompt_mask_BP, 0)
+        if not bool(same_B.any()):
+            return None
+        return (~same_B).nonzero().squeeze(-1), (~same_B).long().cumsum(0) - 1
 
     def read_weights(self, rows: int, dev: torch.device) -> None:
         """Read the weights once for a generation (or a ``serve``) of about ``rows`` rows: ``fused`` and ``head``,
