@@ -142,10 +142,17 @@ class LlamaFamilyDecoder:
             return None
         from rlspmd.models.packing import same_prompt_as_previous
 
-        same_B = same_prompt_as_previous(prompt_ids_BP, prompt_mask_BP, 0)
-        if not bool(same_B.any()):
+        same = same_prompt_as_previous(prompt_ids_BP, prompt_mask_BP, 0).tolist()
+        if not any(same):
             return None
-        return (~same_B).nonzero().squeeze(-1), (~same_B).long().cumsum(0) - 1
+        firsts: list[int] = []
+        row_of: list[int] = []  # each row's index among ``firsts``
+        for b, s in enumerate(same):
+            if not s:
+                firsts.append(b)
+            row_of.append(len(firsts) - 1)
+        dev = prompt_ids_BP.device
+        return torch.tensor(firsts, device=dev), torch.tensor(row_of, device=dev)
 
     def read_weights(self, rows: int, dev: torch.device) -> None:
         """Read the weights once for a generation (or a ``serve``) of about ``rows`` rows: ``fused`` and ``head``,

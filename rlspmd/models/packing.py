@@ -234,22 +234,22 @@ def pack(
         counts = TokenCounts.of(attention_mask_BL, response_len, input_ids_BL if share_prompts else None)
     shared = share_prompts and any(counts.shares_prompt)
     valid_BL = attention_mask_BL.bool()
-    keep_BL = valid_BL
+    keep_BL, lengths, lead_B = valid_BL, counts.lengths, None
     if shared:
         member_B = torch.tensor(counts.shares_prompt, device=dev)
         keep_BL = valid_BL.clone()
         keep_BL[:, : L - response_len] &= ~member_B[:, None]
         groups: list[list[int]] = []
-        for n, r, member in zip(counts.lengths, counts.response_lengths, counts.shares_prompt):
+        lead: list[int] = []  # the row whose prompt each row's response follows in the pack
+        for b, (n, r, member) in enumerate(zip(counts.lengths, counts.response_lengths, counts.shares_prompt)):
             if member:
                 groups[-1].append(r)
             else:
                 groups.append([n - r, r])
+            lead.append(lead[-1] if member else b)
         lengths = tuple(sum(g) for g in groups)
-        max_len = max(max(n for n in counts.lengths), 1)
-    else:
-        lengths = counts.lengths
-        max_len = max(max(lengths, default=1), 1)
+        lead_B = torch.tensor(lead, device=dev)
+    max_len = max(max(counts.lengths, default=1), 1)  # the longest sample, its prompt counted
     T = sum(lengths)
     # nonzero_static: the output size is known on the host, so no device-to-host read of the count (plain nonzero syncs)
     token_index_T = torch.nonzero_static(keep_BL.reshape(-1), size=T).squeeze(-1)
@@ -267,16 +267,7 @@ def pack(
         shape=(B, L),
     )
     if response_len:
-        lead = [0] * B
-        for b, member in enumerate(counts.shares_prompt if shared else ()):
-            lead[b] = lead[b - 1] if member else b
-        _locate_responses(
-            packed,
-            valid_BL,
-            response_len,
-            n_valid=sum(counts.response_lengths),
-            lead_B=torch.tensor(lead, device=dev) if shared else None,
-        )
+        _locate_responses(packed, valid_BL, response_len, n_valid=sum(counts.response_lengths), lead_B=lead_B)
     return packed
 
 
