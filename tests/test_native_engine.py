@@ -55,10 +55,12 @@ def test_greedy_equals_hf_generate(fixture, request):
     assert isinstance(make_decoder(model), LlamaFamilyDecoder)
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("fixture", ["tiny_model", "tiny_llama"])
-def test_a_group_prefills_its_prompt_once(fixture, request, monkeypatch):
+def test_a_group_prefills_its_prompt_once(fixture, static, request, monkeypatch):
     """Rows that repeat the previous row's prompt (a GRPO group) prefill it once and share its cache: the same sampled
-    tokens and log-probs as prefilling every row, for a cache of the distinct prompts only."""
+    tokens and log-probs as prefilling every row, for a cache of the distinct prompts only; in the eager decoder and
+    in the static one (``rollout/cuda_graphs.py``, its step uncompiled), which copies each prompt's slots in place."""
     path = request.getfixturevalue(fixture)
     tok = load_tokenizer(path, field_name="model")
     model = load_causal_lm(path, dtype="float32", attn_implementation="sdpa", field_name="model").eval()
@@ -74,10 +76,13 @@ def test_a_group_prefills_its_prompt_once(fixture, request, monkeypatch):
         prefilled.append(ids_BP.shape[0])
         return prefill(self, ids_BP, *a)
 
+    def decoder():
+        return StaticDecoder(model, capture=False) if static else make_decoder(model)
+
     monkeypatch.setattr(LlamaFamilyDecoder, "prefill", counted)
-    shared = generate_tokens(make_decoder(model), ids, mask, params, generator=torch.Generator().manual_seed(3), **kw)
+    shared = generate_tokens(decoder(), ids, mask, params, generator=torch.Generator().manual_seed(3), **kw)
     monkeypatch.setattr(LlamaFamilyDecoder, "distinct_prompts", lambda self, ids_BP, mask_BP: None)
-    whole = generate_tokens(make_decoder(model), ids, mask, params, generator=torch.Generator().manual_seed(3), **kw)
+    whole = generate_tokens(decoder(), ids, mask, params, generator=torch.Generator().manual_seed(3), **kw)
     assert prefilled == [5, 8]
     assert torch.equal(shared[0], whole[0]) and torch.equal(shared[1], whole[1])
     torch.testing.assert_close(shared[2], whole[2], rtol=1e-5, atol=1e-5)

@@ -37,7 +37,8 @@ On CPU the same step runs without capture (tested against the eager engine; CPU 
 inside the graphs.
 
 Simplifications: attention always covers the whole cache (prompt + all new tokens) under the mask, twice the eager
-path's average work for long generations; prefill is padded, not packed (one forward either way).
+path's average work for long generations; prefill is padded, not packed (one forward either way), each run of identical
+prompts (a GRPO group) once, its slots then copied to the group's rows, as in the eager decoder.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class StaticDecoder:
         rules = (params, suppress, stops, pad_id)
         s, graph = self._prepared(B, P, T, prompt_ids_BP.device, rules, eos_ids)
         self._reset(s, prompt_mask_BP, pad_id, generator)
-        logits = self.model.prefill(prompt_ids_BP, prompt_mask_BP, s.k, s.v, (s.cos, s.sin))
+        logits = self._prefill(s, prompt_ids_BP, prompt_mask_BP)
         self._record(s, logits, eos_ids, rules)
         for t in range(1, T):
             if graph is not None:
@@ -141,6 +142,21 @@ class StaticDecoder:
             if stops and t % self.check_every == 0 and bool(s.done.all()):
                 break
         return s.tokens.clone(), s.lengths.clone(), s.logprobs.clone()
+
+    def _prefill(self, s: DecodeState, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor) -> torch.Tensor:
+        """The prompts' forward into ``s``'s caches: each run of identical prompts (a GRPO group's rows) once, into the
+        caches' first rows, then every row gets its prompt's slots (``LlamaFamilyDecoder.distinct_prompts``)."""
+        rope = (s.cos, s.sin)
+        distinct = self.model.distinct_prompts(prompt_ids_BP, prompt_mask_BP)
+        if distinct is None:
+            return self.model.prefill(prompt_ids_BP, prompt_mask_BP, s.k, s.v, rope)
+        firsts, row_of = distinct
+        U = firsts.numel()
+        ks, vs = [k[:U] for k in s.k], [v[:U] for v in s.v]
+        logits = self.model.prefill(prompt_ids_BP[firsts], prompt_mask_BP[firsts], ks, vs, rope)
+        for cache in (*s.k, *s.v):  # in place: a captured graph reads these addresses
+            cache.copy_(cache.index_select(0, row_of))
+        return logits.index_select(0, row_of)
 
     def _prepared(self, B, P, T, device, rules, eos_ids) -> tuple[DecodeState, torch.cuda.CUDAGraph | None]:
         key = (B, P, T, rules)
