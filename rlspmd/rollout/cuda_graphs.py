@@ -154,8 +154,10 @@ class StaticDecoder:
         U = firsts.numel()
         ks, vs = [k[:U] for k in s.k], [v[:U] for v in s.v]
         logits = self.model.prefill(prompt_ids_BP[firsts], prompt_mask_BP[firsts], ks, vs, rope)
-        for cache in (*s.k, *s.v):  # in place: a captured graph reads these addresses
-            cache.copy_(cache.index_select(0, row_of))
+        P = prompt_ids_BP.shape[1]
+        for cache in (*s.k, *s.v):  # the prompt's slots only (the rest are still zeros), in place: a graph reads them
+            slots = cache[:, :, :P]
+            slots.copy_(slots.index_select(0, row_of))
         return logits.index_select(0, row_of)
 
     def _prepared(self, B, P, T, device, rules, eos_ids) -> tuple[DecodeState, torch.cuda.CUDAGraph | None]:
