@@ -1,7 +1,7 @@
 """Sequence parallel (``mesh.actor_sp``): SP 2 and SP 4 on 4 CPU ranks against SP 1 on the same ranks and data
 (``tests/dist/sp_check.py``).
 
-Three steps of the actor (GRPO advantages, two PPO epochs, k3 KL loss against the reference, entropy bonus,
+Two steps of the actor (GRPO advantages, two PPO epochs, k3 KL loss against the reference, entropy bonus,
 ``token-mean``) and a critic (GAE returns, token-budget micro-batches, ``seq-mean-token-sum-norm``) on 2k-token
 responses (the short run: ``seq-mean-token-mean`` and ``seq-mean-token-sum``): every reduced metric
 (losses, gradient norms, KL, entropy, clip fractions, value statistics) and the reference log-probs, old log-probs and
@@ -32,7 +32,7 @@ from rlspmd.distributed.sequence_parallel import resolve_sp_mode, ulysses_proble
 from rlspmd.validate import config_problems, ignored_settings
 
 TOL = 1e-5
-STEPS = 3
+STEPS = 2  # the second compares trained weights
 RESPONSE = 2048
 
 
@@ -80,7 +80,7 @@ def assert_same(run: dict, base: dict, *, steps: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_sp2_and_sp4_equal_sp1_over_three_grpo_steps_with_2k_responses(long_runs):
+def test_sp2_and_sp4_equal_sp1_over_two_grpo_steps_with_2k_responses(long_runs):
     base = long_runs["sp1"]
     assert base["sp_group"] is None and base["mode"] is None
     assert long_runs["sp2"]["sp_group"] == [0, 1] and long_runs["sp4"]["sp_group"] == [0, 1, 2, 3]
