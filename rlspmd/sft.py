@@ -34,24 +34,13 @@ from rlspmd.data.prompts import EpochSampler, read_rows
 from rlspmd.distributed.dispatch import all_reduce_sum, scatter_batch
 from rlspmd.distributed.mesh import DP
 from rlspmd.distributed.runtime import StopRequest, exit_process, shutdown, spmd_main
-from rlspmd.engines.fsdp import FSDPEngine
 from rlspmd.metrics import MetricLogger
 from rlspmd.models.loader import load_tokenizer
 from rlspmd.models.attn_kernels import check_attn_kernel
 from rlspmd.models.vision import vision_inputs
 from rlspmd.protocol import Batch, position_ids
-from rlspmd.models.sharded_load import build_policy_module
 from rlspmd.startup import parse_args, start
 from rlspmd.trackers import Trackers
-from rlspmd.trainer.checkpoint import (
-    Checkpointer,
-    Checkpointing,
-    Counters,
-    read_meta,
-    StopAndSave,
-    save_hf_model,
-    write_model_files,
-)
 from rlspmd.validate import check_sft_config
 
 
@@ -206,6 +195,19 @@ def main(argv: list[str] | None = None) -> None:
     started = start(cfg, dist=cfg.dist, mesh=MeshConfig(), seed=cfg.seed, dry_run=dry_run)  # SFT: every rank trains
     if started is None:
         return
+    # heavy imports (transformers, torch.distributed.checkpoint) after the cheap checks: bad options fail in seconds
+    from rlspmd.engines.fsdp import FSDPEngine
+    from rlspmd.models.sharded_load import build_policy_module
+    from rlspmd.trainer.checkpoint import (
+        Checkpointer,
+        Checkpointing,
+        Counters,
+        StopAndSave,
+        read_meta,
+        save_hf_model,
+        write_model_files,
+    )
+
     rt, meshes = started
     mesh = meshes.get("actor", DP)
     dp = mesh.size()

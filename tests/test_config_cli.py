@@ -228,3 +228,38 @@ def test_to_dict_names_the_picked_components():
     assert cispo["actor"]["engine"]["name"] == "megatron" and cispo["actor"]["engine"]["tp"] == 2
     assert clip["actor"]["engine"]["name"] == "fsdp"
     json.dumps(cispo)  # plain data
+
+
+HEAVY = ("transformers", "datasets", "vllm", "torch.distributed.checkpoint", "torch._dynamo")
+
+
+def test_a_command_line_is_parsed_and_checked_before_the_heavy_imports():
+    """``rlspmd.train`` and ``rlspmd.sft`` up to their config checks import no model library: a typo or a bad value
+    is reported in about 2 s, not after seconds of importing transformers (the engines' configs load their engines in
+    ``build``, the checkpoint package its modules on first use)."""
+    probe = (
+        "import sys\n"
+        "from rlspmd.startup import parse_args\n"
+        "from rlspmd.validate import config_problems\n"
+        "import rlspmd.train, rlspmd.sft\n"
+        "cfg, _ = parse_args(['--config', 'configs/quickstart.py', 'actor.engine:megatron'])\n"
+        "assert type(cfg.actor.engine).__name__ == 'MegatronConfig'\n"
+        "config_problems(cfg, world_size=2, check_files=False)\n"
+        "from rlspmd.config import SFTConfig\n"
+        "from rlspmd.validate import check_sft_config\n"
+        "sft, _ = parse_args(['--config', 'configs/sft_quickstart.py', '--total-steps', '3'], SFTConfig)\n"
+        "check_sft_config(sft, world_size=2, check_files=False)\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules])\n"
+        "from rlspmd.engines.fsdp import FSDPEngine, LoraEngine\n"  # the engines are still importable by name
+        "from rlspmd.engines.megatron import MegatronEngine\n"
+        "print('transformers' in sys.modules)\n"
+        "import rlspmd.engines.fsdp as f\n"
+        "try:\n    f.NoSuchEngine\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "[]",
+        "True",
+        "module 'rlspmd.engines.fsdp' has no attribute 'NoSuchEngine'",
+    ], proc.stdout

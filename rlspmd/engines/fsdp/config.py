@@ -6,27 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from rlspmd.engines.base import ModuleKind, TrainingEngine, TrainingEngineConfig
-from rlspmd.engines.fsdp.engine import FSDPEngine
-from rlspmd.engines.fsdp.lora import LoraEngine
 from rlspmd.engines.optim import OptimConfig
 from rlspmd.models.loader import ModelConfig, dtype_name
-from rlspmd.models.lora import LoraConfig, apply_lora, initial_adapters
-from rlspmd.models.sharded_load import (
-    WeightPlan,
-    build_policy_module,
-    meta_policy_module,
-    meta_sequence_scorer,
-    meta_value_model,
-)
-from rlspmd.models.value import load_sequence_scorer, load_value_model
-from rlspmd.models.vision import freeze_vision_tower
+from rlspmd.models.lora import LoraConfig
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from rlspmd.models.sharded_load import WeightPlan
+
+# The engines and model builders (transformers, torch.distributed.checkpoint: seconds of imports) load in ``build``:
+# parsing a command line and checking a config import this module, and fail fast.
 
 
 @dataclass
@@ -104,6 +100,10 @@ class FSDPConfig(TrainingEngineConfig):
         sequence_mode: str = "auto",
         freeze_vision: bool = False,
     ) -> TrainingEngine:
+        from rlspmd.engines.fsdp.engine import FSDPEngine
+        from rlspmd.engines.fsdp.lora import LoraEngine
+        from rlspmd.models.vision import freeze_vision_tower
+
         lora = lora if lora is not None and lora.enabled else None
         compute = self.compute_dtype(device)
         if optim is None and compute != torch.float32 and model.dtype == "float32":
@@ -145,6 +145,15 @@ def fsdp_role_module(
     """A role module for the FSDP engine: built on the meta device with the plan of where its weights come from
     (``model.sharded_load``: the engine parallelises it, then each rank reads its slices), or loaded whole (None).
     ``lora``: a policy with LoRA adapters (initialised from ``seed``)."""
+    from rlspmd.models.lora import apply_lora, initial_adapters
+    from rlspmd.models.sharded_load import (
+        build_policy_module,
+        meta_policy_module,
+        meta_sequence_scorer,
+        meta_value_model,
+    )
+    from rlspmd.models.value import load_sequence_scorer, load_value_model
+
     kw = dict(
         dtype=model.dtype,
         attn_implementation=model.attn_implementation,

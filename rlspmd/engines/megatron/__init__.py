@@ -31,15 +31,26 @@ computed with the full vocabulary on every TP rank (no vocab-parallel cross entr
 not overlap stages (GPipe with blocking sends): it exists to run and test the engine on CPU.
 """
 
+import importlib
+
 from rlspmd.engines.megatron.config import MegatronConfig
-from rlspmd.engines.megatron.engine import MegatronEngine
-from rlspmd.engines.megatron.modules import (
-    MegatronModule,
-    MegatronPolicyModule,
-    MegatronValueModule,
-    build_megatron_module,
-)
-from rlspmd.engines.megatron.weight_stream import MegatronWeightStream
+
+_LAZY = {
+    "MegatronEngine": "engine",
+    "MegatronModule": "modules",
+    "MegatronPolicyModule": "modules",
+    "MegatronValueModule": "modules",
+    "build_megatron_module": "modules",
+    "MegatronWeightStream": "weight_stream",
+}
+"""Loaded on first use (PEP 562): importing the config (to parse or check one) does not import the engine."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MegatronConfig",

@@ -28,65 +28,67 @@ Everything public is importable from ``rlspmd.trainer.checkpoint``; modules of t
 directly, never through this file.
 """
 
-from rlspmd.trainer.checkpoint.base import CheckpointError, CheckpointStore
-from rlspmd.trainer.checkpoint.checkpointer import Checkpointer
-from rlspmd.trainer.checkpoint.checkpointing import (
-    Checkpointing,
-    Counters,
-    NoCheckpointing,
-    StopAndSave,
-)
-from rlspmd.trainer.checkpoint.export import (
-    MODEL_FILES,
-    TOKENIZER_FILES,
-    copy_model_files,
-    save_hf_model,
-    write_hf_dir,
-    write_model_files,
-)
-from rlspmd.trainer.checkpoint.integrity import (
-    DIGEST,
-    CheckpointDamagedError,
-    DigestingFileSystem,
-    DigestingFileSystemWriter,
-    FileDigests,
-    check_files,
-    file_digest,
-    recorded_digests,
-    share_files,
-    verify_checkpoint,
-)
-from rlspmd.trainer.checkpoint.layout import (
-    FORMAT_VERSION,
-    STEP_RE,
-    CheckpointDir,
-    check_format,
-    complete_checkpoints,
-    config_problems,
-    is_complete,
-    read_meta,
-    resolve_checkpoint,
-    step_dir_name,
-)
-from rlspmd.trainer.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    dcp_load,
-    read_checkpoint,
-    read_dcp_metadata,
-    saved_tensors,
-)
-from rlspmd.trainer.checkpoint.state import (
-    PIPELINE,
-    InFlightBatches,
-    RNGState,
-    TrainerState,
-    decode_batch,
-    decode_rng_state,
-    encode_batch,
-    encode_rng_state,
-    to_json_text,
-)
+import importlib
+
+_LAZY = {
+    "CheckpointError": "base",
+    "CheckpointStore": "base",
+    "Checkpointer": "checkpointer",
+    "Checkpointing": "checkpointing",
+    "Counters": "checkpointing",
+    "NoCheckpointing": "checkpointing",
+    "StopAndSave": "checkpointing",
+    "MODEL_FILES": "export",
+    "TOKENIZER_FILES": "export",
+    "copy_model_files": "export",
+    "save_hf_model": "export",
+    "write_hf_dir": "export",
+    "write_model_files": "export",
+    "DIGEST": "integrity",
+    "CheckpointDamagedError": "integrity",
+    "DigestingFileSystem": "integrity",
+    "DigestingFileSystemWriter": "integrity",
+    "FileDigests": "integrity",
+    "check_files": "integrity",
+    "file_digest": "integrity",
+    "recorded_digests": "integrity",
+    "share_files": "integrity",
+    "verify_checkpoint": "integrity",
+    "FORMAT_VERSION": "layout",
+    "STEP_RE": "layout",
+    "CheckpointDir": "layout",
+    "check_format": "layout",
+    "complete_checkpoints": "layout",
+    "config_problems": "layout",
+    "is_complete": "layout",
+    "read_meta": "layout",
+    "resolve_checkpoint": "layout",
+    "step_dir_name": "layout",
+    "SafeFileSystemReader": "safe_load",
+    "SafeLoadPlanner": "safe_load",
+    "dcp_load": "safe_load",
+    "read_checkpoint": "safe_load",
+    "read_dcp_metadata": "safe_load",
+    "saved_tensors": "safe_load",
+    "PIPELINE": "state",
+    "InFlightBatches": "state",
+    "RNGState": "state",
+    "TrainerState": "state",
+    "decode_batch": "state",
+    "decode_rng_state": "state",
+    "encode_batch": "state",
+    "encode_rng_state": "state",
+    "to_json_text": "state",
+}
+"""Where each public name lives; loaded on first use (PEP 562), so that checking a config (``checkpoint_problems``
+in ``layout.py``) does not import torch.distributed.checkpoint."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DIGEST",

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 
 class CheckpointError(RuntimeError):
