@@ -80,8 +80,8 @@ _LAZY = {
     "encode_rng_state": "state",
     "to_json_text": "state",
 }
-"""Where each public name lives; loaded on first use (PEP 562), so that checking a config (``checkpoint_problems``
-in ``layout.py``) does not import torch.distributed.checkpoint."""
+"""Where each public name lives; loaded on first use (PEP 562), so that checking a config (``layout.config_problems``,
+called by ``rlspmd.validate``) does not import torch.distributed.checkpoint."""
 
 
 def __getattr__(name: str):
