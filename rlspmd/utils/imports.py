@@ -117,3 +117,16 @@ def _describe(obj: Any) -> str:
     if inspect.ismodule(obj):
         return f"the module {obj.__name__}"
     return f"an object of type {type(obj).__name__} ({obj!r:.40})"
+
+
+def lazy_exports(package: str, where: dict[str, str]):
+    """A package's module ``__getattr__`` (PEP 562) that imports ``<package>.<where[name]>`` when ``name`` is first
+    read: a package re-exports its heavy parts (an engine, DCP checkpointing) without importing them with the package,
+    so that parsing and checking a config, which import the package's config module, stay fast."""
+
+    def __getattr__(name: str):
+        if name in where:
+            return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

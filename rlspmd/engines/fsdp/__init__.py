@@ -2,20 +2,15 @@
 applied in torchtitan's order; the optimiser step), ``lora.py`` (``LoraEngine``: LoRA adapters only) and
 ``config.py`` (``FSDPConfig``: the options and the ``build`` that makes a role's module and its engine)."""
 
-import importlib
-
 from rlspmd.engines.fsdp.config import FSDPConfig, fsdp_role_module
+from rlspmd.utils.imports import lazy_exports
 
 _LAZY = {name: "engine" for name in ("FSDPEngine", "apply_ac", "apply_fsdp", "apply_tp", "check_tp")} | {
     "LoraEngine": "lora"
 }
 """Loaded on first use (PEP 562): importing the config (to parse or check one) does not import the engine."""
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -31,9 +31,8 @@ computed with the full vocabulary on every TP rank (no vocab-parallel cross entr
 not overlap stages (GPipe with blocking sends): it exists to run and test the engine on CPU.
 """
 
-import importlib
-
 from rlspmd.engines.megatron.config import MegatronConfig
+from rlspmd.utils.imports import lazy_exports
 
 _LAZY = {
     "MegatronEngine": "engine",
@@ -45,11 +44,7 @@ _LAZY = {
 }
 """Loaded on first use (PEP 562): importing the config (to parse or check one) does not import the engine."""
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -28,7 +28,7 @@ Everything public is importable from ``rlspmd.trainer.checkpoint``; modules of t
 directly, never through this file.
 """
 
-import importlib
+from rlspmd.utils.imports import lazy_exports
 
 _LAZY = {
     "CheckpointError": "base",
@@ -83,11 +83,7 @@ _LAZY = {
 """Where each public name lives; loaded on first use (PEP 562), so that checking a config (``layout.config_problems``,
 called by ``rlspmd.validate``) does not import torch.distributed.checkpoint."""
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
