@@ -13,13 +13,4 @@ _LAZY = {name: "engine" for name in ("FSDPEngine", "apply_ac", "apply_fsdp", "ap
 __getattr__ = lazy_exports(__name__, _LAZY)
 
 
-__all__ = [
-    "FSDPConfig",
-    "FSDPEngine",
-    "LoraEngine",
-    "apply_ac",
-    "apply_fsdp",
-    "apply_tp",
-    "check_tp",
-    "fsdp_role_module",
-]
+__all__ = ["FSDPConfig", "fsdp_role_module", *_LAZY]

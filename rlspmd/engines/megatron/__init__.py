@@ -47,12 +47,4 @@ _LAZY = {
 __getattr__ = lazy_exports(__name__, _LAZY)
 
 
-__all__ = [
-    "MegatronConfig",
-    "MegatronEngine",
-    "MegatronModule",
-    "MegatronPolicyModule",
-    "MegatronValueModule",
-    "MegatronWeightStream",
-    "build_megatron_module",
-]
+__all__ = ["MegatronConfig", *_LAZY]
