@@ -144,6 +144,36 @@ def test_one_rank_cpu_keeps_gathered_parameters_through_backward_with_the_same_s
     assert all(isinstance(p, DTensor) for p in kept.hf_model.model.layers[0].parameters())
 
 
+def test_one_rank_reduces_gradients_in_the_compute_dtype_with_the_same_steps(tiny_model, mesh):
+    """On a one-rank mesh FSDP2 reduces the gradients in the compute dtype (``mixed_precision``), not in
+    ``reduce_dtype`` (float32): one rank sums nothing, so the gradient norms and the parameters after two updates of
+    two micro-batches are bit-identical to a float32 reduction's. ``gather_once_per_update`` (which accumulates in the
+    reduce dtype) keeps float32."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    def groups(e):
+        return [m._get_fsdp_state()._fsdp_param_group for m in e.module.modules() if isinstance(m, FSDPModule)]
+
+    def build(**kw):
+        return engine(tiny_model, mesh, fused=True, fsdp=FSDPConfig(param_dtype="bfloat16", **kw))
+
+    half, full = build(), build()
+    once = build(gather_once_per_update=True)
+    assert all(g.mp_policy.reduce_dtype == torch.bfloat16 for g in groups(half))
+    assert all(g.mp_policy.reduce_dtype == torch.float32 for g in groups(once))
+    for g in groups(full):  # what the config says without the one-rank rule (read at the first forward)
+        g.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mb = batch(half.module.config.vocab_size)
+    for _ in range(2):
+        a, b = half.optimizer_step([mb, mb], loss_fn(0.5)), full.optimizer_step([mb, mb], loss_fn(0.5))
+        assert torch.equal(a["grad_norm"], b["grad_norm"])
+    assert all(g._reduce_dtype is None for g in groups(half))  # None: no cast, the gradients' own dtype
+    assert all(g._reduce_dtype == torch.float32 for g in groups(full))
+    pa, pb = full_params(half), full_params(full)
+    assert all(torch.equal(pa[name], pb[name]) for name in pa)
+    assert all(p.dtype == torch.float32 for p in half.module.parameters())  # master weights stay float32
+
+
 def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
     """``fsdp.compile_norms`` (None: on for bfloat16 compute on CPU): every RMSNorm of the language model runs compiled
     (the decoder layers' two and the final one) and the update is the eager one's up to bfloat16 rounding: the same

@@ -45,7 +45,9 @@ class FSDPConfig(TrainingEngineConfig):
     (AVX512-BF16 or AMX: ``engines.base.native_bf16``), float32 on other CPUs, where bfloat16 is emulated and slower.
     The run's log says which it chose."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of gradient reduce-scatter."""
+    """Dtype of gradient reduce-scatter over two or more ranks. A one-rank group, which sums nothing, reduces in the
+    compute dtype (the same numbers, fewer bytes; ``engines/fsdp/engine.py: mixed_precision``), except with
+    ``gather_once_per_update``."""
     reshard_after_forward: bool | None = None
     """Free unsharded parameters after each layer's forward (ZeRO-3). False keeps them until backward (ZeRO-2-like).
     None: True, except within an update on CPU with one rank, where nothing is sharded and keeping each layer's
