@@ -20,7 +20,8 @@ import torch
 
 from conftest import ROOT, torchrun
 from rl_run import metrics, rl_args, write_reward
-from rlspmd.trainer.samples import MASK_CLOSE, MASK_OPEN, format_sample, loss_spans, read_samples
+from rlspmd.samples import MASK_CLOSE, MASK_OPEN, format_sample, read_samples
+from rlspmd.trainer.samples import loss_spans
 
 pytestmark = pytest.mark.dist
 HOOKS = Path(__file__).resolve().parent / "hooks"
@@ -226,6 +227,17 @@ def test_a_resume_supersedes_later_records(tmp_path):
 def test_loss_spans_are_the_runs_of_trained_tokens():
     assert loss_spans([]) == [] and loss_spans([0, 0]) == [] and loss_spans([1, 1, 1]) == [[0, 3]]
     assert loss_spans([1, 1, 0, 0, 1, 0, 1]) == [[0, 2], [4, 5], [6, 7]]
+
+
+def test_the_reader_imports_neither_torch_nor_the_trainer():
+    """``python -m rlspmd.samples`` answers without loading torch (seconds on a CPU core), transformers or the
+    trainer: reading and formatting live in ``rlspmd/samples.py``."""
+    code = (
+        "import sys, rlspmd.samples; print(sorted(m for m in sys.modules"
+        " if m.split('.')[0] in ('torch', 'transformers') or m.startswith('rlspmd.trainer')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # -- multi turn: tools and an interaction ----------------------------------------------------------------------------
