@@ -15,6 +15,8 @@ from rlspmd.models.packing import (
     cu_seqlens_from_position_ids,
     document_causal_block_mask,
     pack,
+    prefix_batch,
+    prefix_batched_attention,
     prefix_loop_attention,
     sdpa_loop_attention,
     training_attn_implementation,
@@ -197,6 +199,38 @@ def test_prefix_loop_attention_equals_each_sample_whole():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "groups",
+    [
+        ((5, 3, 0, 4), (2, 6), (0, 3), (5, 3, 4), (0, 3), (4, 0), (2, 6, 6)),  # empty prompts and responses
+        ((48, 64, 64, 64, 64),) * 4,  # the SmolLM2 benchmark's groups
+        ((7, 5), (0, 4, 2)),  # no prompt in the second group
+    ],
+)
+def test_prefix_batched_attention_equals_the_loop(groups):
+    """The two-call batched form (padded responses against their group's prompt, and the prompts) gives the per-segment
+    loop's outputs and gradients (the loop equals each sample whole: the test above), grouped-query heads included."""
+    torch.manual_seed(0)
+    H, KV, D = 4, 2, 8
+    T = sum(sum(g) for g in groups)
+    q, k, v = (torch.randn(T, h, D, dtype=torch.float64, requires_grad=True) for h in (H, KV, KV))
+    plan = prefix_batch(groups, q.device)
+    assert plan is not None
+    out, ref = prefix_batched_attention(q, k, v, plan, scale=0.3), prefix_loop_attention(q, k, v, groups, scale=0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_prefix_batch_keeps_the_loop_where_padding_costs_more():
+    """Responses of very different lengths would pad most of the batched work: one call per segment instead."""
+    assert prefix_batch([(40, 5, 200, 7, 190, 3, 180, 6, 9)] * 2, torch.device("cpu")) is None
+    assert prefix_batch([(40, 5, 6)], torch.device("cpu")) is not None  # three calls become two
+    assert prefix_batch([(40, 5, 0)], torch.device("cpu")) is None  # two calls either way: padding only adds work
+    assert prefix_batch([(40, 0, 0)], torch.device("cpu")) is None  # no response: nothing to batch
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shared_prompts_equal_whole_rows(tiny_llama, dtype):
     """A policy that packs each group's prompt once gives the log-probs, entropies, loss and gradients of one that
@@ -212,6 +246,7 @@ def test_shared_prompts_equal_whole_rows(tiny_llama, dtype):
     b = grads_of(shared, ids, am, pos, rm, R, 1.0)
     hook.remove()
     assert calls == [sum(p + sum(rs) for p, rs in groups)]  # each prompt once: 26 prompt tokens, not 69
+    assert pack(ids, am, pos, response_len=R, share_prompts=True).attention.prefix is not None  # the batched form ran
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
     m = rm.bool()
     torch.testing.assert_close(b[0][m], a[0][m], **tol)

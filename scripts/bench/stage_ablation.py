@@ -18,6 +18,8 @@ variant is applied around its call only:
   reference's modules);
 - ``whole_prompts``: every row packed whole, its prompt included, instead of each group's prompt once
   (``model.share_prompts``, the actor's and the reference's modules);
+- ``prefix_loop``: with shared prompts, one SDPA call per prompt and per response (``packing.prefix_loop_attention``)
+  instead of the two batched calls of ``packing.prefix_batched_attention``;
 - ``heap_malloc``: glibc serves every block below 1 GiB from the heap (mmap threshold 1 GiB, trim threshold 2 GiB - 1)
   instead of ``runtime.keep_freed_memory``'s 32 MiB, so that FSDP2's per-step gradient buffers of hundreds of MiB are
   not mapped afresh (page-faulted) each step.
@@ -134,6 +136,18 @@ def _whole_prompts(trainer):
 
 
 @contextmanager
+def _prefix_loop(trainer):
+    from rlspmd.models import packing
+
+    planned = packing.prefix_batch
+    packing.prefix_batch = lambda groups, device: None
+    try:
+        yield
+    finally:
+        packing.prefix_batch = planned
+
+
+@contextmanager
 def _heap_malloc(trainer):
     from rlspmd.distributed.runtime import keep_freed_memory
 
@@ -154,6 +168,7 @@ VARIANTS = {
     "eager_norms": _eager_norms,
     "heap_malloc": _heap_malloc,
     "whole_prompts": _whole_prompts,
+    "prefix_loop": _prefix_loop,
 }
 """Each variant's context manager, given the built trainer (see the module docstring)."""
 
