@@ -474,8 +474,7 @@ def prefix_batch(groups: Sequence[Sequence[int]], device: torch.device) -> Prefi
     slot = torch.arange(Pm + N)[None, None]  # key slot: the prompt's Pm, then the response's N
     resp_mask = torch.where(slot < Pm, slot < P[:, None, None], slot - Pm <= last[:, :, None])
     where = torch.empty(at, dtype=torch.long)
-    for r, (s, length, _, _) in enumerate(resps):
-        where[s : s + length] = torch.arange(r * N, r * N + length)
+    _fill_runs(where, start, n, torch.arange(R) * N)
     prompt_pos = prompt_mask = None
     if prompts:
         p_start, P = (torch.tensor(c) for c in zip(*prompts))
@@ -483,8 +482,7 @@ def prefix_batch(groups: Sequence[Sequence[int]], device: torch.device) -> Prefi
         p_last = torch.minimum(cols[None], P[:, None] - 1)
         prompt_pos = p_start[:, None] + p_last
         prompt_mask = (cols[None, None] <= p_last[:, :, None])[:, None]
-        for g, (s, length) in enumerate(prompts):
-            where[s : s + length] = torch.arange(R * N + g * Pm, R * N + g * Pm + length)
+        _fill_runs(where, p_start, P, R * N + torch.arange(G) * Pm)
     to = lambda x: None if x is None else x.to(device)  # noqa: E731
     return PrefixBatch(
         to(resp_q),
@@ -494,6 +492,12 @@ def prefix_batch(groups: Sequence[Sequence[int]], device: torch.device) -> Prefi
         to(prompt_mask),
         to(where),
     )
+
+
+def _fill_runs(out: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor) -> None:
+    """``out[starts[i] + j] = values[i] + j`` for ``j < lengths[i]``, for every run ``i`` at once."""
+    offset = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    out[torch.repeat_interleave(starts, lengths) + offset] = torch.repeat_interleave(values, lengths) + offset
 
 
 def prefix_batched_attention(q_THD, k_TKD, v_TKD, plan: PrefixBatch, *, scale: float, dropout: float = 0.0):
