@@ -20,7 +20,7 @@ import torch
 
 from conftest import ROOT, torchrun
 from rl_run import metrics, rl_args, write_reward
-from rlspmd.samples import MASK_CLOSE, MASK_OPEN, format_sample, read_samples
+from rlspmd.utils.sample_text import MASK_CLOSE, MASK_OPEN, format_sample, read_samples
 from rlspmd.trainer.samples import loss_spans
 
 pytestmark = pytest.mark.dist
@@ -231,7 +231,7 @@ def test_loss_spans_are_the_runs_of_trained_tokens():
 
 def test_the_reader_imports_neither_torch_nor_the_trainer():
     """``python -m rlspmd.samples`` answers without loading torch (seconds on a CPU core), transformers or the
-    trainer: reading and formatting live in ``rlspmd/samples.py``."""
+    trainer: reading and formatting live in ``rlspmd/utils/sample_text.py``."""
     code = (
         "import sys, rlspmd.samples; print(sorted(m for m in sys.modules"
         " if m.split('.')[0] in ('torch', 'transformers') or m.startswith('rlspmd.trainer')))"

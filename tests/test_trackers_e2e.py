@@ -18,7 +18,7 @@ import pytest
 from conftest import torchrun
 from rl_run import popen_torchrun, rl_args, write_reward
 from rlspmd.trackers import TrackerConfig, Trackers, flat_params
-from rlspmd.samples import read_samples
+from rlspmd.utils.sample_text import read_samples
 from rlspmd.trainer.samples import table_row
 from test_trackers import CONFIG, finite, resumed, run_segment, step_metrics, table_rows
 from tracker_read import (

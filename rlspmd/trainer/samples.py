@@ -38,7 +38,7 @@ from rlspmd.metrics import MetricLogger, rewind_jsonl
 from rlspmd.models.vision import ImageInputs
 from rlspmd.protocol import Batch
 from rlspmd.roles.rollout import truncated
-from rlspmd.samples import format_sample, marked_response
+from rlspmd.utils.sample_text import format_sample, marked_response
 
 SPLITS = ("train", "val")
 THUMBNAIL = 256
