@@ -275,14 +275,14 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     units: list[tuple[nn.Module, DeviceMesh]] = []
     if expert_mesh is not None:
+        edp = expert_mesh["edp"]
         for block in moe_blocks(module):
-            edp = expert_mesh["edp"]
             fully_shard(
                 block.experts,
                 **{**kwargs, "mesh": edp, "mp_policy": mixed_precision(cfg, device, edp)},
                 shard_placement_fn=lambda p: Shard(1),
             )
-            units.append((block.experts, expert_mesh["edp"]))
+            units.append((block.experts, edp))
     for layer in [*vision_blocks(hf_model), *decoder_layers(hf_model)]:
         fully_shard(layer, **kwargs)
         units.append((layer, mesh))
