@@ -11,6 +11,8 @@ CORE = [
     "tensorboard>=2.15",
     "tqdm>=4.66",
     "numpy>=1.26",
+    # the native engine's fused CPU decode kernels (rlspmd/models/cpu_kernels.py) build with torch's cpp_extension
+    "ninja>=1.11",
 ]
 
 setup(
@@ -19,6 +21,7 @@ setup(
     description="Torch-native multi-controller SPMD framework for RL post-training of LLMs",
     # third_party/: the adapters that reach into other projects' internals (third_party/README.md)
     packages=find_packages(include=["rlspmd", "rlspmd.*", "third_party"]),
+    package_data={"rlspmd.models": ["cpu_kernels.cpp"]},
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={

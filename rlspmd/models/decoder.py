@@ -36,10 +36,11 @@ FUSED_FAMILY = LLAMA_FAMILY | MOE_MODEL_TYPES
 """What ``LlamaFamilyDecoder`` runs: the dense family, and its mixture-of-experts members."""
 
 
-def make_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
-    """The eager decoder for ``hf_model``: the fused Llama-family path, or the model's own forward."""
+def make_decoder(hf_model: nn.Module, *, cpu_kernels: bool = True) -> "LlamaFamilyDecoder | HFDecoder":
+    """The eager decoder for ``hf_model``: the fused Llama-family path, or the model's own forward. ``cpu_kernels``:
+    ``LlamaFamilyDecoder``'s."""
     if hf_model.config.model_type in FUSED_FAMILY:
-        return LlamaFamilyDecoder(hf_model)
+        return LlamaFamilyDecoder(hf_model, cpu_kernels=cpu_kernels)
     return HFDecoder(hf_model)
 
 
@@ -73,7 +74,9 @@ def prompt_positions(prompt_mask_BP: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaFamilyDecoder:
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, *, cpu_kernels: bool = True):
+        """``cpu_kernels`` (``rollout.engine.cpu_kernels``): decode steps on CPU in bfloat16 run each layer's
+        elementwise work in the fused kernels of ``models/cpu_kernels.py`` (``fused_decode_layers``)."""
         cfg = hf_model.config.get_text_config()  # a vision-language model's language model
         self.model = hf_model
         base = hf_model.get_decoder()
@@ -90,6 +93,9 @@ class LlamaFamilyDecoder:
         (``fused_projections``; set by ``start``), or None."""
         self.head: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None
         """The output head's ``(weight, bias, packed)`` for the current generation (``project``; set by ``start``)."""
+        self.cpu_kernels = cpu_kernels
+        self.kernels = None
+        """``torch.ops.rlspmd_cpu`` for the current generation's decode steps (``fused_decode_layers``), or None."""
         self.after_layer = None
         """``(i, h) -> h`` run after decoder layer ``i`` of the next forward, or None: a vision-language decoder's
         prefill adds its DeepStack features with it (``decoder_layers``)."""
@@ -162,6 +168,12 @@ class LlamaFamilyDecoder:
             packed = dev.type == "cpu" and packs_weights(head.weight.dtype)
             self.fused = fused_projections(self.base, pack_rows=rows if packed else None)
             self.head = (pack(head.weight, rows) if packed else head.weight, head.bias, packed)
+        self.kernels = None
+        if self.cpu_kernels and self.fused is not None and head.weight.dtype == torch.bfloat16:
+            if not any(hasattr(layer.self_attn, "q_norm") for layer in self.base.layers):
+                from rlspmd.models.cpu_kernels import decode_ops
+
+                self.kernels = decode_ops()
 
     def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table) -> torch.Tensor:
         """The prompts' forward (one call, left-padded batch): writes their K/V into slots ``[0, P)`` of the given
@@ -265,6 +277,27 @@ class LlamaFamilyDecoder:
             cos, sin = base.rotary_emb(h, pos_BS)
             cos, sin = cos[:, None], signed_sin(sin[:, None])
         M = mask.shape[-1]  # the cache slots attended: ``end``, or the whole cache in a CPU float32 decode step
+        if S == 1 and self.kernels is not None and self.after_layer is None and cos.shape == (B, 1, 1, D):
+            h = fused_decode_layers(
+                self.kernels,
+                base,
+                h,
+                cos,
+                sin,
+                self.k,
+                self.v,
+                start,
+                lambda q, i: F.scaled_dot_product_attention(
+                    q, self.k[i][:, :, :M], self.v[i][:, :, :M], attn_mask=mask, enable_gqa=KV != H
+                ),
+                fused=self.fused,
+                n_heads=H,
+                n_kv=KV,
+                eps=self.eps,
+            )
+            self.routing = None
+            self.length = end
+            return project(h[:, -1], *self.head)
         sdpa = S > 1 or self.sdpa_decode
         if not sdpa:  # the (B*KV, G, M) additive mask all layers share, expanded once per step
             mask = mask.reshape(B, 1, 1, M).expand(B, KV, H // KV, M).reshape(B * KV, H // KV, M)
@@ -432,6 +465,44 @@ def decoder_layers(
         if after_layer is not None:
             h = after_layer(i, h)
     return h
+
+
+def fused_decode_layers(
+    ops,
+    base: nn.Module,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    attend,
+    *,
+    fused: "list[FusedProjections]",
+    n_heads: int,
+    n_kv: int,
+    eps: float,
+) -> torch.Tensor:
+    """``decoder_layers`` for one token per row (``h`` (B, 1, hidden), bfloat16, CPU), then the final RMSNorm, with the
+    fused kernels of ``models/cpu_kernels.py`` (``ops``) around the same matmuls and attention: per layer, the residual
+    add and RMSNorm in one call (``add_rms_norm``), RoPE on q and k with k and v written to slot ``start`` of layer
+    ``i``'s cache ``k_cache[i]`` / ``v_cache[i]`` in one (``rope_write``), SwiGLU in one (``silu_mul``), instead of
+    about 35 torch ops. ``attend(q, i)`` returns layer ``i``'s attention output ``(B, H, 1, D)``. The same roundings
+    as ``decoder_layers``: the same tokens (``tests/test_cpu_kernels.py``). SmolLM2-135M at 16 rows, bfloat16, a
+    2-core Xeon with AMX: 42 against 51 ms a step."""
+    B = h.shape[0]
+    cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+    h = h.contiguous().clone()  # the residual stream, updated in place by add_rms_norm
+    y = None  # the last layer's MLP output, not yet added
+    for i, layer in enumerate(base.layers):
+        f = fused[i]
+        x = ops.add_rms_norm(h, y, layer.input_layernorm.weight, eps)
+        qkv = project(x, f.qkv_w, f.qkv_b, f.packed)
+        q = ops.rope_write(qkv, cos, sin_signed, k_cache[i], v_cache[i], start, n_heads, n_kv)
+        a = attend(q, i).transpose(1, 2).reshape(B, 1, -1)
+        x = ops.add_rms_norm(h, project(a, f.o_w, f.o_b, f.packed), layer.post_attention_layernorm.weight, eps)
+        y = project(ops.silu_mul(project(x, f.gate_up_w, None, f.packed)), f.down_w, None, f.packed)
+    return ops.add_rms_norm(h, y, base.norm.weight, eps)
 
 
 def feed_forward(mlp: nn.Module, x: torch.Tensor, routes: list | None) -> torch.Tensor:

@@ -22,9 +22,12 @@ from rlspmd.models.vision import ImageInputs, VisionSpec, deepstack_hook, image_
 from rlspmd.models.vision import mrope_position_ids, with_images
 
 
-def rollout_decoder(hf_model: nn.Module) -> "LlamaFamilyDecoder | HFDecoder":
-    """The eager decoder of ``hf_model``: ``VisionDecoder`` for a vision-language model, else ``make_decoder``'s."""
-    return VisionDecoder(hf_model) if is_vision_language(hf_model.config) else make_decoder(hf_model)
+def rollout_decoder(hf_model: nn.Module, *, cpu_kernels: bool = True) -> "LlamaFamilyDecoder | HFDecoder":
+    """The eager decoder of ``hf_model``: ``VisionDecoder`` for a vision-language model, else ``make_decoder``'s.
+    ``cpu_kernels``: ``LlamaFamilyDecoder``'s."""
+    if is_vision_language(hf_model.config):
+        return VisionDecoder(hf_model, cpu_kernels=cpu_kernels)
+    return make_decoder(hf_model, cpu_kernels=cpu_kernels)
 
 
 def prompt_embeddings(
@@ -55,8 +58,8 @@ def prompt_embeddings(
 class VisionDecoder(LlamaFamilyDecoder):
     """``LlamaFamilyDecoder`` whose prefill sees the rows' images (``start(..., images=...)``)."""
 
-    def __init__(self, hf_model: nn.Module):
-        super().__init__(hf_model)
+    def __init__(self, hf_model: nn.Module, *, cpu_kernels: bool = True):
+        super().__init__(hf_model, cpu_kernels=cpu_kernels)
         self.spec = VisionSpec.of(hf_model.config)
         self.images: Sequence[ImageInputs | None] = ()
 
