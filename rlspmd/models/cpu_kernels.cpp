@@ -37,30 +37,49 @@ void check_bf16(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
 }
 
-// h += y (when given, in place), then x = w * bf16(h * rsqrt(mean(h^2) + eps)) over the last dim; returns x. The mean
-// of squares is torch's own reduction (so its float32 sum runs in torch's order), the rest one pass per row.
+// h += y (when given, in place), then x = w * bf16(h * rsqrt(mean(h^2) + eps)) over the last dim; returns x. The sum of
+// squares is torch's own reduction (at::sum, which torch's mean on CPU also runs before dividing: the same float32 sum,
+// in torch's order); the rest is one pass per row before it and one after.
 Tensor add_rms_norm(const Tensor& h, const std::optional<Tensor>& y, const Tensor& w, double eps) {
   check_bf16(h, "h");
   check_bf16(w, "w");
   TORCH_CHECK(h.is_contiguous() && w.is_contiguous(), "h and w must be contiguous");
   const int64_t D = h.size(-1), N = h.numel() / D;
   TORCH_CHECK(w.numel() == D, "w has ", w.numel(), " elements, rows have ", D);
+  const uint16_t* yp = nullptr;
   if (y.has_value()) {
     check_bf16(*y, "y");
-    h.add_(*y);
+    TORCH_CHECK(y->is_contiguous() && y->numel() == h.numel(), "y must be contiguous and shaped like h");
+    yp = cptr(*y);
   }
-  const Tensor var = h.to(at::kFloat).pow(2).mean(-1, true).contiguous();
+  uint16_t* hp = mptr(h);
+  Tensor sq = at::empty({N, D}, h.options().dtype(at::kFloat));
+  float* sp = sq.mutable_data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      uint16_t* hr = hp + n * D;
+      float* sr = sp + n * D;
+      if (yp) {
+        const uint16_t* yr = yp + n * D;
+        for (int64_t d = 0; d < D; ++d) hr[d] = f2bf(bf2f(hr[d]) + bf2f(yr[d]));
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const float f = bf2f(hr[d]);
+        sr[d] = f * f;
+      }
+    }
+  });
+  const Tensor ss = at::sum(sq, -1);
+  const float* ssp = ss.const_data_ptr<float>();
   Tensor x = at::empty_like(h);
-  const uint16_t* hp = cptr(h);
   uint16_t* xp = mptr(x);
   const uint16_t* wp = cptr(w);
-  const float* vp = var.const_data_ptr<float>();
-  const float epsf = static_cast<float>(eps);
+  const float epsf = static_cast<float>(eps), Df = static_cast<float>(D);
   at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; ++n) {
       const uint16_t* hr = hp + n * D;
       uint16_t* xr = xp + n * D;
-      const float r = 1.f / std::sqrt(vp[n] + epsf);
+      const float r = 1.f / std::sqrt(ssp[n] / Df + epsf);
       for (int64_t d = 0; d < D; ++d) xr[d] = f2bf(bf2f(wp[d]) * rnd(bf2f(hr[d]) * r));
     }
   });
