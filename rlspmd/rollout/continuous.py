@@ -84,7 +84,9 @@ class SlotDecoder:
     """The Llama-family forward over a KV cache of ``slots`` rows of ``max_len`` positions each."""
 
     def __init__(self, hf_model: nn.Module, *, slots: int, max_len: int, device: torch.device):
-        base = LlamaFamilyDecoder(hf_model)  # config values, RoPE table and the weights' modules
+        # config values, RoPE table and the weights' modules (its decode steps write each slot at its own position,
+        # which the fused CPU kernels of the static-batch decoder do not cover: torch ops here)
+        base = LlamaFamilyDecoder(hf_model, cpu_kernels=False)
         self.m, self.base = base, base.base
         dtype = base._params_dtype()
         shape = (base.n_layers, slots, base.n_kv, max_len, base.head_dim)
