@@ -7,7 +7,7 @@ SmolLM2-135M's decode step at 16 rows that work was about a third of the step. `
 calls per layer (``add_rms_norm`` twice, ``rope_write``, ``silu_mul``), with the same roundings as the ops it replaces
 (tested bit for bit against them in ``tests/test_cpu_kernels.py``).
 
-The source is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about 15-30 s on 2
+The source is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about 12 s on 2
 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), under a name
 that hashes the source, the flags, torch's version and the CPU's feature flags (the code is built for this CPU:
 ``-march=native``), and loaded as ``torch.ops.rlspmd_cpu``. Ranks that build at once wait on torch's lock file. Where
