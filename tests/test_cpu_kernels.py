@@ -13,7 +13,7 @@ from rlspmd.models.vision_decoder import rollout_decoder
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = cpu_kernels.decode_ops()
+    ops = cpu_kernels.cpu_ops()
     assert ops is not None, "the fused CPU kernels did not build (g++ and ninja are part of the install)"
     return ops
 
@@ -106,10 +106,76 @@ def test_decoding_with_the_kernels_gives_the_torch_ops_logits(ops, tiny_model):
     assert dec.kernels is None
 
 
-def test_a_failed_build_warns_and_decoding_runs_torch_ops(tmp_path, monkeypatch):
+def test_a_failed_build_warns_and_the_callers_run_torch_ops(tmp_path, monkeypatch):
     broken = tmp_path / "cpu_kernels.cpp"
     broken.write_text('#error "a build that fails"\n')
     monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    with pytest.warns(UserWarning, match="could not be built, so decoding runs torch ops"):
-        assert cpu_kernels.decode_ops.__wrapped__() is None
+    with pytest.warns(UserWarning, match="could not be built, so decoding and training attention run torch ops"):
+        assert cpu_kernels.cpu_ops.__wrapped__() is None
+
+
+def _float64_reference(q, k, v, lengths, groups, scale, grad_out):
+    """``prefix_loop_attention`` (shared prompts) or ``sdpa_loop_attention`` in float64 on the same (rounded) inputs:
+    the output and the gradients of ``(out * grad_out).sum()``."""
+    from rlspmd.models.packing import prefix_loop_attention, sdpa_loop_attention
+
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    if groups is None:
+        out = sdpa_loop_attention(q, k, v, lengths, scale=scale)
+    else:
+        out = prefix_loop_attention(q, k, v, groups, scale=scale)
+    out.backward(grad_out.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "groups"),
+    [
+        # GRPO-shaped groups of uneven prompts and responses: a group without a prompt, one-token responses, a response
+        # longer than the 64-row blocks of the kernel (with 3 heads per KV head: 75 * 3 rows)
+        (9, 3, 64, [(48, 64, 60, 1, 64), (0, 30), (27, 75, 5), (5, 1)]),
+        (4, 4, 48, [(7, 12, 3), (1, 1, 1, 1)]),  # no grouped heads; head_dim 48: a one-vector tail in the products
+        (6, 2, 32, None),  # plain samples (no shared prompts)
+    ],
+)
+def test_segment_attention_is_float64_attention_rounded_once(dtype, heads, kv_heads, head_dim, groups):
+    """``segment_attention`` (the ``cpu_fused`` kernel) against the per-segment SDPA loop in float64 on the same
+    inputs: forward and gradients to float32's precision in float32, and within bfloat16's rounding of the float64
+    result in bfloat16 (it computes in float32 and rounds once, where torch's bfloat16 path rounds at every op)."""
+    from rlspmd.models.packing import segment_attention
+
+    lengths = [101, 1, 37, 64] if groups is None else [sum(grp) for grp in groups]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(T, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    grad_out = torch.randn(T, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim**-0.5
+    ref = _float64_reference(q, k, v, lengths, groups, scale, grad_out)
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = segment_attention(qg, kg, vg, lengths, groups, scale=scale)
+    out.backward(grad_out)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, qg.grad, kg.grad, vg.grad), ref):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        else:  # one bfloat16 rounding (half an ulp, 2**-9 relative) plus float32's error
+            err = (got.double() - want).abs()
+            bound = want.abs() * 2**-8 + 1e-3 * want.abs().max()
+            assert bool((err <= bound).all()), f"{name}: worst excess {(err - bound).max().item()}"
+
+
+def test_segment_attention_names_what_it_cannot_take(ops):
+    q, k = torch.zeros(4, 2, 64), torch.zeros(4, 1, 64)
+    segs, groups = torch.tensor([[0, 4, 0, 0]]), torch.tensor([[0, 1, 0, 4]])
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        ops.segment_attention(q.half(), k.half(), k.half(), segs, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of"):
+        ops.segment_attention(*(t[..., :8].contiguous() for t in (q, k, k)), segs, 0.125)
+    with pytest.raises(RuntimeError, match="segs must be contiguous int64"):
+        ops.segment_attention(q, k, k, segs.int(), 0.125)
+    out, lse = ops.segment_attention(q, k, k, segs, 0.125)
+    with pytest.raises(RuntimeError, match="groups must be contiguous int64"):
+        ops.segment_attention_backward(out, q, k, k, lse, segs, groups.int(), 0.125)

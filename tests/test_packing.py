@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from rlspmd.models.loader import load_causal_lm
+from rlspmd.models import packing
 from rlspmd.models.packing import (
     PACKED_ATTENTION,
     PackedAttention,
@@ -443,10 +444,48 @@ def test_flex_kernel_log_probs_equal_the_per_sample_kernel_on_cpu(fixture, reque
         flex(ids, am, pos, response_len=R)  # grad enabled: a training forward
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_cpu_fused_kernel_equals_the_sdpa_loop(tiny_llama, dtype, share_prompts):
+    """``attn_kernel=cpu_fused`` (one C++ call per pack each way) gives the log-probs, entropies, loss and gradients of
+    ``sdpa_loop`` through a whole policy, with shared prompts or whole rows (bfloat16: to its precision)."""
+    loop, fused = load(tiny_llama, True, "sdpa_loop", dtype=dtype), load(tiny_llama, True, "cpu_fused", dtype=dtype)
+    loop.share_prompts = fused.share_prompts = share_prompts
+    P, R = 9, 12
+    groups = [(9, [12, 3, 7]), (4, [1, 12]), (6, [8]), (7, [5, 5, 12, 2])]
+    ids, am, pos, rm = grouped_layout(loop.config.vocab_size, groups, P, R)
+    calls = []
+    kernel = packing.KERNELS["cpu_fused"]
+    packing.KERNELS["cpu_fused"] = lambda *a: (
+        calls.append((a[3].groups is not None, packing.runs_cpu_fused(a[0], a[5]))) or kernel(*a)
+    )
+    try:
+        a = grads_of(loop, ids, am, pos, rm, R, 1.0)
+        b = grads_of(fused, ids, am, pos, rm, R, 1.0)
+    finally:
+        packing.KERNELS["cpu_fused"] = kernel
+    # one call per layer, on the shared pack, and the C++ kernel took each (not sdpa_loop's fallback)
+    assert calls == [(share_prompts, True)] * fused.config.num_hidden_layers
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    m = rm.bool()
+    torch.testing.assert_close(b[0][m], a[0][m], **tol)
+    torch.testing.assert_close(b[1][m], a[1][m], **tol)
+    torch.testing.assert_close(b[2], a[2], **tol)
+    assert a[3].keys() == b[3].keys()
+    for name, g in a[3].items():
+        gtol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=5e-2, atol=5e-3)
+        torch.testing.assert_close(b[3][name].float(), g.float(), **gtol, msg=lambda msg: f"{name}: {msg}")
+
+
 def test_kernel_choice_and_start_up_checks():
     cpu = torch.device("cpu")
     assert resolve_attn_kernel("auto", device=cpu, dtype=torch.float32) == "sdpa_loop"
-    assert resolve_attn_kernel("auto", device=cpu, dtype=torch.bfloat16) == "sdpa_loop"
+    # bfloat16 with gradients (training): rlspmd's C++ kernel (built in the install); without: torch's bfloat16 flash
+    assert resolve_attn_kernel("auto", device=cpu, dtype=torch.bfloat16) == "cpu_fused"
+    assert resolve_attn_kernel("auto", device=cpu, dtype=torch.bfloat16, backward=False) == "sdpa_loop"
+    assert kernel_problem("cpu_fused", device=cpu, dtype=torch.float32) is None
+    assert "bfloat16 or float32" in kernel_problem("cpu_fused", device=cpu, dtype=torch.float16)
+    assert "CPU only" in kernel_problem("cpu_fused", device=torch.device("cuda"), dtype=torch.bfloat16)
     kw = dict(
         attn_implementation="sdpa", packing=True, device=cpu, dtype=torch.float32, field_name="actor.model.attn_kernel"
     )

@@ -14,10 +14,17 @@ pack by ``models/packing.KERNELS``:
   measured faster than the alternatives (a block-diagonal ``T × T`` mask is quadratic in the whole pack; a padded
   ``(samples, max_len)`` layout pays ``max_len²`` per sample plus scatter/gather backwards), so CPU keeps it. On CUDA
   it launches one small attention per sample and layer (launch-bound), the last resort there.
+* ``cpu_fused``: rlspmd's own C++ kernel (``models/cpu_kernels.py``, built at first use), one call per pack each way,
+  float32 inside, bfloat16 or float32 in and out; shared prompts as ``sdpa_loop``. On CPU with gradients in bfloat16
+  it skips ``sdpa_loop``'s float32 casts, gathers and padded calls: SmolLM2-135M's GRPO update on a 2-core Xeon, 2.06
+  against 2.20 s (``scripts/bench/stage_ablation.py --variants baseline,sdpa_loop``, medians of 10). A call it does
+  not take (attention dropout, ``head_dim`` not a multiple of 16, float16, the kernels not built) runs ``sdpa_loop``'s.
 
-``auto`` on CUDA prefers flash_attn, then varlen, then flex (half precision; float32 falls back to sdpa_loop, since the
-compiled float32 FlexAttention failed to lower on an H100); the GPU suite (``scripts/bench/gpu_suite.py``) times varlen
-against flex: on an H100, 1.80 ms against 3.13 ms for one q05 layer's forward and backward (docs/performance.md).
+``auto`` on CPU picks cpu_fused for bfloat16 compute with gradients when the kernels build, else sdpa_loop (without
+gradients torch's bfloat16 flash kernel is faster); on CUDA it prefers flash_attn, then varlen, then flex (half
+precision; float32 falls back to sdpa_loop, since the compiled float32 FlexAttention failed to lower on an H100); the
+GPU suite (``scripts/bench/gpu_suite.py``) times varlen against flex: on an H100, 1.80 ms against 3.13 ms for one q05
+layer's forward and backward (docs/performance.md).
 ``check_attn_kernel`` validates a choice at start-up (before models load) and returns the name the run log reports.
 """
 
@@ -29,7 +36,7 @@ import inspect
 
 import torch
 
-ATTN_KERNELS = ("auto", "flash_attn", "varlen", "flex", "sdpa_loop")
+ATTN_KERNELS = ("auto", "flash_attn", "varlen", "flex", "sdpa_loop", "cpu_fused")
 """Values of ``ModelConfig.attn_kernel``."""
 
 HALF = (torch.float16, torch.bfloat16)
@@ -71,6 +78,16 @@ def kernel_problem(kernel: str, *, device: torch.device, dtype: torch.dtype, bac
     ``backward``: the role also differentiates through it (training); a no-grad forward is enough for a reference.
     """
     if kernel == "sdpa_loop":
+        return None
+    if kernel == "cpu_fused":
+        if device.type != "cpu":
+            return f"cpu_fused runs on CPU only, this run's device is {device.type}"
+        if dtype not in (torch.bfloat16, torch.float32):
+            return f"cpu_fused computes from bfloat16 or float32, this role computes in {dtype} (see fsdp.param_dtype)"
+        from rlspmd.models.cpu_kernels import cpu_ops
+
+        if cpu_ops() is None:
+            return "rlspmd's CPU kernels could not be built here (models/cpu_kernels.py needs g++ and ninja)"
         return None
     if kernel == "flash_attn":
         if not _flash_attn_installed():
@@ -115,6 +132,9 @@ def resolve_attn_kernel(kernel: str, *, device: torch.device, dtype: torch.dtype
             for name in ("flash_attn", "varlen", "flex"):
                 if kernel_problem(name, device=device, dtype=dtype, backward=backward) is None:
                     return name
+        if device.type == "cpu" and dtype == torch.bfloat16 and backward:
+            if kernel_problem("cpu_fused", device=device, dtype=dtype, backward=backward) is None:
+                return "cpu_fused"
         return "sdpa_loop"
     problem = kernel_problem(kernel, device=device, dtype=dtype, backward=backward)
     if problem is not None:

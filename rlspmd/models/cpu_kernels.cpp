@@ -1,13 +1,21 @@
-// Fused elementwise kernels for the eager CPU decode step in bfloat16, built at first use by rlspmd/models/cpu_kernels.py.
-// Each computes in float32 and rounds to bfloat16 exactly where the torch ops it replaces do (every torch op on bfloat16
-// rounds its own result), so it returns the same bits as those ops.
+// rlspmd's CPU kernels, built at first use by rlspmd/models/cpu_kernels.py.
+//
+// Fused elementwise kernels for the eager CPU decode step in bfloat16: each computes in float32 and rounds to bfloat16
+// exactly where the torch ops it replaces do (every torch op on bfloat16 rounds its own result), so it returns the same
+// bits as those ops.
+//
+// Packed attention for training (attn_kernel=cpu_fused): segment_attention and its backward, one call per pack.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include <immintrin.h>
 
 namespace {
 
@@ -136,6 +144,373 @@ Tensor silu_mul(const Tensor& gu) {
   return at::silu(gu.narrow(-1, 0, F)).mul_(gu.narrow(-1, F, F));
 }
 
+// ---------------------------------------------------------------------------------------------------------------------
+// Packed attention for training on CPU (attn_kernel=cpu_fused): one call per pack, forward and backward, float32 inside.
+
+// exp(x) for x <= 0 (softmax arguments; below -87 it returns exp(-87), about 1e-38): Cephes' single-precision polynomial
+// after range reduction, branch-free so that loops over it vectorise (libm's expf does not).
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_rintf(x * 1.44269504088896341f);
+  float r = __builtin_fmaf(n, -0.693359375f, x);
+  r = __builtin_fmaf(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+  p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+  p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+  p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+  p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+  p = __builtin_fmaf(p * r, r, r) + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, 4);
+  return p * s;
+}
+
+constexpr int kLanes = 16;
+
+inline float row_sum(const float* x, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int u = 0; u < kLanes; ++u) acc[u] += x[j + u];
+  float s = 0;
+  for (; j < n; ++j) s += x[j];
+  for (int u = 0; u < kLanes; ++u) s += acc[u];
+  return s;
+}
+
+inline float row_dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int u = 0; u < kLanes; ++u) acc[u] = __builtin_fmaf(a[j + u], b[j + u], acc[u]);
+  float s = 0;
+  for (; j < n; ++j) s = __builtin_fmaf(a[j], b[j], s);
+  for (int u = 0; u < kLanes; ++u) s += acc[u];
+  return s;
+}
+
+inline float row_max(const float* x, int64_t n) {
+  float acc[kLanes];
+  for (int u = 0; u < kLanes; ++u) acc[u] = -INFINITY;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int u = 0; u < kLanes; ++u) acc[u] = x[j + u] > acc[u] ? x[j + u] : acc[u];
+  float m = -INFINITY;
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  for (int u = 0; u < kLanes; ++u) m = acc[u] > m ? acc[u] : m;
+  return m;
+}
+
+// y[0:n] += a * x[0:n]
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] = __builtin_fmaf(a, x[j], y[j]);
+}
+
+// Element access of a (T, heads, D) tensor's data in its own dtype.
+struct Rows {
+  const void* p;
+  bool bf16;
+  int64_t heads, D;
+  void load(float* dst, int64_t t, int64_t h) const {
+    const int64_t o = (t * heads + h) * D;
+    if (bf16) {
+      const uint16_t* s = static_cast<const uint16_t*>(p) + o;
+      for (int64_t d = 0; d < D; ++d) dst[d] = bf2f(s[d]);
+    } else {
+      std::memcpy(dst, static_cast<const float*>(p) + o, D * sizeof(float));
+    }
+  }
+};
+
+inline void store(void* p, bool bf16, int64_t o, const float* src, int64_t D) {
+  if (bf16) {
+    uint16_t* d = static_cast<uint16_t*>(p) + o;
+    for (int64_t i = 0; i < D; ++i) d[i] = f2bf(src[i]);
+  } else {
+    std::memcpy(static_cast<float*>(p) + o, src, D * sizeof(float));
+  }
+}
+
+
+// Vector registers of float32 for the attention kernels' inner products (AVX-512, else AVX2 with FMA, else scalar).
+#if defined(__AVX512F__)
+using vfloat = __m512;
+constexpr int64_t kW = 16;
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
+inline vfloat vset1(float a) { return _mm512_set1_ps(a); }
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+#elif defined(__AVX2__) && defined(__FMA__)
+using vfloat = __m256;
+constexpr int64_t kW = 8;
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
+inline vfloat vset1(float a) { return _mm256_set1_ps(a); }
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+using vfloat = float;
+constexpr int64_t kW = 1;
+inline vfloat vload(const float* p) { return *p; }
+inline void vstore(float* p, vfloat x) { *p = x; }
+inline vfloat vset1(float a) { return a; }
+inline vfloat vzero() { return 0.0f; }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return std::fma(a, b, c); }
+#endif
+constexpr int64_t kMR = 4;  // rows of C per tile
+
+// C[m x n] (+)= A[m x k] . B[k x n] (A^T B with TransA), row-major float32; m a multiple of kMR and n of kW (callers pad with zeros). Each
+// tile of kMR rows by 2 vectors of C stays in registers across k.
+template <bool Accumulate, bool TransA = false>
+void gemm(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb, float* __restrict C,
+          int64_t ldc, int64_t m, int64_t n, int64_t k) {
+  // TransA: A is stored k x m (C = A^T B), its kMR values of one p contiguous
+  const auto a_at = [&](int64_t row, int64_t p) { return TransA ? A[p * lda + row] : A[row * lda + p]; };
+  for (int64_t i = 0; i < m; i += kMR) {
+    int64_t j = 0;
+    for (; j + 2 * kW <= n; j += 2 * kW) {
+      vfloat c0[kMR], c1[kMR];
+      for (int r = 0; r < kMR; ++r) {
+        c0[r] = Accumulate ? vload(C + (i + r) * ldc + j) : vzero();
+        c1[r] = Accumulate ? vload(C + (i + r) * ldc + j + kW) : vzero();
+      }
+      for (int64_t p = 0; p < k; ++p) {
+        const vfloat b0 = vload(B + p * ldb + j), b1 = vload(B + p * ldb + j + kW);
+        for (int r = 0; r < kMR; ++r) {
+          const vfloat a = vset1(a_at(i + r, p));
+          c0[r] = vfma(a, b0, c0[r]);
+          c1[r] = vfma(a, b1, c1[r]);
+        }
+      }
+      for (int r = 0; r < kMR; ++r) {
+        vstore(C + (i + r) * ldc + j, c0[r]);
+        vstore(C + (i + r) * ldc + j + kW, c1[r]);
+      }
+    }
+    for (; j < n; j += kW) {
+      vfloat c0[kMR];
+      for (int r = 0; r < kMR; ++r) c0[r] = Accumulate ? vload(C + (i + r) * ldc + j) : vzero();
+      for (int64_t p = 0; p < k; ++p) {
+        const vfloat b0 = vload(B + p * ldb + j);
+        for (int r = 0; r < kMR; ++r) c0[r] = vfma(vset1(a_at(i + r, p)), b0, c0[r]);
+      }
+      for (int r = 0; r < kMR; ++r) vstore(C + (i + r) * ldc + j, c0[r]);
+    }
+  }
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+constexpr int64_t kRowBlock = 64;  // query rows per block (a multiple of 4): the scores of a block are kRowBlock x keys
+
+// One segment and KV head, float32: its keys and values (the prompt's np rows, then the segment's own nq; zero rows up to
+// a multiple of 2 vectors), both row-major and transposed; the query rows are (position i, head g) i-major, G heads per KV head.
+struct Segment {
+  int64_t q0, nq, p0, np, n, npad, D, G;
+  std::vector<float> k, v, kt, vt;
+  // rows of K into k (row-major, when with_k) and kt (transposed); rows of V into v (forward) or vt (backward)
+  void fill(const Rows& K, const Rows& V, int64_t kv, bool backward) {
+    n = np + nq;
+    npad = round_up(n, 2 * kW);
+    std::vector<float> row(D);
+    kt.assign(npad * D, 0.0f);
+    (backward ? vt : v).assign(npad * D, 0.0f);
+    if (backward) k.assign(npad * D, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = token(j);
+      K.load(row.data(), t, kv);
+      for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = row[d];
+      if (backward) std::memcpy(&k[j * D], row.data(), D * sizeof(float));
+      if (backward) {
+        V.load(row.data(), t, kv);
+        for (int64_t d = 0; d < D; ++d) vt[d * npad + j] = row[d];
+      } else {
+        V.load(&v[j * D], t, kv);
+      }
+    }
+  }
+  int64_t token(int64_t j) const { return j < np ? p0 + j : q0 + (j - np); }
+  // rows [r0, r0 + rows) of the block: their keys' count (the last row's causal limit), padded to 2 vectors
+  int64_t block_keys(int64_t r0, int64_t rows) const { return std::min(npad, round_up(np + (r0 + rows - 1) / G + 1, 2 * kW)); }
+};
+
+// Loads the block's query-like rows (rows [r0, r0 + rows) of the segment, (i, g) i-major) into dst (rows padded to 4 with
+// zeros), D floats each.
+void load_block(float* dst, const Rows& X, const Segment& s, int64_t kv, int64_t r0, int64_t rows) {
+  for (int64_t r = 0; r < round_up(rows, kMR); ++r) {
+    if (r < rows) {
+      const int64_t row = r0 + r;
+      X.load(dst + r * s.D, s.q0 + row / s.G, kv * s.G + row % s.G);
+    } else {
+      std::fill(dst + r * s.D, dst + (r + 1) * s.D, 0.0f);
+    }
+  }
+}
+
+void check_attn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segs) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k, v must be on CPU");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be (tokens, heads, head_dim)");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "q, k, v: one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "q, k, v: bfloat16 or float32");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2), "k, v shaped like q");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) % kW == 0, "head_dim must be a multiple of ", kW);
+  TORCH_CHECK(segs.scalar_type() == at::kLong && segs.dim() == 2 && segs.size(1) == 4 && segs.is_contiguous(),
+              "segs must be contiguous int64 (segments, 4)");
+}
+
+Segment segment(const int64_t* sg, int64_t si, int64_t D, int64_t G) {
+  return Segment{sg[si * 4], sg[si * 4 + 1], sg[si * 4 + 2], sg[si * 4 + 3], 0, 0, D, G, {}, {}, {}, {}};
+}
+
+// Masks the block's scores beyond each row's causal limit and turns the rest into probabilities: with lse given,
+// exp(s - lse[row]) (backward); else the row's softmax, writing its lse.
+void block_probs(float* s, int64_t ld, const Segment& sg, int64_t r0, int64_t rows, int64_t nb, const float* lse_in,
+                 float* lse_out) {
+  for (int64_t r = 0; r < round_up(rows, kMR); ++r) {
+    float* x = s + r * ld;
+    const int64_t lim = r < rows ? sg.np + (r0 + r) / sg.G + 1 : 0;
+    if (lim == 0) {
+      std::fill(x, x + nb, 0.0f);
+      continue;
+    }
+    if (lse_in != nullptr) {
+      const float l = lse_in[r];
+      for (int64_t j = 0; j < lim; ++j) x[j] = exp_neg(x[j] - l);
+    } else {
+      const float m = row_max(x, lim);
+      for (int64_t j = 0; j < lim; ++j) x[j] = exp_neg(x[j] - m);
+      const float l = row_sum(x, lim);
+      const float inv = 1.0f / l;
+      for (int64_t j = 0; j < lim; ++j) x[j] *= inv;
+      lse_out[r] = m + std::log(l);
+    }
+    std::fill(x + lim, x + nb, 0.0f);
+  }
+}
+
+// Forward. segs rows (q0, nq, p0, np): queries q0..q0+nq attend to keys p0..p0+np and causally to their own segment.
+// Returns out (like q) and lse (tokens, heads) float32 (natural log of each row's softmax denominator, scale included).
+std::tuple<Tensor, Tensor> segment_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& segs,
+                                             double scale) {
+  check_attn(q, k, v, segs);
+  const int64_t T = q.size(0), H = q.size(1), KV = k.size(1), D = q.size(2), G = H / KV, S = segs.size(0);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  Tensor out = at::zeros_like(q);
+  Tensor lse = at::zeros({T, H}, q.options().dtype(at::kFloat));
+  const int64_t* sg = segs.const_data_ptr<int64_t>();
+  const Rows Q{q.const_data_ptr(), bf16, H, D}, K{k.const_data_ptr(), bf16, KV, D}, V{v.const_data_ptr(), bf16, KV, D};
+  void* op = out.mutable_data_ptr();
+  float* lp = lse.mutable_data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, S * KV, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qb(kRowBlock * D), ob(kRowBlock * D), s, lb(kRowBlock);
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t kv = item % KV;
+      Segment seg = segment(sg, item / KV, D, G);
+      if (seg.nq == 0) continue;
+      seg.fill(K, V, kv, false);
+      s.resize(kRowBlock * seg.npad);
+      const int64_t M = seg.nq * G;
+      for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, M - r0), mp = round_up(rows, kMR), nb = seg.block_keys(r0, rows);
+        load_block(qb.data(), Q, seg, kv, r0, rows);
+        for (int64_t x = 0; x < mp * D; ++x) qb[x] *= sc;
+        gemm<false>(qb.data(), D, seg.kt.data(), seg.npad, s.data(), nb, mp, nb, D);
+        block_probs(s.data(), nb, seg, r0, rows, nb, nullptr, lb.data());
+        gemm<false>(s.data(), nb, seg.v.data(), D, ob.data(), D, mp, D, nb);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t = seg.q0 + (r0 + r) / G, h = kv * G + (r0 + r) % G;
+          store(op, bf16, (t * H + h) * D, &ob[r * D], D);
+          lp[t * H + h] = lb[r];
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// Backward of segment_attention. groups rows (first segment, end segment, first token, end token): segments whose keys
+// all lie in the group's tokens, so each group's key and value gradients are its own (the parallel unit).
+std::tuple<Tensor, Tensor, Tensor> segment_attention_backward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                                              const Tensor& v, const Tensor& lse, const Tensor& segs,
+                                                              const Tensor& groups, double scale) {
+  check_attn(q, k, v, segs);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type() && dout.is_contiguous(),
+              "dout must be contiguous and like q");
+  TORCH_CHECK(groups.scalar_type() == at::kLong && groups.dim() == 2 && groups.size(1) == 4 && groups.is_contiguous(),
+              "groups must be contiguous int64 (groups, 4)");
+  const int64_t H = q.size(1), KV = k.size(1), D = q.size(2), G = H / KV, NG = groups.size(0);
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  const int64_t* sg = segs.const_data_ptr<int64_t>();
+  const int64_t* gr = groups.const_data_ptr<int64_t>();
+  const Rows Q{q.const_data_ptr(), bf16, H, D}, K{k.const_data_ptr(), bf16, KV, D}, V{v.const_data_ptr(), bf16, KV, D},
+      DO{dout.const_data_ptr(), bf16, H, D};
+  const float* lp = lse.const_data_ptr<float>();
+  void *dqp = dq.mutable_data_ptr(), *dkp = dk.mutable_data_ptr(), *dvp = dv.mutable_data_ptr();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, NG * KV, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qb(kRowBlock * D), dob(kRowBlock * D), dqb(kRowBlock * D), lb(kRowBlock), p, dp, dks, dvs, dkg,
+        dvg;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t gi = item / KV, kv = item % KV;
+      const int64_t s_lo = gr[gi * 4], s_hi = gr[gi * 4 + 1], t_lo = gr[gi * 4 + 2], t_hi = gr[gi * 4 + 3];
+      dkg.assign((t_hi - t_lo) * D, 0.0f);
+      dvg.assign((t_hi - t_lo) * D, 0.0f);
+      for (int64_t si = s_lo; si < s_hi; ++si) {
+        Segment seg = segment(sg, si, D, G);
+        if (seg.nq == 0) continue;
+        seg.fill(K, V, kv, true);
+        const int64_t M = seg.nq * G;
+        p.resize(kRowBlock * seg.npad);
+        dp.resize(kRowBlock * seg.npad);
+                dks.assign(seg.npad * D, 0.0f);
+        dvs.assign(seg.npad * D, 0.0f);
+        for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+          const int64_t rows = std::min(kRowBlock, M - r0), mp = round_up(rows, kMR), nb = seg.block_keys(r0, rows);
+          load_block(qb.data(), Q, seg, kv, r0, rows);
+          load_block(dob.data(), DO, seg, kv, r0, rows);
+          for (int64_t r = 0; r < rows; ++r)
+            lb[r] = lp[(seg.q0 + (r0 + r) / G) * H + kv * G + (r0 + r) % G];
+          for (int64_t x = 0; x < mp * D; ++x) dqb[x] = qb[x] * sc;  // scaled queries, for the scores
+          gemm<false>(dqb.data(), D, seg.kt.data(), seg.npad, p.data(), nb, mp, nb, D);
+          block_probs(p.data(), nb, seg, r0, rows, nb, lb.data(), nullptr);
+          gemm<false>(dob.data(), D, seg.vt.data(), seg.npad, dp.data(), nb, mp, nb, D);
+          for (int64_t r = 0; r < mp; ++r) {  // dS = P (dP - rowsum(P dP)) * scale, in dp
+            float* pr = &p[r * nb];
+            float* dr = &dp[r * nb];
+            const float delta = row_dot(pr, dr, nb);
+            for (int64_t j = 0; j < nb; ++j) dr[j] = pr[j] * (dr[j] - delta) * sc;
+          }
+          gemm<false>(dp.data(), nb, seg.k.data(), D, dqb.data(), D, mp, D, nb);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t t = seg.q0 + (r0 + r) / G, h = kv * G + (r0 + r) % G;
+            store(dqp, bf16, (t * H + h) * D, &dqb[r * D], D);
+          }
+          gemm<true, true>(dp.data(), nb, qb.data(), D, dks.data(), D, nb, D, mp);  // dK += dS^T Q
+          gemm<true, true>(p.data(), nb, dob.data(), D, dvs.data(), D, nb, D, mp);  // dV += P^T dO
+        }
+        for (int64_t j = 0; j < seg.n; ++j) {
+          const int64_t r = seg.token(j) - t_lo;
+          TORCH_CHECK(r >= 0 && r < t_hi - t_lo, "a segment's keys lie outside its group's tokens");
+          axpy(&dkg[r * D], 1.0f, &dks[j * D], D);
+          axpy(&dvg[r * D], 1.0f, &dvs[j * D], D);
+        }
+      }
+      for (int64_t r = 0; r < t_hi - t_lo; ++r) {
+        store(dkp, bf16, ((t_lo + r) * KV + kv) * D, &dkg[r * D], D);
+        store(dvp, bf16, ((t_lo + r) * KV + kv) * D, &dvg[r * D], D);
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rlspmd_cpu, m) {
@@ -143,10 +518,15 @@ TORCH_LIBRARY(rlspmd_cpu, m) {
   m.def("rope_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int start, int H, "
         "int KV) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("segment_attention(Tensor q, Tensor k, Tensor v, Tensor segs, float scale) -> (Tensor, Tensor)");
+  m.def("segment_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor segs, "
+        "Tensor groups, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rlspmd_cpu, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("rope_write", rope_write);
   m.impl("silu_mul", silu_mul);
+  m.impl("segment_attention", segment_attention);
+  m.impl("segment_attention_backward", segment_attention_backward);
 }

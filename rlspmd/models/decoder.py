@@ -171,9 +171,9 @@ class LlamaFamilyDecoder:
         self.kernels = None
         if self.cpu_kernels and self.fused is not None and head.weight.dtype == torch.bfloat16:
             if not any(hasattr(layer.self_attn, "q_norm") for layer in self.base.layers):
-                from rlspmd.models.cpu_kernels import decode_ops
+                from rlspmd.models.cpu_kernels import cpu_ops
 
-                self.kernels = decode_ops()
+                self.kernels = cpu_ops()
 
     def prefill(self, prompt_ids_BP, prompt_mask_BP, k_caches, v_caches, rope_table) -> torch.Tensor:
         """The prompts' forward (one call, left-padded batch): writes their K/V into slots ``[0, P)`` of the given

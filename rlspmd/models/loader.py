@@ -38,17 +38,20 @@ class ModelConfig:
     """Remove padding: run each micro-batch's valid tokens as one packed sequence with per-sample boundaries (the
     attention kernel is ``attn_kernel``). Same results as the padded forward, less compute. Needs
     ``attn_implementation`` ``sdpa`` or ``flash_attention_2``."""
-    attn_kernel: Literal["auto", "flash_attn", "varlen", "flex", "sdpa_loop"] = "auto"
+    attn_kernel: Literal["auto", "flash_attn", "varlen", "flex", "sdpa_loop", "cpu_fused"] = "auto"
     """Packed attention kernel (``packing`` with ``attn_implementation=sdpa``): ``flash_attn`` (flash-attn's varlen
     kernel; CUDA, bf16/fp16, needs the package), ``varlen`` (torch's ``varlen_attn``, FlashAttention-2 in libtorch;
     CUDA sm80+, bf16/fp16), ``flex`` (compiled FlexAttention with a document-causal block mask; CUDA), ``sdpa_loop``
-    (one SDPA call per sample; any device). ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the
-    device and compute dtype, else sdpa_loop (what CPU uses). One that cannot run here stops the run at start-up."""
+    (one SDPA call per sample; any device), ``cpu_fused`` (rlspmd's C++ kernel, one call per pack; CPU, bf16/fp32).
+    ``auto``: on CUDA the first of flash_attn, varlen, flex that runs on the device and compute dtype; on CPU cpu_fused
+    for bf16 with gradients (training) where the kernels build; else sdpa_loop. One that cannot run here stops the run
+    at start-up."""
     share_prompts: bool = True
-    """With ``packing`` and the ``sdpa_loop`` kernel (what CPU runs), a policy's forward packs the prompt of consecutive
-    rows that share it (a GRPO group's samples) once, and each response attends to that one copy: the token-wise layers
-    run on fewer tokens, the log-probs and gradients are the unshared ones up to float summation order. Other kernels,
-    mixture-of-experts and vision-language models, sequence parallelism and value models pack every row whole."""
+    """With ``packing`` and the ``sdpa_loop`` or ``cpu_fused`` kernel (what CPU runs), a policy's forward packs the
+    prompt of consecutive rows that share it (a GRPO group's samples) once, and each response attends to that one copy:
+    the token-wise layers run on fewer tokens, the log-probs and gradients are the unshared ones up to float summation
+    order. Other kernels, mixture-of-experts and vision-language models, sequence parallelism and value models pack
+    every row whole."""
     sharded_load: bool = True
     """Build the model on the meta device, apply the parallelism, then read only this rank's slices of the safetensors
     files (peak host memory per rank: its shards plus one slice, not the whole model). Keys are matched by name; False

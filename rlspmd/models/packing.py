@@ -43,6 +43,7 @@ only supported while every sample fits in the window (no kernel here applies a w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,6 +55,9 @@ from rlspmd.models.attn_kernels import compiled_flex, flex_api, varlen_api
 
 PACKED_ATTENTION = "rlspmd_packed"
 """The attention implementation name registered with transformers (SDPA semantics, plus packed varlen calls)."""
+
+SHARES_PROMPTS = ("sdpa_loop", "cpu_fused")
+"""The kernels that run packs with shared prompts (``pack(..., share_prompts=True)``)."""
 
 FLEX_BLOCK = 128
 """FlexAttention's sparse block size (its default)."""
@@ -224,16 +228,18 @@ def pack(
     tokens (the last ``response_len`` columns), each of which needs a valid token before it in its row. ``counts``:
     the host-side counts if the caller has them (else one device-to-host copy here).
 
-    ``share_prompts`` (``sdpa_loop`` only, with a response): consecutive rows with the same prompt (a GRPO group's
-    samples, ``TokenCounts.shares_prompt``) pack that prompt once, followed by each row's response, and attention lets
-    each response see the group's prompt (``prefix_loop_attention``). Every token-wise layer then runs on fewer tokens;
-    log-probs, values and gradients are those of the unshared pack (up to float summation order).
+    ``share_prompts`` (the ``SHARES_PROMPTS`` kernels, with a response): consecutive rows with the same prompt (a GRPO
+    group's samples, ``TokenCounts.shares_prompt``) pack that prompt once, followed by each row's response, and
+    attention lets each response see the group's prompt (``prefix_loop_attention``). Every token-wise layer then runs on
+    fewer tokens; log-probs, values and gradients are those of the unshared pack (up to float summation order).
     """
     B, L = input_ids_BL.shape
     dev = input_ids_BL.device
     share_prompts = share_prompts and response_len > 0
-    if share_prompts and kernel != "sdpa_loop":
-        raise ValueError(f"packing with shared prompts needs the sdpa_loop attention kernel, not {kernel!r}")
+    if share_prompts and kernel not in SHARES_PROMPTS:
+        raise ValueError(
+            f"packing with shared prompts needs the sdpa_loop or cpu_fused attention kernel, not {kernel!r}"
+        )
     if counts is None or (share_prompts and not counts.shares_prompt):
         counts = TokenCounts.of(attention_mask_BL, response_len, input_ids_BL if share_prompts else None)
     shared = share_prompts and any(counts.shares_prompt)
@@ -586,11 +592,83 @@ def _sdpa_loop_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float)
     return sdpa_loop_attention(q, k, v, a.lengths, scale=scale, dropout=dropout)
 
 
+@functools.lru_cache(maxsize=256)
+def segment_tables(
+    lengths: tuple[int, ...], groups: tuple[tuple[int, ...], ...] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``segment_attention``'s host tables of a pack: ``segs`` ``(S, 4)`` rows ``(start, length, prompt start, prompt
+    length)``, each a run of queries that attends causally to itself after the given prompt's keys (a sample: no
+    prompt; a shared prompt: none; a response: its group's prompt); ``groups`` ``(G, 4)`` rows ``(first segment, end
+    segment, first token, end token)``, the samples or prompt groups, whose keys no other group's queries read."""
+    segs: list[tuple[int, int, int, int]] = []
+    spans: list[tuple[int, int, int, int]] = []
+    at = 0
+    for g in groups if groups is not None else tuple((n,) for n in lengths):
+        first, prompt = len(segs), g[0]
+        segs.append((at, prompt, 0, 0))
+        pos = at + prompt
+        for n in g[1:]:
+            segs.append((pos, n, at, prompt))
+            pos += n
+        spans.append((first, len(segs), at, pos))
+        at = pos
+    return torch.tensor(segs, dtype=torch.long).view(-1, 4), torch.tensor(spans, dtype=torch.long).view(-1, 4)
+
+
+class _SegmentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, segs, groups, scale):
+        from rlspmd.models.cpu_kernels import cpu_ops
+
+        out, lse = cpu_ops().segment_attention(q, k, v, segs, scale)
+        ctx.save_for_backward(q, k, v, lse, segs, groups)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from rlspmd.models.cpu_kernels import cpu_ops
+
+        q, k, v, lse, segs, groups = ctx.saved_tensors
+        dq, dk, dv = cpu_ops().segment_attention_backward(dout.contiguous(), q, k, v, lse, segs, groups, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def segment_attention(
+    q_THD, k_TKD, v_TKD, lengths: Sequence[int], groups: Sequence[Sequence[int]] | None = None, *, scale: float
+) -> torch.Tensor:
+    """Causal attention over a pack in one C++ call each way (``attn_kernel=cpu_fused``; ``models/cpu_kernels.py``):
+    the samples of ``lengths``, or with ``groups`` (``PackedAttention.groups``) each response after its group's prompt,
+    as ``prefix_loop_attention``. Computes in float32 from bfloat16 or float32 inputs and rounds once; the gradients
+    come back in the inputs' dtype. CPU only; needs the kernels built and ``head_dim`` a multiple of 16."""
+    segs, spans = segment_tables(
+        tuple(int(n) for n in lengths), None if groups is None else tuple(tuple(int(n) for n in g) for g in groups)
+    )
+    return _SegmentAttention.apply(q_THD.contiguous(), k_TKD.contiguous(), v_TKD.contiguous(), segs, spans, scale)
+
+
+def runs_cpu_fused(q, dropout: float) -> bool:
+    """Whether ``segment_attention`` takes this call: CPU, bfloat16 or float32, ``head_dim`` a multiple of 16, no
+    attention dropout, and the kernels built (else ``cpu_fused`` runs ``sdpa_loop``'s calls)."""
+    if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float32) or q.shape[-1] % 16 or dropout:
+        return False
+    from rlspmd.models.cpu_kernels import cpu_ops
+
+    return cpu_ops() is not None
+
+
+def _cpu_fused_kernel(q, k, v, a: PackedAttention, scale: float, dropout: float):
+    if not runs_cpu_fused(q, dropout):
+        return _sdpa_loop_kernel(q, k, v, a, scale, dropout)
+    return segment_attention(q, k, v, a.lengths, a.groups, scale=scale)
+
+
 KERNELS = {
     "flash_attn": _flash_attn_kernel,
     "varlen": _varlen_kernel,
     "flex": _flex_kernel,
     "sdpa_loop": _sdpa_loop_kernel,
+    "cpu_fused": _cpu_fused_kernel,
 }
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from rlspmd.models.logprobs import DEFAULT_CHUNK, VOCAB_LOGPROBS, JSDTarget, chunked_jsd, chunked_logprobs
 from rlspmd.models.moe import adapt_moe
-from rlspmd.models.packing import TokenCounts, pack, packed_hidden_states
+from rlspmd.models.packing import SHARES_PROMPTS, TokenCounts, pack, packed_hidden_states
 from rlspmd.models.attn_kernels import packed_kernel
 
 
@@ -63,7 +63,7 @@ class CausalLMPolicy(nn.Module):
         self.moe = adapt_moe(hf_model)
         self.share_prompts = False
         """Pack the prompt of consecutive rows that share it once (``model.share_prompts``; ``packing.pack``): with
-        the ``sdpa_loop`` kernel, for a dense model, outside sequence parallelism."""
+        the ``sdpa_loop`` or ``cpu_fused`` kernel, for a dense model, outside sequence parallelism."""
         self.seq = None
         """The engine's sequence-parallel group (``distributed/sequence_parallel.py: SequenceParallel``) or None."""
 
@@ -137,7 +137,7 @@ class CausalLMPolicy(nn.Module):
                 kernel=kernel,
                 response_len=response_len,
                 counts=counts,
-                share_prompts=self.share_prompts and kernel == "sdpa_loop" and self.moe is None,
+                share_prompts=self.share_prompts and kernel in SHARES_PROMPTS and self.moe is None,
             )
             if self.moe is not None:
                 self.moe.begin(packed.shape, token_index_T=packed.token_index_T, replay_BL=replay_BL)

@@ -20,6 +20,8 @@ variant is applied around its call only:
   (``model.share_prompts``, the actor's and the reference's modules);
 - ``prefix_loop``: with shared prompts, one SDPA call per prompt and per response (``packing.prefix_loop_attention``)
   instead of the two batched calls of ``packing.prefix_batched_attention``;
+- ``sdpa_loop``: where the run's packs use the ``cpu_fused`` attention kernel (``model.attn_kernel=auto`` on CPU in
+  bfloat16 with gradients), ``sdpa_loop``'s calls instead (float32 casts around torch's flash kernel);
 - ``heap_malloc``: glibc serves every block below 1 GiB from the heap (mmap threshold 1 GiB, trim threshold 2 GiB - 1)
   instead of ``runtime.keep_freed_memory``'s 32 MiB, so that FSDP2's per-step gradient buffers of hundreds of MiB are
   not mapped afresh (page-faulted) each step.
@@ -148,6 +150,18 @@ def _prefix_loop(trainer):
 
 
 @contextmanager
+def _sdpa_loop(trainer):
+    from rlspmd.models import packing
+
+    fused = packing.KERNELS["cpu_fused"]
+    packing.KERNELS["cpu_fused"] = packing.KERNELS["sdpa_loop"]
+    try:
+        yield
+    finally:
+        packing.KERNELS["cpu_fused"] = fused
+
+
+@contextmanager
 def _heap_malloc(trainer):
     from rlspmd.distributed.runtime import keep_freed_memory
 
@@ -169,6 +183,7 @@ VARIANTS = {
     "heap_malloc": _heap_malloc,
     "whole_prompts": _whole_prompts,
     "prefix_loop": _prefix_loop,
+    "sdpa_loop": _sdpa_loop,
 }
 """Each variant's context manager, given the built trainer (see the module docstring)."""
 
