@@ -16,8 +16,8 @@ pack by ``models/packing.KERNELS``:
   it launches one small attention per sample and layer (launch-bound), the last resort there.
 * ``cpu_fused``: rlspmd's own C++ kernel (``models/cpu_kernels.py``, built at first use), one call per pack each way,
   float32 inside, bfloat16 or float32 in and out; shared prompts as ``sdpa_loop``. On CPU with gradients in bfloat16
-  it skips ``sdpa_loop``'s float32 casts, gathers and padded calls: SmolLM2-135M's GRPO update on a 2-core Xeon, 2.06
-  against 2.20 s (``scripts/bench/stage_ablation.py --variants baseline,sdpa_loop``, medians of 10). A call it does
+  it skips ``sdpa_loop``'s float32 casts, gathers and padded calls: SmolLM2-135M's GRPO update on a 2-core Xeon, 1.74
+  against 1.91 s (``scripts/bench/stage_ablation.py --variants baseline,sdpa_loop``, medians of 10). A call it does
   not take (attention dropout, ``head_dim`` not a multiple of 16, float16, the kernels not built) runs ``sdpa_loop``'s.
 
 ``auto`` on CPU picks cpu_fused for bfloat16 compute with gradients when the kernels build, else sdpa_loop (without

@@ -12,7 +12,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include <immintrin.h>
@@ -147,60 +149,95 @@ Tensor silu_mul(const Tensor& gu) {
 // ---------------------------------------------------------------------------------------------------------------------
 // Packed attention for training on CPU (attn_kernel=cpu_fused): one call per pack, forward and backward, float32 inside.
 
-// exp(x) for x <= 0 (softmax arguments; below -87 it returns exp(-87), about 1e-38): Cephes' single-precision polynomial
-// after range reduction, branch-free so that loops over it vectorise (libm's expf does not).
-inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_rintf(x * 1.44269504088896341f);
-  float r = __builtin_fmaf(n, -0.693359375f, x);
-  r = __builtin_fmaf(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = __builtin_fmaf(p, r, 1.3981999507e-3f);
-  p = __builtin_fmaf(p, r, 8.3334519073e-3f);
-  p = __builtin_fmaf(p, r, 4.1665795894e-2f);
-  p = __builtin_fmaf(p, r, 1.6666665459e-1f);
-  p = __builtin_fmaf(p, r, 5.0000001201e-1f);
-  p = __builtin_fmaf(p * r, r, r) + 1.0f;
+// Vector registers of float32 for the attention kernels' inner products (AVX-512, else AVX2 with FMA, else scalar).
+#if defined(__AVX512F__)
+using vfloat = __m512;
+constexpr int64_t kW = 16;
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
+inline vfloat vset1(float a) { return _mm512_set1_ps(a); }
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm512_max_ps(a, b); }
+inline float hsum(vfloat a) { return _mm512_reduce_add_ps(a); }
+inline float hmax(vfloat a) { return _mm512_reduce_max_ps(a); }
+inline vfloat vround(vfloat a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vfloat vexp2i(vfloat n) {  // 2^n for integral n in [-127, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+using vfloat = __m256;
+constexpr int64_t kW = 8;
+inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
+inline vfloat vset1(float a) { return _mm256_set1_ps(a); }
+inline vfloat vzero() { return _mm256_setzero_ps(); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+inline vfloat vmax(vfloat a, vfloat b) { return _mm256_max_ps(a, b); }
+inline float hsum(vfloat a) {
+  float x[8];
+  _mm256_storeu_ps(x, a);
+  return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+}
+inline float hmax(vfloat a) {
+  float x[8];
+  _mm256_storeu_ps(x, a);
+  return std::max(std::max(std::max(x[0], x[1]), std::max(x[2], x[3])), std::max(std::max(x[4], x[5]), std::max(x[6], x[7])));
+}
+inline vfloat vround(vfloat a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vfloat vexp2i(vfloat n) {  // 2^n for integral n in [-127, 127]
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#else
+using vfloat = float;
+constexpr int64_t kW = 1;
+inline vfloat vload(const float* p) { return *p; }
+inline void vstore(float* p, vfloat x) { *p = x; }
+inline vfloat vset1(float a) { return a; }
+inline vfloat vzero() { return 0.0f; }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return std::fma(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return a + b; }
+inline vfloat vsub(vfloat a, vfloat b) { return a - b; }
+inline vfloat vmul(vfloat a, vfloat b) { return a * b; }
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+inline float hsum(vfloat a) { return a; }
+inline float hmax(vfloat a) { return a; }
+inline vfloat vround(vfloat a) { return std::nearbyint(a); }
+inline vfloat vexp2i(vfloat n) {  // 2^n for integral n in [-127, 127]
   const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &e, 4);
-  return p * s;
+  float f;
+  std::memcpy(&f, &e, 4);
+  return f;
+}
+#endif
+// exp(x) for x <= 0 (softmax arguments; below -87 it returns exp(-87), about 1e-38), a vector at a time: Cephes'
+// single-precision polynomial after range reduction (libm's expf does not vectorise).
+inline vfloat vexp_neg(vfloat x) {
+  x = vmax(x, vset1(-87.0f));
+  const vfloat n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vfloat r = vfma(n, vset1(-0.693359375f), x);
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vfloat p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vadd(vfma(vmul(p, r), r, r), vset1(1.0f));
+  return vmul(p, vexp2i(n));
 }
 
-constexpr int kLanes = 16;
-
-inline float row_sum(const float* x, int64_t n) {
-  float acc[kLanes] = {0};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] += x[j + u];
-  float s = 0;
-  for (; j < n; ++j) s += x[j];
-  for (int u = 0; u < kLanes; ++u) s += acc[u];
-  return s;
-}
-
+// sum_j a[j] * b[j] over n, a multiple of kW
 inline float row_dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {0};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] = __builtin_fmaf(a[j + u], b[j + u], acc[u]);
-  float s = 0;
-  for (; j < n; ++j) s = __builtin_fmaf(a[j], b[j], s);
-  for (int u = 0; u < kLanes; ++u) s += acc[u];
-  return s;
-}
-
-inline float row_max(const float* x, int64_t n) {
-  float acc[kLanes];
-  for (int u = 0; u < kLanes; ++u) acc[u] = -INFINITY;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int u = 0; u < kLanes; ++u) acc[u] = x[j + u] > acc[u] ? x[j + u] : acc[u];
-  float m = -INFINITY;
-  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-  for (int u = 0; u < kLanes; ++u) m = acc[u] > m ? acc[u] : m;
-  return m;
+  vfloat acc = vzero();
+  for (int64_t j = 0; j < n; j += kW) acc = vfma(vload(a + j), vload(b + j), acc);
+  return hsum(acc);
 }
 
 // y[0:n] += a * x[0:n]
@@ -234,32 +271,36 @@ inline void store(void* p, bool bf16, int64_t o, const float* src, int64_t D) {
 }
 
 
-// Vector registers of float32 for the attention kernels' inner products (AVX-512, else AVX2 with FMA, else scalar).
-#if defined(__AVX512F__)
-using vfloat = __m512;
-constexpr int64_t kW = 16;
-inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vfloat x) { _mm512_storeu_ps(p, x); }
-inline vfloat vset1(float a) { return _mm512_set1_ps(a); }
-inline vfloat vzero() { return _mm512_setzero_ps(); }
-inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-#elif defined(__AVX2__) && defined(__FMA__)
-using vfloat = __m256;
-constexpr int64_t kW = 8;
-inline vfloat vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vfloat x) { _mm256_storeu_ps(p, x); }
-inline vfloat vset1(float a) { return _mm256_set1_ps(a); }
-inline vfloat vzero() { return _mm256_setzero_ps(); }
-inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
-#else
-using vfloat = float;
-constexpr int64_t kW = 1;
-inline vfloat vload(const float* p) { return *p; }
-inline void vstore(float* p, vfloat x) { *p = x; }
-inline vfloat vset1(float a) { return a; }
-inline vfloat vzero() { return 0.0f; }
-inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return std::fma(a, b, c); }
-#endif
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// A float32 scratch buffer aligned to 64 bytes, so that vector loads and stores never straddle cache lines (a store
+// then a load of the same vector across two lines cannot be forwarded and stalls).
+class Floats {
+ public:
+  float* data() { return p_.get(); }
+  const float* data() const { return p_.get(); }
+  float& operator[](int64_t i) { return p_.get()[i]; }
+  const float& operator[](int64_t i) const { return p_.get()[i]; }
+  void resize(int64_t n) {
+    if (n > cap_) {
+      p_.reset(static_cast<float*>(std::aligned_alloc(64, round_up(std::max<int64_t>(n, 1) * 4, 64))));
+      TORCH_CHECK(p_ != nullptr, "out of memory for ", n, " floats of attention scratch");
+      cap_ = n;
+    }
+  }
+  void assign(int64_t n, float x) {
+    resize(n);
+    std::fill(p_.get(), p_.get() + n, x);
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> p_;
+  int64_t cap_ = 0;
+};
+
 constexpr int64_t kMR = 4;  // rows of C per tile
 
 // C[m x n] (+)= A[m x k] . B[k x n] (A^T B with TransA), row-major float32; m a multiple of kMR and n of kW (callers pad with zeros). Each
@@ -302,20 +343,23 @@ void gemm(const float* __restrict A, int64_t lda, const float* __restrict B, int
   }
 }
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 constexpr int64_t kRowBlock = 64;  // query rows per block (a multiple of 4): the scores of a block are kRowBlock x keys
 
 // One segment and KV head, float32: its keys and values (the prompt's np rows, then the segment's own nq; zero rows up to
 // a multiple of 2 vectors), both row-major and transposed; the query rows are (position i, head g) i-major, G heads per KV head.
 struct Segment {
-  int64_t q0, nq, p0, np, n, npad, D, G;
-  std::vector<float> k, v, kt, vt;
+  int64_t D, G, q0 = 0, nq = 0, p0 = 0, np = 0, n = 0, npad = 0;
+  Floats k, v, kt, vt;
+  Floats row;
+  void at(const int64_t* segs, int64_t si) {
+    q0 = segs[si * 4], nq = segs[si * 4 + 1], p0 = segs[si * 4 + 2], np = segs[si * 4 + 3];
+  }
   // rows of K into k (row-major, when with_k) and kt (transposed); rows of V into v (forward) or vt (backward)
   void fill(const Rows& K, const Rows& V, int64_t kv, bool backward) {
     n = np + nq;
     npad = round_up(n, 2 * kW);
-    std::vector<float> row(D);
+    row.resize(D);
     kt.assign(npad * D, 0.0f);
     (backward ? vt : v).assign(npad * D, 0.0f);
     if (backward) k.assign(npad * D, 0.0f);
@@ -363,30 +407,33 @@ void check_attn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
               "segs must be contiguous int64 (segments, 4)");
 }
 
-Segment segment(const int64_t* sg, int64_t si, int64_t D, int64_t G) {
-  return Segment{sg[si * 4], sg[si * 4 + 1], sg[si * 4 + 2], sg[si * 4 + 3], 0, 0, D, G, {}, {}, {}, {}};
-}
 
-// Masks the block's scores beyond each row's causal limit and turns the rest into probabilities: with lse given,
-// exp(s - lse[row]) (backward); else the row's softmax, writing its lse.
+// Masks the block's scores beyond each row's causal limit and exponentiates the rest: with lse given, exp(s - lse[row])
+// (backward: the probabilities); else exp(s - max) (forward), writing the row's lse and the reciprocal of its sum, by
+// which the caller scales the row's output.
 void block_probs(float* s, int64_t ld, const Segment& sg, int64_t r0, int64_t rows, int64_t nb, const float* lse_in,
-                 float* lse_out) {
+                 float* lse_out, float* inv_out) {
   for (int64_t r = 0; r < round_up(rows, kMR); ++r) {
     float* x = s + r * ld;
-    const int64_t lim = r < rows ? sg.np + (r0 + r) / sg.G + 1 : 0;
-    if (lim == 0) {
-      std::fill(x, x + nb, 0.0f);
-      continue;
-    }
+    const int64_t lim = r < rows ? sg.np + (r0 + r) / sg.G + 1 : 0, lv = round_up(lim, kW);  // lv <= nb
     if (lse_in != nullptr) {
-      const float l = lse_in[r];
-      for (int64_t j = 0; j < lim; ++j) x[j] = exp_neg(x[j] - l);
-    } else {
-      const float m = row_max(x, lim);
-      for (int64_t j = 0; j < lim; ++j) x[j] = exp_neg(x[j] - m);
-      const float l = row_sum(x, lim);
-      const float inv = 1.0f / l;
-      for (int64_t j = 0; j < lim; ++j) x[j] *= inv;
+      const vfloat l = vset1(lse_in[r]);
+      for (int64_t j = 0; j < lv; j += kW) vstore(x + j, vexp_neg(vsub(vload(x + j), l)));
+    } else if (lim > 0) {
+      std::fill(x + lim, x + lv, -INFINITY);
+      vfloat mx = vset1(-INFINITY);
+      for (int64_t j = 0; j < lv; j += kW) mx = vmax(mx, vload(x + j));
+      const float m = hmax(mx);
+      const vfloat vm = vset1(m);
+      std::fill(x + lim, x + lv, m - 100.0f);  // exp(-100) ~ 4e-44: nothing next to the row maximum's 1
+      vfloat acc = vzero();
+      for (int64_t j = 0; j < lv; j += kW) {
+        const vfloat e = vexp_neg(vsub(vload(x + j), vm));
+        vstore(x + j, e);
+        acc = vadd(acc, e);
+      }
+      const float l = hsum(acc);
+      inv_out[r] = 1.0f / l;  // the caller scales the row's output, not its lv probabilities
       lse_out[r] = m + std::log(l);
     }
     std::fill(x + lim, x + nb, 0.0f);
@@ -408,10 +455,15 @@ std::tuple<Tensor, Tensor> segment_attention(const Tensor& q, const Tensor& k, c
   float* lp = lse.mutable_data_ptr<float>();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, S * KV, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qb(kRowBlock * D), ob(kRowBlock * D), s, lb(kRowBlock);
+    Segment seg{D, G};
+    Floats qb, ob, s, lb, linv;
+    qb.resize(kRowBlock * D);
+    ob.resize(kRowBlock * D);
+    lb.resize(kRowBlock);
+    linv.resize(kRowBlock);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t kv = item % KV;
-      Segment seg = segment(sg, item / KV, D, G);
+      seg.at(sg, item / KV);
       if (seg.nq == 0) continue;
       seg.fill(K, V, kv, false);
       s.resize(kRowBlock * seg.npad);
@@ -421,10 +473,12 @@ std::tuple<Tensor, Tensor> segment_attention(const Tensor& q, const Tensor& k, c
         load_block(qb.data(), Q, seg, kv, r0, rows);
         for (int64_t x = 0; x < mp * D; ++x) qb[x] *= sc;
         gemm<false>(qb.data(), D, seg.kt.data(), seg.npad, s.data(), nb, mp, nb, D);
-        block_probs(s.data(), nb, seg, r0, rows, nb, nullptr, lb.data());
+        block_probs(s.data(), nb, seg, r0, rows, nb, nullptr, lb.data(), linv.data());
         gemm<false>(s.data(), nb, seg.v.data(), D, ob.data(), D, mp, D, nb);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t t = seg.q0 + (r0 + r) / G, h = kv * G + (r0 + r) % G;
+          const vfloat inv = vset1(linv[r]);
+          for (int64_t d = 0; d < D; d += kW) vstore(&ob[r * D + d], vmul(vload(&ob[r * D + d]), inv));
           store(op, bf16, (t * H + h) * D, &ob[r * D], D);
           lp[t * H + h] = lb[r];
         }
@@ -455,15 +509,17 @@ std::tuple<Tensor, Tensor, Tensor> segment_attention_backward(const Tensor& dout
   void *dqp = dq.mutable_data_ptr(), *dkp = dk.mutable_data_ptr(), *dvp = dv.mutable_data_ptr();
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, NG * KV, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qb(kRowBlock * D), dob(kRowBlock * D), dqb(kRowBlock * D), lb(kRowBlock), p, dp, dks, dvs, dkg,
-        dvg;
+    Segment seg{D, G};
+    Floats qb, dob, dqb, lb, p, dp, dks, dvs, dkg, dvg;
+    for (Floats* b : {&qb, &dob, &dqb}) b->resize(kRowBlock * D);
+    lb.resize(kRowBlock);
     for (int64_t item = lo; item < hi; ++item) {
       const int64_t gi = item / KV, kv = item % KV;
       const int64_t s_lo = gr[gi * 4], s_hi = gr[gi * 4 + 1], t_lo = gr[gi * 4 + 2], t_hi = gr[gi * 4 + 3];
       dkg.assign((t_hi - t_lo) * D, 0.0f);
       dvg.assign((t_hi - t_lo) * D, 0.0f);
       for (int64_t si = s_lo; si < s_hi; ++si) {
-        Segment seg = segment(sg, si, D, G);
+        seg.at(sg, si);
         if (seg.nq == 0) continue;
         seg.fill(K, V, kv, true);
         const int64_t M = seg.nq * G;
@@ -479,13 +535,13 @@ std::tuple<Tensor, Tensor, Tensor> segment_attention_backward(const Tensor& dout
             lb[r] = lp[(seg.q0 + (r0 + r) / G) * H + kv * G + (r0 + r) % G];
           for (int64_t x = 0; x < mp * D; ++x) dqb[x] = qb[x] * sc;  // scaled queries, for the scores
           gemm<false>(dqb.data(), D, seg.kt.data(), seg.npad, p.data(), nb, mp, nb, D);
-          block_probs(p.data(), nb, seg, r0, rows, nb, lb.data(), nullptr);
+          block_probs(p.data(), nb, seg, r0, rows, nb, lb.data(), nullptr, nullptr);
           gemm<false>(dob.data(), D, seg.vt.data(), seg.npad, dp.data(), nb, mp, nb, D);
           for (int64_t r = 0; r < mp; ++r) {  // dS = P (dP - rowsum(P dP)) * scale, in dp
-            float* pr = &p[r * nb];
+            const float* pr = &p[r * nb];
             float* dr = &dp[r * nb];
-            const float delta = row_dot(pr, dr, nb);
-            for (int64_t j = 0; j < nb; ++j) dr[j] = pr[j] * (dr[j] - delta) * sc;
+            const vfloat delta = vset1(row_dot(pr, dr, nb)), vsc = vset1(sc);
+            for (int64_t j = 0; j < nb; j += kW) vstore(dr + j, vmul(vmul(vload(pr + j), vsub(vload(dr + j), delta)), vsc));
           }
           gemm<false>(dp.data(), nb, seg.k.data(), D, dqb.data(), D, mp, D, nb);
           for (int64_t r = 0; r < rows; ++r) {
