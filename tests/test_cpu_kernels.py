@@ -71,15 +71,17 @@ def test_silu_mul_is_swiglu_and_bad_inputs_are_named(ops):
         ops.add_rms_norm(gu.float(), None, gu[0, 0].float(), 1e-6)
 
 
-def greedy(model, *, cpu_kernels: bool, rows=6, prompt=7, new_tokens=10, keep_at=6):
+def greedy(model, *, cpu_kernels: bool, kernel_attention=False, rows=6, prompt=7, new_tokens=10, keep_at=6):
     """Logits of a greedy generation from random prompts (the first two rows share a prompt, one row is left-padded;
-    after ``keep_at`` tokens the last row is dropped, as a finished row is)."""
+    after ``keep_at`` tokens the last row is dropped, as a finished row is). ``kernel_attention``: with the kernels,
+    the decode steps attend with their ``decode_attention`` (else SDPA, as the torch ops do)."""
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, model.config.vocab_size, (rows, prompt), generator=g)
     ids[1] = ids[0]
     mask = torch.ones_like(ids)
     mask[rows // 2, : prompt // 2] = 0
     dec = LlamaFamilyDecoder(model, cpu_kernels=cpu_kernels)
+    dec.kernel_attention = kernel_attention
     out = []
     with torch.no_grad():
         logits = dec.start(ids, mask, new_tokens)
@@ -104,6 +106,42 @@ def test_decoding_with_the_kernels_gives_the_torch_ops_logits(ops, tiny_model):
     model32 = load_causal_lm(tiny_model, dtype="float32", attn_implementation="sdpa", field_name="m").eval()
     dec, _ = greedy(model32, cpu_kernels=True)
     assert dec.kernels is None
+
+
+def test_decode_attention_is_float64_attention_rounded_once(ops):
+    """The decode step's attention kernel against SDPA in float64 on the same bfloat16 inputs (a masked prompt slot,
+    grouped-query and plain heads, a partly filled cache): within one bfloat16 rounding, and no worse than SDPA's own
+    bfloat16 result."""
+    g = torch.Generator().manual_seed(5)
+    for B, H, KV, D, L, M in ((6, 9, 3, 64, 40, 33), (3, 4, 4, 32, 9, 1), (17, 8, 2, 128, 20, 20)):
+        q, k, v = (bf16(*shape, gen=g, scale=2.0) for shape in ((B, H, 1, D), (B, KV, L, D), (B, KV, L, D)))
+        mask = torch.zeros(B, M, dtype=torch.bfloat16)
+        mask[0, : M // 2] = float("-inf")  # a left-padded prompt; the token's own slot (M - 1) stays open
+        out = ops.decode_attention(q, k, v, mask)
+
+        def attend(q, k, v):
+            o = F.scaled_dot_product_attention(
+                q, k[:, :, :M], v[:, :, :M], attn_mask=mask[:, None, None].to(q.dtype), enable_gqa=H != KV
+            )
+            return o.transpose(1, 2).reshape(B, 1, H * D)
+
+        want = attend(*(t.double() for t in (q, k, v)))
+        err = (out.double() - want).abs()
+        assert out.dtype == torch.bfloat16 and out.shape == (B, 1, H * D)
+        assert bool((err <= want.abs() * 2**-8 + 1e-6).all()), (B, H, KV, D, (err - want.abs() * 2**-8).max())
+        assert err.max() <= (attend(q, k, v).double() - want).abs().max()
+
+
+def test_decoding_with_the_kernel_attention_gives_the_torch_ops_logits_to_bfloat16_precision(ops, tiny_model):
+    """The whole fused step with the kernels' attention against the torch ops: the same logits to bfloat16's
+    precision at every step (the probabilities stay float32 instead of rounding to bfloat16 inside SDPA)."""
+    model = load_causal_lm(tiny_model, dtype="bfloat16", attn_implementation="sdpa", field_name="m").eval()
+    dec, fused = greedy(model, cpu_kernels=True, kernel_attention=True)
+    _, plain = greedy(model, cpu_kernels=False)
+    assert dec.kernels is not None and len(fused) == len(plain)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=0.05 * b.float().abs().max().item())
+    assert not all(torch.equal(a, b) for a, b in zip(fused, plain))  # the kernel attention ran (other roundings)
 
 
 def test_a_failed_build_warns_and_the_callers_run_torch_ops(tmp_path, monkeypatch):

@@ -95,6 +95,9 @@ class LlamaFamilyDecoder:
         """The output head's ``(weight, bias, packed)`` for the current generation (``project``; set by ``start``)."""
         self.cpu_kernels = cpu_kernels
         self.kernels = None
+        self.kernel_attention = True
+        """With the kernels, a decode step attends with their ``decode_attention`` (float32 inside, rounded once;
+        SDPA rounds its probabilities to bfloat16); False: SDPA, whose roundings the torch ops share."""
         """``torch.ops.rlspmd_cpu`` for the current generation's decode steps (``fused_decode_layers``), or None."""
         self.after_layer = None
         """``(i, h) -> h`` run after decoder layer ``i`` of the next forward, or None: a vision-language decoder's
@@ -278,6 +281,17 @@ class LlamaFamilyDecoder:
             cos, sin = cos[:, None], signed_sin(sin[:, None])
         M = mask.shape[-1]  # the cache slots attended: ``end``, or the whole cache in a CPU float32 decode step
         if S == 1 and self.kernels is not None and self.after_layer is None and cos.shape == (B, 1, 1, D):
+            use_kernel = self.kernel_attention and mask.shape == (B, 1, 1, M) and D % 16 == 0 and D <= 256
+            mask_BM = mask.reshape(B, M).contiguous() if use_kernel and H // KV <= 8 else None
+
+            def attend(q, i):
+                if mask_BM is not None:
+                    return self.kernels.decode_attention(q, self.k[i], self.v[i], mask_BM)
+                o = F.scaled_dot_product_attention(
+                    q, self.k[i][:, :, :M], self.v[i][:, :, :M], attn_mask=mask, enable_gqa=KV != H
+                )
+                return o.transpose(1, 2).reshape(B, 1, -1)
+
             h = fused_decode_layers(
                 self.kernels,
                 base,
@@ -287,9 +301,7 @@ class LlamaFamilyDecoder:
                 self.k,
                 self.v,
                 start,
-                lambda q, i: F.scaled_dot_product_attention(
-                    q, self.k[i][:, :, :M], self.v[i][:, :, :M], attn_mask=mask, enable_gqa=KV != H
-                ),
+                attend,
                 fused=self.fused,
                 n_heads=H,
                 n_kv=KV,
@@ -487,10 +499,10 @@ def fused_decode_layers(
     fused kernels of ``models/cpu_kernels.py`` (``ops``) around the same matmuls and attention: per layer, the residual
     add and RMSNorm in one call (``add_rms_norm``), RoPE on q and k with k and v written to slot ``start`` of layer
     ``i``'s cache ``k_cache[i]`` / ``v_cache[i]`` in one (``rope_write``), SwiGLU in one (``silu_mul``), instead of
-    about 35 torch ops. ``attend(q, i)`` returns layer ``i``'s attention output ``(B, H, 1, D)``. The same roundings
-    as ``decoder_layers``: the same tokens (``tests/test_cpu_kernels.py``). SmolLM2-135M at 16 rows, bfloat16, a
-    2-core Xeon with AMX: 42 against 51 ms a step."""
-    B = h.shape[0]
+    about 35 torch ops. ``attend(q, i)`` returns layer ``i``'s attention output as ``(B, 1, H * D)``, for the output
+    projection. With SDPA as ``attend``, the same roundings as ``decoder_layers``: the same tokens
+    (``tests/test_cpu_kernels.py``). SmolLM2-135M at 16 rows, bfloat16, a 2-core Xeon with AMX: 42 against 51 ms a
+    step."""
     cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
     h = h.contiguous().clone()  # the residual stream, updated in place by add_rms_norm
     y = None  # the last layer's MLP output, not yet added
@@ -499,7 +511,7 @@ def fused_decode_layers(
         x = ops.add_rms_norm(h, y, layer.input_layernorm.weight, eps)
         qkv = project(x, f.qkv_w, f.qkv_b, f.packed)
         q = ops.rope_write(qkv, cos, sin_signed, k_cache[i], v_cache[i], start, n_heads, n_kv)
-        a = attend(q, i).transpose(1, 2).reshape(B, 1, -1)
+        a = attend(q, i)
         x = ops.add_rms_norm(h, project(a, f.o_w, f.o_b, f.packed), layer.post_attention_layernorm.weight, eps)
         y = project(ops.silu_mul(project(x, f.gate_up_w, None, f.packed)), f.down_w, None, f.packed)
     return ops.add_rms_norm(h, y, base.norm.weight, eps)
