@@ -666,6 +666,134 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Log-probabilities and entropy of rows of logits (models/logprobs.py: chunked_logprobs), float32 inside: one kernel
+// per chunk each way instead of about fourteen torch ops per block of a few rows.
+
+// x = z[0:V] / temperature, a vector at a time from bfloat16 or float32 (the tail, V % kW, scalar)
+struct LogitRow {
+  const void* p;
+  bool bf16;
+  int64_t V;
+  float inv_tau;
+  vfloat vec(int64_t j) const {
+    const vfloat x = bf16 ? vload_bf16(static_cast<const uint16_t*>(p) + j) : vload(static_cast<const float*>(p) + j);
+    return vmul(x, vset1(inv_tau));
+  }
+  float at(int64_t j) const {
+    return (bf16 ? bf2f(static_cast<const uint16_t*>(p)[j]) : static_cast<const float*>(p)[j]) * inv_tau;
+  }
+};
+
+void check_logits(const Tensor& z, const Tensor& targets) {
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2 && z.is_contiguous(), "logits must be contiguous (rows, vocab) on CPU");
+  TORCH_CHECK(z.scalar_type() == at::kBFloat16 || z.scalar_type() == at::kFloat, "logits: bfloat16 or float32");
+  TORCH_CHECK(targets.scalar_type() == at::kLong && targets.dim() == 1 && targets.size(0) == z.size(0) &&
+                  targets.is_contiguous(),
+              "targets must be contiguous int64 (rows,)");
+}
+
+// Per row of x = z / temperature: lp = x[target] - lse, the entropy -sum p log p (as sum p (lse - x): terms >= 0, no
+// cancellation; 0 without with_entropy) and lse = log sum exp x. Two passes over the row (its max, then the sums).
+std::tuple<Tensor, Tensor, Tensor> logprob_rows(const Tensor& z, const Tensor& targets, double temperature,
+                                                bool with_entropy) {
+  check_logits(z, targets);
+  const int64_t N = z.size(0), V = z.size(1), Vv = V / kW * kW;
+  const bool bf16 = z.scalar_type() == at::kBFloat16;
+  const auto f32 = z.options().dtype(at::kFloat);
+  Tensor lp = at::empty({N}, f32), ent = at::zeros({N}, f32), lse = at::empty({N}, f32);
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  float *lpp = lp.mutable_data_ptr<float>(), *ep = ent.mutable_data_ptr<float>(), *lsp = lse.mutable_data_ptr<float>();
+  const int64_t elem = bf16 ? 2 : 4;
+  const char* base = static_cast<const char*>(z.const_data_ptr());
+  const float inv_tau = static_cast<float>(1.0 / temperature);
+  at::parallel_for(0, N, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      TORCH_CHECK(y[r] >= 0 && y[r] < V, "target ", y[r], " of row ", r, " is outside the vocabulary of ", V);
+      const LogitRow x{base + r * V * elem, bf16, V, inv_tau};
+      vfloat mx = vset1(-INFINITY);
+      for (int64_t j = 0; j < Vv; j += kW) mx = vmax(mx, x.vec(j));
+      float m = hmax(mx);
+      for (int64_t j = Vv; j < V; ++j) m = std::max(m, x.at(j));
+      const vfloat vm = vset1(m);
+      vfloat acc = vzero(), acc_h = vzero();
+      for (int64_t j = 0; j < Vv; j += kW) {
+        const vfloat d = vsub(x.vec(j), vm);  // <= 0
+        const vfloat e = vexp_neg(d);
+        acc = vadd(acc, e);
+        acc_h = vfma(e, d, acc_h);  // sum e (x - m), <= 0 term by term
+      }
+      float l = hsum(acc), sh = hsum(acc_h);
+      for (int64_t j = Vv; j < V; ++j) {
+        const float d = x.at(j) - m, e = std::exp(d);
+        l += e;
+        sh += e * d;
+      }
+      const float log_l = std::log(l);
+      lsp[r] = m + log_l;
+      lpp[r] = x.at(y[r]) - lsp[r];
+      if (with_entropy) ep[r] = log_l - sh / l;  // sum p (lse - x) = log l - sum p (x - m)
+    }
+  });
+  return {lp, ent, lse};
+}
+
+// Backward of logprob_rows, written over z (the chunk's logits, no longer needed): with x = z / temperature, p =
+// exp(x - lse), d/dz = p * c + g_lp * onehot(target) with c = -(g_lp + g_ent * (x - lse + H)), where g_lp and g_ent
+// arrive already divided by the temperature (g_ent may be undefined: no entropy gradient). One pass per row.
+void logprob_rows_backward_(const Tensor& z, const Tensor& targets, const Tensor& lse, const Tensor& ent,
+                            const Tensor& g_lp, const std::optional<Tensor>& g_ent, double temperature) {
+  check_logits(z, targets);
+  const int64_t N = z.size(0), V = z.size(1);
+  for (const Tensor* t : {&lse, &ent, &g_lp})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == N && t->is_contiguous(),
+                "lse, ent and g_lp must be contiguous float32 (rows,)");
+  const float* ge = nullptr;
+  if (g_ent.has_value()) {
+    TORCH_CHECK(g_ent->scalar_type() == at::kFloat && g_ent->numel() == N && g_ent->is_contiguous(),
+                "g_ent must be contiguous float32 (rows,)");
+    ge = g_ent->const_data_ptr<float>();
+  }
+  const bool bf16 = z.scalar_type() == at::kBFloat16;
+  const int64_t* y = targets.const_data_ptr<int64_t>();
+  const float *lsp = lse.const_data_ptr<float>(), *ep = ent.const_data_ptr<float>(), *gl = g_lp.const_data_ptr<float>();
+  char* base = static_cast<char*>(z.mutable_data_ptr());
+  const int64_t elem = bf16 ? 2 : 4;
+  const float inv_tau = static_cast<float>(1.0 / temperature);
+  constexpr int64_t kBlock = 256;  // floats computed before their rounding pass
+  at::parallel_for(0, N, 8, [&](int64_t lo, int64_t hi) {
+    alignas(64) float buf[kBlock];
+    for (int64_t r = lo; r < hi; ++r) {
+      TORCH_CHECK(y[r] >= 0 && y[r] < V, "target ", y[r], " of row ", r, " is outside the vocabulary of ", V);
+      char* row = base + r * V * elem;
+      const LogitRow x{row, bf16, V, inv_tau};
+      const float l = lsp[r], g1 = gl[r], g2 = ge != nullptr ? ge[r] : 0.0f;
+      const float c0 = -(g1 + g2 * (ep[r] - l));  // c = c0 - g2 * x
+      const vfloat vl = vset1(l), vc0 = vset1(c0), vg2 = vset1(g2);
+      for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
+        const int64_t n = std::min(kBlock, V - j0), nv = n / kW * kW;
+        for (int64_t j = 0; j < nv; j += kW) {
+          const vfloat xj = x.vec(j0 + j);
+          const vfloat p = vexp_neg(vsub(xj, vl));
+          vstore(buf + j, vmul(p, vsub(vc0, vmul(vg2, xj))));
+        }
+        for (int64_t j = nv; j < n; ++j) {
+          const float xj = x.at(j0 + j);
+          buf[j] = std::exp(xj - l) * (c0 - g2 * xj);
+        }
+        if (y[r] >= j0 && y[r] < j0 + n) buf[y[r] - j0] += g1;
+        if (bf16) {
+          uint16_t* out = reinterpret_cast<uint16_t*>(row) + j0;
+          for (int64_t j = 0; j < n; ++j) out[j] = f2bf(buf[j]);
+        } else {
+          std::memcpy(reinterpret_cast<float*>(row) + j0, buf, n * sizeof(float));
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(rlspmd_cpu, m) {
@@ -674,6 +802,9 @@ TORCH_LIBRARY(rlspmd_cpu, m) {
         "int KV) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask) -> Tensor");
+  m.def("logprob_rows(Tensor z, Tensor targets, float temperature, bool with_entropy) -> (Tensor, Tensor, Tensor)");
+  m.def("logprob_rows_backward_(Tensor(a!) z, Tensor targets, Tensor lse, Tensor ent, Tensor g_lp, Tensor? g_ent, "
+        "float temperature) -> ()");
   m.def("segment_attention(Tensor q, Tensor k, Tensor v, Tensor segs, float scale) -> (Tensor, Tensor)");
   m.def("segment_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor lse, Tensor segs, "
         "Tensor groups, float scale) -> (Tensor, Tensor, Tensor)");
@@ -684,6 +815,8 @@ TORCH_LIBRARY_IMPL(rlspmd_cpu, CPU, m) {
   m.impl("rope_write", rope_write);
   m.impl("silu_mul", silu_mul);
   m.impl("decode_attention", decode_attention);
+  m.impl("logprob_rows", logprob_rows);
+  m.impl("logprob_rows_backward_", logprob_rows_backward_);
   m.impl("segment_attention", segment_attention);
   m.impl("segment_attention_backward", segment_attention_backward);
 }

@@ -22,6 +22,8 @@ variant is applied around its call only:
   instead of the two batched calls of ``packing.prefix_batched_attention``;
 - ``sdpa_loop``: where the run's packs use the ``cpu_fused`` attention kernel (``model.attn_kernel=auto`` on CPU in
   bfloat16 with gradients), ``sdpa_loop``'s calls instead (float32 casts around torch's flash kernel);
+- ``torch_logprobs``: the chunked log-prob's elementwise passes as torch ops instead of the C++ row kernels
+  (``models/logprobs.py: CPU_KERNELS``);
 - ``heap_malloc``: glibc serves every block below 1 GiB from the heap (mmap threshold 1 GiB, trim threshold 2 GiB - 1)
   instead of ``runtime.keep_freed_memory``'s 32 MiB, so that FSDP2's per-step gradient buffers of hundreds of MiB are
   not mapped afresh (page-faulted) each step.
@@ -162,6 +164,17 @@ def _sdpa_loop(trainer):
 
 
 @contextmanager
+def _torch_logprobs(trainer):
+    from rlspmd.models import logprobs
+
+    logprobs.CPU_KERNELS = False
+    try:
+        yield
+    finally:
+        logprobs.CPU_KERNELS = True
+
+
+@contextmanager
 def _heap_malloc(trainer):
     from rlspmd.distributed.runtime import keep_freed_memory
 
@@ -184,6 +197,7 @@ VARIANTS = {
     "whole_prompts": _whole_prompts,
     "prefix_loop": _prefix_loop,
     "sdpa_loop": _sdpa_loop,
+    "torch_logprobs": _torch_logprobs,
 }
 """Each variant's context manager, given the built trainer (see the module docstring)."""
 
