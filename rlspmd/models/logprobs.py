@@ -42,15 +42,19 @@ CPU_BLOCK_BYTES = 1 << 20
 time, so that they run in the core's cache instead of memory."""
 
 
-def auto_chunk_size(hidden: torch.Tensor, vocab: int) -> int:
-    """1024 tokens on GPU; on CPU enough tokens that reading the LM head's weight once per chunk costs no more than
-    the chunk's logits (``hidden`` rows at least, 128..1024).
+def auto_chunk_size(hidden: torch.Tensor, vocab: int, *, row_kernels: bool = False) -> int:
+    """1024 tokens on GPU, and on CPU where the C++ row kernels run the elementwise passes (``CPU_KERNELS``); else on
+    CPU enough tokens that reading the LM head's weight once per chunk costs no more than the chunk's logits (the
+    hidden size, within 128..1024).
 
     A chunk's logits are written by its matmul, then read by passes over row blocks that fit in cache
     (``row_block``); small chunks would re-read the ``V x H`` weight from memory for every few tokens (measured on
     a 2-core Xeon at V = 49152, H = 576 in bfloat16: 21-token chunks 2.2x slower, forward + backward, than 1024).
+    With the row kernels, 1024-token chunks were faster than the hidden size's 576 (SmolLM2's head, bfloat16, 2 CPU
+    cores, forward + backward: 292 against 435 ms on 1,024 tokens, one chunk whose logits the backward reuses; 709
+    against 845 ms on 2,048).
     """
-    if hidden.device.type != "cpu":
+    if hidden.device.type != "cpu" or row_kernels:
         return 1024
     return max(128, min(1024, hidden.shape[-1]))
 
@@ -67,9 +71,10 @@ CPU_KERNELS = True
 """On CPU, a chunk's elementwise passes run as one C++ call each way (``models/cpu_kernels.py``: ``logprob_rows`` and
 its backward, float32 inside, two passes over a row forward and one backward, the forward's log-sum-exp kept for the
 backward) instead of about fourteen torch ops per row block; not with ``extras``, nor where the kernels cannot be
-built. SmolLM2-135M's head on 1,024 tokens (vocabulary 49,152, bfloat16, 2 CPU cores): forward 106 against 162 ms,
-backward 361 against 428 ms (its matmuls alone 80 and 228); in the GRPO step's update 2.14 against 2.26 s and its
-reference 0.49 against 0.53 s (``stage_ablation.py --variants baseline,torch_logprobs``). False: the torch ops."""
+built. SmolLM2-135M's head on 1,024 tokens (vocabulary 49,152, bfloat16, 2 CPU cores), in 576-token chunks: forward
+106 against 162 ms, backward 361 against 428 ms (its matmuls alone 80 and 228); with the 1,024-token chunks it then
+takes (``auto_chunk_size``) the GRPO step's update is 1.88 against 2.05 s and its reference 0.49 against 0.53 s
+(``stage_ablation.py --variants baseline,torch_logprobs``). False: the torch ops, in their chunks."""
 
 
 def _row_kernels(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, extras) -> object | None:
@@ -248,7 +253,8 @@ def chunked_logprobs(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     unknown = sorted(set(extras) - set(EXTRAS))
     assert not unknown, f"unknown per-token outputs {unknown}; known: {EXTRAS}"
-    chunk_size = chunk_size or auto_chunk_size(hidden, weight.shape[0])
+    row_kernels = _row_kernels(hidden, weight, targets, extras) is not None
+    chunk_size = chunk_size or auto_chunk_size(hidden, weight.shape[0], row_kernels=row_kernels)
     outs = _ChunkedLogprob.apply(
         hidden, weight, bias, targets, float(temperature), chunk_size, with_entropy, tuple(extras)
     )
