@@ -214,6 +214,8 @@ def test_segment_attention_names_what_it_cannot_take(ops):
         ops.segment_attention(*(t[..., :8].contiguous() for t in (q, k, k)), segs, 0.125)
     with pytest.raises(RuntimeError, match="segs must be contiguous int64"):
         ops.segment_attention(q, k, k, segs.int(), 0.125)
+    with pytest.raises(RuntimeError, match=r"segment 0 \(2, 4, 0, 0\) lies outside the 4 tokens"):
+        ops.segment_attention(q, k, k, torch.tensor([[2, 4, 0, 0]]), 0.125)
     out, lse = ops.segment_attention(q, k, k, segs, 0.125)
     with pytest.raises(RuntimeError, match="groups must be contiguous int64"):
         ops.segment_attention_backward(out, q, k, k, lse, segs, groups.int(), 0.125)

@@ -147,7 +147,7 @@ Tensor silu_mul(const Tensor& gu) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Packed attention for training on CPU (attn_kernel=cpu_fused): one call per pack, forward and backward, float32 inside.
+// Packed attention for training on CPU (attn_kernel=cpu_fused): one call per pack each way, float32 inside.
 
 // Vector registers of float32 for the attention kernels' inner products (AVX-512, else AVX2 with FMA, else scalar).
 #if defined(__AVX512F__)
@@ -166,7 +166,8 @@ inline float hsum(vfloat a) { return _mm512_reduce_add_ps(a); }
 inline float hmax(vfloat a) { return _mm512_reduce_max_ps(a); }
 inline vfloat vround(vfloat a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vfloat vload_bf16(const uint16_t* p) {  // kW bfloat16 values, widened (exactly)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 inline vfloat vexp2i(vfloat n) {  // 2^n for integral n in [-127, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
@@ -191,11 +192,13 @@ inline float hsum(vfloat a) {
 inline float hmax(vfloat a) {
   float x[8];
   _mm256_storeu_ps(x, a);
-  return std::max(std::max(std::max(x[0], x[1]), std::max(x[2], x[3])), std::max(std::max(x[4], x[5]), std::max(x[6], x[7])));
+  const float a0 = std::max(std::max(x[0], x[1]), std::max(x[2], x[3]));
+  return std::max(a0, std::max(std::max(x[4], x[5]), std::max(x[6], x[7])));
 }
 inline vfloat vround(vfloat a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vfloat vload_bf16(const uint16_t* p) {  // kW bfloat16 values, widened (exactly)
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
 }
 inline vfloat vexp2i(vfloat n) {  // 2^n for integral n in [-127, 127]
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
@@ -310,8 +313,8 @@ class Floats {
 
 constexpr int64_t kMR = 4;  // rows of C per tile
 
-// C[m x n] (+)= A[m x k] . B[k x n] (A^T B with TransA), row-major float32; m a multiple of kMR and n of kW (callers pad with zeros). Each
-// tile of kMR rows by 2 vectors of C stays in registers across k.
+// C[m x n] (+)= A[m x k] . B[k x n] (A^T B with TransA), row-major float32; m a multiple of kMR and n of kW (callers
+// pad with zeros). Each tile of kMR rows by 2 vectors of C stays in registers across k.
 template <bool Accumulate, bool TransA = false>
 void gemm(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb, float* __restrict C,
           int64_t ldc, int64_t m, int64_t n, int64_t k) {
@@ -353,8 +356,9 @@ void gemm(const float* __restrict A, int64_t lda, const float* __restrict B, int
 
 constexpr int64_t kRowBlock = 64;  // query rows per block (a multiple of 4): the scores of a block are kRowBlock x keys
 
-// One segment and KV head, float32: its keys and values (the prompt's np rows, then the segment's own nq; zero rows up to
-// a multiple of 2 vectors), both row-major and transposed; the query rows are (position i, head g) i-major, G heads per KV head.
+// One segment and KV head, float32: its keys and values (the prompt's np rows, then the segment's own nq; zero rows up
+// to a multiple of 2 vectors), row-major and transposed; its query rows are (position i, head g), i-major, G heads per
+// KV head.
 struct Segment {
   int64_t D, G, q0 = 0, nq = 0, p0 = 0, np = 0, n = 0, npad = 0;
   Floats k, v, kt, vt;
@@ -362,7 +366,8 @@ struct Segment {
   void at(const int64_t* segs, int64_t si) {
     q0 = segs[si * 4], nq = segs[si * 4 + 1], p0 = segs[si * 4 + 2], np = segs[si * 4 + 3];
   }
-  // rows of K into k (row-major, when with_k) and kt (transposed); rows of V into v (forward) or vt (backward)
+  // the segment's keys into kt (transposed) and, for the backward, k (row-major); its values into v (forward) or vt
+  // (backward, transposed)
   void fill(const Rows& K, const Rows& V, int64_t kv, bool backward) {
     n = np + nq;
     npad = round_up(n, 2 * kW);
@@ -385,11 +390,13 @@ struct Segment {
   }
   int64_t token(int64_t j) const { return j < np ? p0 + j : q0 + (j - np); }
   // rows [r0, r0 + rows) of the block: their keys' count (the last row's causal limit), padded to 2 vectors
-  int64_t block_keys(int64_t r0, int64_t rows) const { return std::min(npad, round_up(np + (r0 + rows - 1) / G + 1, 2 * kW)); }
+  int64_t block_keys(int64_t r0, int64_t rows) const {
+    return std::min(npad, round_up(np + (r0 + rows - 1) / G + 1, 2 * kW));
+  }
 };
 
-// Loads the block's query-like rows (rows [r0, r0 + rows) of the segment, (i, g) i-major) into dst (rows padded to 4 with
-// zeros), D floats each.
+// Loads the block's query-like rows (rows [r0, r0 + rows) of the segment, (i, g) i-major) into dst (rows padded to kMR
+// with zeros), D floats each.
 void load_block(float* dst, const Rows& X, const Segment& s, int64_t kv, int64_t r0, int64_t rows) {
   for (int64_t r = 0; r < round_up(rows, kMR); ++r) {
     if (r < rows) {
@@ -412,6 +419,12 @@ void check_attn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   TORCH_CHECK(q.size(2) % kW == 0, "head_dim must be a multiple of ", kW);
   TORCH_CHECK(segs.scalar_type() == at::kLong && segs.dim() == 2 && segs.size(1) == 4 && segs.is_contiguous(),
               "segs must be contiguous int64 (segments, 4)");
+  const int64_t T = q.size(0), *sg = segs.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < segs.size(0); ++i) {
+    const int64_t q0 = sg[i * 4], nq = sg[i * 4 + 1], p0 = sg[i * 4 + 2], np = sg[i * 4 + 3];
+    TORCH_CHECK(q0 >= 0 && nq >= 0 && q0 + nq <= T && p0 >= 0 && np >= 0 && p0 + np <= T, "segment ", i, " (", q0,
+                ", ", nq, ", ", p0, ", ", np, ") lies outside the ", T, " tokens");
+  }
 }
 
 
@@ -548,7 +561,8 @@ std::tuple<Tensor, Tensor, Tensor> segment_attention_backward(const Tensor& dout
             const float* pr = &p[r * nb];
             float* dr = &dp[r * nb];
             const vfloat delta = vset1(row_dot(pr, dr, nb)), vsc = vset1(sc);
-            for (int64_t j = 0; j < nb; j += kW) vstore(dr + j, vmul(vmul(vload(pr + j), vsub(vload(dr + j), delta)), vsc));
+            for (int64_t j = 0; j < nb; j += kW)
+              vstore(dr + j, vmul(vmul(vload(pr + j), vsub(vload(dr + j), delta)), vsc));
           }
           gemm<false>(dp.data(), nb, seg.k.data(), D, dqb.data(), D, mp, D, nb);
           for (int64_t r = 0; r < rows; ++r) {
@@ -598,7 +612,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   const int64_t M = mask.size(1);
   TORCH_CHECK(M >= 1 && M <= L, "mask's M (", M, ") must be in [1, ", L, "], the cache's slots");
   const int64_t G = H / KV, ND = D / kW;
-  constexpr int64_t kMaxG = 8, kMaxND = 16;  // registers: G x ND accumulators
+  constexpr int64_t kMaxG = 8, kMaxND = 256 / kW;  // G x ND accumulators: up to 8 heads per KV head, head_dim 256
   TORCH_CHECK(G <= kMaxG && ND <= kMaxND, "decode_attention takes up to ", kMaxG, " heads per KV head and head_dim ",
               kMaxND * kW);
   Tensor out = at::empty({B, 1, H * D}, q.options());
@@ -687,7 +701,8 @@ struct LogitRow {
 };
 
 void check_logits(const Tensor& z, const Tensor& targets) {
-  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2 && z.is_contiguous(), "logits must be contiguous (rows, vocab) on CPU");
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2 && z.is_contiguous(),
+              "logits must be contiguous (rows, vocab) on CPU");
   TORCH_CHECK(z.scalar_type() == at::kBFloat16 || z.scalar_type() == at::kFloat, "logits: bfloat16 or float32");
   TORCH_CHECK(targets.scalar_type() == at::kLong && targets.dim() == 1 && targets.size(0) == z.size(0) &&
                   targets.is_contiguous(),

@@ -95,10 +95,10 @@ class LlamaFamilyDecoder:
         """The output head's ``(weight, bias, packed)`` for the current generation (``project``; set by ``start``)."""
         self.cpu_kernels = cpu_kernels
         self.kernels = None
+        """``torch.ops.rlspmd_cpu`` for the current generation's decode steps (``fused_decode_layers``), or None."""
         self.kernel_attention = True
         """With the kernels, a decode step attends with their ``decode_attention`` (float32 inside, rounded once;
         SDPA rounds its probabilities to bfloat16); False: SDPA, whose roundings the torch ops share."""
-        """``torch.ops.rlspmd_cpu`` for the current generation's decode steps (``fused_decode_layers``), or None."""
         self.after_layer = None
         """``(i, h) -> h`` run after decoder layer ``i`` of the next forward, or None: a vision-language decoder's
         prefill adds its DeepStack features with it (``decoder_layers``)."""

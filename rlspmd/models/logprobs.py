@@ -200,17 +200,18 @@ class _ChunkedLogprob(torch.autograd.Function):
                 cpu_ops().logprob_rows_backward_(
                     z, targets[s:e], lse[s:e], ent[s:e], g_lp[s:e], g_ent[s:e] if with_entropy else None, tau
                 )
-            for b in range(s, e, block) if lse is None else ():
-                f = min(b + block, e)
-                logp = _block_logp(z[b - s : f - s], tau)
-                p = logp.exp()
-                if with_entropy:
-                    c = logp.add_(ent[b:f, None]).mul_(-g_ent[b:f, None]).sub_(g_lp[b:f, None])
-                    g = p.mul_(c)
-                else:
-                    g = p.mul_(-g_lp[b:f, None])
-                g.scatter_add_(-1, targets[b:f, None], g_lp[b:f, None])
-                gz[b - s : f - s] = g
+            else:
+                for b in range(s, e, block):
+                    f = min(b + block, e)
+                    logp = _block_logp(z[b - s : f - s], tau)
+                    p = logp.exp()
+                    if with_entropy:
+                        c = logp.add_(ent[b:f, None]).mul_(-g_ent[b:f, None]).sub_(g_lp[b:f, None])
+                        g = p.mul_(c)
+                    else:
+                        g = p.mul_(-g_lp[b:f, None])
+                    g.scatter_add_(-1, targets[b:f, None], g_lp[b:f, None])
+                    gz[b - s : f - s] = g
             # The two matmuls run in the weight's dtype, as autograd's would for a linear layer in that dtype.
             if need_h:
                 g_hidden[s:e] = (gz @ weight).to(hidden.dtype)
