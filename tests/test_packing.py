@@ -232,6 +232,20 @@ def test_prefix_batch_keeps_the_loop_where_padding_costs_more():
     assert prefix_batch([(40, 0, 0)], torch.device("cpu")) is None  # no response: nothing to batch
 
 
+def assert_same_training_outputs(a, b, rm, dtype: str):
+    """``grads_of``'s outputs ``a`` and ``b`` agree: log-probs and entropies at the valid tokens ``rm``, the loss and
+    every gradient, to float32's precision or (bfloat16) to bfloat16's."""
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    m = rm.bool()
+    torch.testing.assert_close(b[0][m], a[0][m], **tol)
+    torch.testing.assert_close(b[1][m], a[1][m], **tol)
+    torch.testing.assert_close(b[2], a[2], **tol)
+    assert a[3].keys() == b[3].keys()
+    for name, g in a[3].items():
+        gtol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=5e-2, atol=5e-3)
+        torch.testing.assert_close(b[3][name].float(), g.float(), **gtol, msg=lambda msg: f"{name}: {msg}")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shared_prompts_equal_whole_rows(tiny_llama, dtype):
     """A policy that packs each group's prompt once gives the log-probs, entropies, loss and gradients of one that
@@ -248,15 +262,7 @@ def test_shared_prompts_equal_whole_rows(tiny_llama, dtype):
     hook.remove()
     assert calls == [sum(p + sum(rs) for p, rs in groups)]  # each prompt once: 26 prompt tokens, not 69
     assert pack(ids, am, pos, response_len=R, share_prompts=True).attention.prefix is not None  # the batched form ran
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
-    m = rm.bool()
-    torch.testing.assert_close(b[0][m], a[0][m], **tol)
-    torch.testing.assert_close(b[1][m], a[1][m], **tol)
-    torch.testing.assert_close(b[2], a[2], **tol)
-    assert a[3].keys() == b[3].keys()
-    for name, g in a[3].items():
-        gtol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=5e-2, atol=5e-3)
-        torch.testing.assert_close(b[3][name].float(), g.float(), **gtol, msg=lambda msg: f"{name}: {msg}")
+    assert_same_training_outputs(a, b, rm, dtype)
 
 
 def test_sdpa_loop_attention_equals_per_sample_attention():
@@ -466,15 +472,7 @@ def test_cpu_fused_kernel_equals_the_sdpa_loop(tiny_llama, dtype, share_prompts)
         packing.KERNELS["cpu_fused"] = kernel
     # one call per layer, on the shared pack, and the C++ kernel took each (not sdpa_loop's fallback)
     assert calls == [(share_prompts, True)] * fused.config.num_hidden_layers
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
-    m = rm.bool()
-    torch.testing.assert_close(b[0][m], a[0][m], **tol)
-    torch.testing.assert_close(b[1][m], a[1][m], **tol)
-    torch.testing.assert_close(b[2], a[2], **tol)
-    assert a[3].keys() == b[3].keys()
-    for name, g in a[3].items():
-        gtol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=5e-2, atol=5e-3)
-        torch.testing.assert_close(b[3][name].float(), g.float(), **gtol, msg=lambda msg: f"{name}: {msg}")
+    assert_same_training_outputs(a, b, rm, dtype)
 
 
 def test_kernel_choice_and_start_up_checks():
