@@ -84,5 +84,6 @@ def test_cpu_kernels_equal_the_torch_ops_in_bfloat16(temperature, monkeypatch):
         ((lp * c_lp).sum() + (ent * c_ent).sum()).backward()
         out[flag] = (lp, ent, h.grad.float(), W.grad.float())
     for name, a, b in zip(("lp", "ent", "d_hidden", "d_weight"), out[True], out[False]):
-        tol = dict(rtol=1e-5, atol=1e-5) if name in ("lp", "ent") else dict(rtol=2e-2, atol=1e-2 * b.abs().max())
+        # lp and ent: sums over 49,152 terms in float32, in different orders (the scalar build sums one lane)
+        tol = dict(rtol=2e-5, atol=1e-4) if name in ("lp", "ent") else dict(rtol=2e-2, atol=1e-2 * b.abs().max())
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")

@@ -17,7 +17,9 @@
 #include <memory>
 #include <vector>
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // AVX-512 / AVX2 below; other CPUs build the scalar branch
+#endif
 
 namespace {
 
@@ -354,10 +356,13 @@ void gemm(const float* __restrict A, int64_t lda, const float* __restrict B, int
 }
 
 
+// Key counts are padded to this: a whole number of the products' column tiles (2 vectors), and of their row tiles (kMR)
+// where keys are the rows (the backward's key and value gradients).
+constexpr int64_t kKeyPad = std::max<int64_t>(2 * kW, kMR);
 constexpr int64_t kRowBlock = 64;  // query rows per block (a multiple of 4): the scores of a block are kRowBlock x keys
 
 // One segment and KV head, float32: its keys and values (the prompt's np rows, then the segment's own nq; zero rows up
-// to a multiple of 2 vectors), row-major and transposed; its query rows are (position i, head g), i-major, G heads per
+// to a multiple of kKeyPad), row-major and transposed; its query rows are (position i, head g), i-major, G heads per
 // KV head.
 struct Segment {
   int64_t D, G, q0 = 0, nq = 0, p0 = 0, np = 0, n = 0, npad = 0;
@@ -370,7 +375,7 @@ struct Segment {
   // (backward, transposed)
   void fill(const Rows& K, const Rows& V, int64_t kv, bool backward) {
     n = np + nq;
-    npad = round_up(n, 2 * kW);
+    npad = round_up(n, kKeyPad);
     row.resize(D);
     kt.assign(npad * D, 0.0f);
     (backward ? vt : v).assign(npad * D, 0.0f);
@@ -389,9 +394,9 @@ struct Segment {
     }
   }
   int64_t token(int64_t j) const { return j < np ? p0 + j : q0 + (j - np); }
-  // rows [r0, r0 + rows) of the block: their keys' count (the last row's causal limit), padded to 2 vectors
+  // rows [r0, r0 + rows) of the block: their keys' count (the last row's causal limit), padded to kKeyPad
   int64_t block_keys(int64_t r0, int64_t rows) const {
-    return std::min(npad, round_up(np + (r0 + rows - 1) / G + 1, 2 * kW));
+    return std::min(npad, round_up(np + (r0 + rows - 1) / G + 1, kKeyPad));
   }
 };
 
@@ -416,7 +421,7 @@ void check_attn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "q, k, v: bfloat16 or float32");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2), "k, v shaped like q");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) % kW == 0, "head_dim must be a multiple of ", kW);
+  TORCH_CHECK(q.size(2) % 16 == 0, "head_dim must be a multiple of 16");  // of kW, on every ISA
   TORCH_CHECK(segs.scalar_type() == at::kLong && segs.dim() == 2 && segs.size(1) == 4 && segs.is_contiguous(),
               "segs must be contiguous int64 (segments, 4)");
   const int64_t T = q.size(0), *sg = segs.const_data_ptr<int64_t>();
@@ -607,7 +612,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
               "k_cache and v_cache must be contiguous (B, KV, L, D)");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), KV = k_cache.size(1), L = k_cache.size(2);
   TORCH_CHECK(k_cache.size(0) == B && k_cache.size(3) == D && H % KV == 0, "q and the caches disagree in shape");
-  TORCH_CHECK(D % kW == 0, "head_dim must be a multiple of ", kW);
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");  // of kW, on every ISA
   TORCH_CHECK(mask.dim() == 2 && mask.size(0) == B && mask.is_contiguous(), "mask must be contiguous (B, M)");
   const int64_t M = mask.size(1);
   TORCH_CHECK(M >= 1 && M <= L, "mask's M (", M, ") must be in [1, ", L, "], the cache's slots");
