@@ -70,16 +70,17 @@ def row_block(hidden: torch.Tensor, vocab: int, chunk: int) -> int:
 CPU_KERNELS = True
 """On CPU, a chunk's elementwise passes run as one C++ call each way (``models/cpu_kernels.py``: ``logprob_rows`` and
 its backward, float32 inside, two passes over a row forward and one backward, the forward's log-sum-exp kept for the
-backward) instead of about fourteen torch ops per row block; not with ``extras``, nor where the kernels cannot be
-built. SmolLM2-135M's head on 1,024 tokens (vocabulary 49,152, bfloat16, 2 CPU cores), in 576-token chunks: forward
-106 against 162 ms, backward 361 against 428 ms (its matmuls alone 80 and 228); with the 1,024-token chunks it then
-takes (``auto_chunk_size``) the GRPO step's update is 1.88 against 2.05 s and its reference 0.49 against 0.53 s
-(``stage_ablation.py --variants baseline,torch_logprobs``). False: the torch ops, in their chunks."""
+backward) instead of about fourteen torch ops per row block (``extras`` still come from torch ops, block by block,
+beside the kernels' log-prob and entropy, so those two are the same bits with or without them); not where the kernels
+cannot be built. SmolLM2-135M's head on 1,024 tokens (vocabulary 49,152, bfloat16, 2 CPU cores), in 576-token
+chunks: forward 106 against 162 ms, backward 361 against 428 ms (its matmuls alone 80 and 228); with the 1,024-token
+chunks it then takes (``auto_chunk_size``) the GRPO step's update is 1.88 against 2.05 s and its reference 0.49
+against 0.53 s (``stage_ablation.py --variants baseline,torch_logprobs``). False: the torch ops, in their chunks."""
 
 
-def _row_kernels(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, extras) -> object | None:
+def _row_kernels(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> object | None:
     """``torch.ops.rlspmd_cpu`` where ``CPU_KERNELS`` applies to these inputs, else None."""
-    if not CPU_KERNELS or extras or hidden.device.type != "cpu" or targets.dtype != torch.long:
+    if not CPU_KERNELS or hidden.device.type != "cpu" or targets.dtype != torch.long:
         return None
     if weight.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -134,32 +135,32 @@ class _ChunkedLogprob(torch.autograd.Function):
         # and one matmul is saved). Several chunks: recompute (memory bound).
         single = n <= chunk_size and any(ctx.needs_input_grad[:3])
         saved_z = None
-        ops = _row_kernels(hidden, weight, targets, flat_extras)
+        ops = _row_kernels(hidden, weight, targets)
         lse = hidden_in.new_empty(n, dtype=torch.float32) if ops is not None else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
             z = torch.nn.functional.linear(hidden[s:e], weight, bias)
-            if ops is not None:
+            if ops is not None:  # log-prob and entropy from the row kernels, with or without extras: the same bits
                 lp[s:e], ent_chunk, lse[s:e] = ops.logprob_rows(z, targets[s:e], temperature, with_entropy)
                 if with_entropy:
                     ent[s:e] = ent_chunk
-                if single:
-                    saved_z = z
-                continue
-            for b in range(s, e, block):
-                f = min(b + block, e)
-                logp = _block_logp(z[b - s : f - s], temperature)
-                lp[b:f] = logp.gather(-1, targets[b:f, None]).squeeze(-1)
-                p = logp.exp() if with_entropy or SUM_P2 in flat_extras else None
-                if with_entropy:  # H = -sum(p log p): bounded terms, no cancellation between lse and E[z]
-                    ent[b:f] = -torch.linalg.vecdot(p, logp)
-                for name, out in flat_extras.items():
-                    if name == SUM_P2:
-                        out[b:f] = torch.linalg.vecdot(p, p)
-                    elif name == ARGMAX:
-                        out[b:f] = (logp.argmax(-1) == targets[b:f]).float()
-                    else:
-                        out[b:f] = logp
+            if ops is None or flat_extras:
+                for b in range(s, e, block):
+                    f = min(b + block, e)
+                    logp = _block_logp(z[b - s : f - s], temperature)
+                    torch_ent = with_entropy and ops is None
+                    p = logp.exp() if torch_ent or SUM_P2 in flat_extras else None
+                    if ops is None:
+                        lp[b:f] = logp.gather(-1, targets[b:f, None]).squeeze(-1)
+                    if torch_ent:  # H = -sum(p log p): bounded terms, no cancellation between lse and E[z]
+                        ent[b:f] = -torch.linalg.vecdot(p, logp)
+                    for name, out in flat_extras.items():
+                        if name == SUM_P2:
+                            out[b:f] = torch.linalg.vecdot(p, p)
+                        elif name == ARGMAX:
+                            out[b:f] = (logp.argmax(-1) == targets[b:f]).float()
+                        else:
+                            out[b:f] = logp
             if single:
                 saved_z = z
         ctx.mark_non_differentiable(*extra_outs)
@@ -257,7 +258,7 @@ def chunked_logprobs(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     unknown = sorted(set(extras) - set(EXTRAS))
     assert not unknown, f"unknown per-token outputs {unknown}; known: {EXTRAS}"
-    row_kernels = _row_kernels(hidden, weight, targets, extras) is not None
+    row_kernels = _row_kernels(hidden, weight, targets) is not None
     chunk_size = chunk_size or auto_chunk_size(hidden, weight.shape[0], row_kernels=row_kernels)
     outs = _ChunkedLogprob.apply(
         hidden, weight, bias, targets, float(temperature), chunk_size, with_entropy, tuple(extras)
