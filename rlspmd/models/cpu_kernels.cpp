@@ -273,12 +273,13 @@ struct Rows {
   }
 };
 
-inline void store(void* p, bool bf16, int64_t o, const float* src, int64_t D) {
+// src[0:n] into elements [o, o + n) of p, rounded once to bfloat16 or copied as float32.
+inline void store(void* p, bool bf16, int64_t o, const float* src, int64_t n) {
   if (bf16) {
     uint16_t* d = static_cast<uint16_t*>(p) + o;
-    for (int64_t i = 0; i < D; ++i) d[i] = f2bf(src[i]);
+    for (int64_t i = 0; i < n; ++i) d[i] = f2bf(src[i]);
   } else {
-    std::memcpy(static_cast<float*>(p) + o, src, D * sizeof(float));
+    std::memcpy(static_cast<float*>(p) + o, src, n * sizeof(float));
   }
 }
 
@@ -384,8 +385,8 @@ struct Segment {
       const int64_t t = token(j);
       K.load(row.data(), t, kv);
       for (int64_t d = 0; d < D; ++d) kt[d * npad + j] = row[d];
-      if (backward) std::memcpy(&k[j * D], row.data(), D * sizeof(float));
       if (backward) {
+        std::memcpy(&k[j * D], row.data(), D * sizeof(float));
         V.load(row.data(), t, kv);
         for (int64_t d = 0; d < D; ++d) vt[d * npad + j] = row[d];
       } else {
@@ -550,7 +551,7 @@ std::tuple<Tensor, Tensor, Tensor> segment_attention_backward(const Tensor& dout
         const int64_t M = seg.nq * G;
         p.resize(kRowBlock * seg.npad);
         dp.resize(kRowBlock * seg.npad);
-                dks.assign(seg.npad * D, 0.0f);
+        dks.assign(seg.npad * D, 0.0f);
         dvs.assign(seg.npad * D, 0.0f);
         for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
           const int64_t rows = std::min(kRowBlock, M - r0), mp = round_up(rows, kMR), nb = seg.block_keys(r0, rows);
@@ -622,7 +623,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
               kMaxND * kW);
   Tensor out = at::empty({B, 1, H * D}, q.options());
   const uint16_t *qp = cptr(q), *kp = cptr(k_cache), *vp = cptr(v_cache), *mp = cptr(mask);
-  uint16_t* op = mptr(out);
+  void* op = out.mutable_data_ptr();
   const float sc = 1.0f / std::sqrt(static_cast<float>(D));
   at::parallel_for(0, B * KV, 1, [&](int64_t lo, int64_t hi) {
     Floats s, qf, of;
@@ -677,8 +678,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
       }
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t c = 0; c < ND; ++c) vstore(&of[g * D + c * kW], vmul(o[g][c], vset1(inv[g])));
-        uint16_t* dst = op + b * H * D + (kv * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = f2bf(of[g * D + d]);
+        store(op, true, b * H * D + (kv * G + g) * D, &of[g * D], D);
       }
     }
   });
@@ -803,12 +803,7 @@ void logprob_rows_backward_(const Tensor& z, const Tensor& targets, const Tensor
           buf[j] = std::exp(xj - l) * (c0 - g2 * xj);
         }
         if (y[r] >= j0 && y[r] < j0 + n) buf[y[r] - j0] += g1;
-        if (bf16) {
-          uint16_t* out = reinterpret_cast<uint16_t*>(row) + j0;
-          for (int64_t j = 0; j < n; ++j) out[j] = f2bf(buf[j]);
-        } else {
-          std::memcpy(reinterpret_cast<float*>(row) + j0, buf, n * sizeof(float));
-        }
+        store(row, bf16, j0, buf, n);
       }
     }
   });

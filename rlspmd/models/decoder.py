@@ -281,8 +281,9 @@ class LlamaFamilyDecoder:
             cos, sin = cos[:, None], signed_sin(sin[:, None])
         M = mask.shape[-1]  # the cache slots attended: ``end``, or the whole cache in a CPU float32 decode step
         if S == 1 and self.kernels is not None and self.after_layer is None and cos.shape == (B, 1, 1, D):
-            use_kernel = self.kernel_attention and mask.shape == (B, 1, 1, M) and D % 16 == 0 and D <= 256
-            mask_BM = mask.reshape(B, M).contiguous() if use_kernel and H // KV <= 8 else None
+            # decode_attention's limits: head_dim a multiple of 16 up to 256, at most 8 query heads per KV head
+            use_kernel = self.kernel_attention and D % 16 == 0 and D <= 256 and H // KV <= 8
+            mask_BM = mask.reshape(B, M).contiguous() if use_kernel and mask.shape == (B, 1, 1, M) else None
 
             def attend(q, i):
                 if mask_BM is not None:

@@ -145,10 +145,10 @@ class _ChunkedLogprob(torch.autograd.Function):
                 if with_entropy:
                     ent[s:e] = ent_chunk
             if ops is None or flat_extras:
+                torch_ent = with_entropy and ops is None
                 for b in range(s, e, block):
                     f = min(b + block, e)
                     logp = _block_logp(z[b - s : f - s], temperature)
-                    torch_ent = with_entropy and ops is None
                     p = logp.exp() if torch_ent or SUM_P2 in flat_extras else None
                     if ops is None:
                         lp[b:f] = logp.gather(-1, targets[b:f, None]).squeeze(-1)

@@ -140,38 +140,39 @@ def _whole_prompts(trainer):
 
 
 @contextmanager
+def _swapped(owner, name: str, value):
+    """``owner[name]`` (a dict) or ``owner.name`` set to ``value`` around the block, then restored."""
+    is_dict = isinstance(owner, dict)
+    kept = owner[name] if is_dict else getattr(owner, name)
+    if is_dict:
+        owner[name] = value
+    else:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if is_dict:
+            owner[name] = kept
+        else:
+            setattr(owner, name, kept)
+
+
 def _prefix_loop(trainer):
     from rlspmd.models import packing
 
-    planned = packing.prefix_batch
-    packing.prefix_batch = lambda groups, device: None
-    try:
-        yield
-    finally:
-        packing.prefix_batch = planned
+    return _swapped(packing, "prefix_batch", lambda groups, device: None)
 
 
-@contextmanager
 def _sdpa_loop(trainer):
     from rlspmd.models import packing
 
-    fused = packing.KERNELS["cpu_fused"]
-    packing.KERNELS["cpu_fused"] = packing.KERNELS["sdpa_loop"]
-    try:
-        yield
-    finally:
-        packing.KERNELS["cpu_fused"] = fused
+    return _swapped(packing.KERNELS, "cpu_fused", packing.KERNELS["sdpa_loop"])
 
 
-@contextmanager
 def _torch_logprobs(trainer):
     from rlspmd.models import logprobs
 
-    logprobs.CPU_KERNELS = False
-    try:
-        yield
-    finally:
-        logprobs.CPU_KERNELS = True
+    return _swapped(logprobs, "CPU_KERNELS", False)
 
 
 @contextmanager
