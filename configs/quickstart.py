@@ -13,6 +13,7 @@ from rlspmd.config import (
     ModelConfig,
     OptimConfig,
     PPOClip,
+    RefConfig,
     RolloutConfig,
     TrainerConfig,
 )
@@ -27,6 +28,7 @@ config = Config(
         policy_loss=PPOClip(clip_ratio_high=0.28),
         kl_loss_coef=0.001,
     ),
+    ref=RefConfig(logprob_micro_batch_size=128),  # as the actor's log-prob pass: one forward per rank, not eight
     rollout=RolloutConfig(n=8, max_response_length=48, temperature=1.0),
     data=DataConfig(
         train_files=["data/arithmetic/train.parquet"],

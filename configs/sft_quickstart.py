@@ -15,7 +15,7 @@ config = SFTConfig(
     optim=OptimConfig(lr=2e-3, warmup_steps=50, schedule="cosine", min_lr_ratio=0.05),
     data=SFTDataConfig(train_files=["data/arithmetic/sft.parquet"], batch_size=64, max_length=128),
     micro_batch_size=64,
-    total_steps=400,
+    total_steps=600,  # 400 left the arithmetic, GRPO's ceiling, seed-dependent: 0.61-0.69 after 40 steps, 0.83-0.88 now
     log_every=50,
     output_dir="outputs/quickstart-sft",
 )
