@@ -191,6 +191,7 @@ def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
     assert not compiles_norms(FSDPConfig(param_dtype="bfloat16", compile_norms=False), cpu)
     assert compiles_norms(FSDPConfig(param_dtype="float32", compile_norms=True), cpu)
     eager, compiled = build(False), build(True)
+    p0 = full_params(eager)
     norms = rms_norms(compiled.module.hf)
     assert len(norms) == 2 * compiled.module.config.num_hidden_layers + 1
     assert all(m._compiled_call_impl is not None for m in norms)
@@ -208,6 +209,15 @@ def test_compiled_norms_train_like_the_eager_ones(tiny_model, mesh):
     for _ in range(2):
         a, b = eager.optimizer_step([mb], loss_fn(1.0)), compiled.optimizer_step([mb], loss_fn(1.0))
         torch.testing.assert_close(b["grad_norm"], a["grad_norm"], rtol=1e-3, atol=0)
+    # The two updates agree, tensor by tensor, to within 2 % of their size, not element by element: an element whose
+    # gradient is near 0 is rounding noise that AdamW's normalised step turns into a move of up to lr (1e-3) either
+    # way. Not the key biases at all: their exact gradient is 0 (q . b_k is the same for every key of a query, and
+    # softmax ignores it), so their whole update is such noise.
     pe, pc = full_params(eager), full_params(compiled)
-    for name in pe:
-        torch.testing.assert_close(pc[name], pe[name], rtol=0, atol=2e-4, msg=lambda m: f"{name}: {m}")
+    assert any(name.endswith("k_proj.bias") for name in pe)
+    worst = 0.0
+    for name in (n for n in pe if not n.endswith("k_proj.bias")):
+        moved = (pe[name] - p0[name]).norm()
+        assert moved > 0, name
+        worst = max(worst, float((pc[name] - pe[name]).norm() / moved))
+    assert worst < 0.02, worst  # 0.0025 on a Zen 4 EPYC
